@@ -1,0 +1,116 @@
+"""`kvflow` command line. Engine flags are generated from the config dataclasses' fields, so names,
+defaults and help text live in one place (kvflow/config.py)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+from typing import Any
+
+from kvflow.config import EngineConfig
+from kvflow.errors import KVFlowError
+from kvflow.sampling_params import SamplingParams
+
+
+def _parse_bool(text: str) -> bool:
+    if text.lower() in ("1", "true", "yes", "on"):
+        return True
+    if text.lower() in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    for spec in EngineConfig.arg_specs():
+        if spec.name == "model":
+            continue
+        group.add_argument(
+            "--" + spec.name.replace("_", "-"), dest=spec.name,
+            type=_parse_bool if spec.type is bool else spec.type, default=spec.default,
+            help=f"{spec.help} (default: {spec.default})",
+        )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return {s.name: getattr(args, s.name) for s in EngineConfig.arg_specs() if s.name != "model"}
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=128)
+    group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from kvflow.engine.engine import LLMEngine
+
+    engine = LLMEngine.from_kwargs(model=args.model, **engine_kwargs(args))
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
+        stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+    rid = engine.add_request(None, prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.request_id == rid:
+                sys.stdout.write(out.delta_text)
+                sys.stdout.flush()
+                final = out if out.finished else final
+    sys.stdout.write("\n")
+    if final is not None:
+        print(timing_summary(final.metrics, final.outputs[0].finish_reason), file=sys.stderr)
+    return 0
+
+
+def timing_summary(t: Any, finish_reason: str | None) -> str:
+    n = len(t.token_times)
+    ttft = (t.ttft or 0.0) * 1e3
+    itl = (t.tpot or 0.0) * 1e3
+    rate = (n - 1) / t.decode_time if n > 1 and t.decode_time else 0.0
+    return (
+        f"[kvflow] TTFT {ttft:.1f} ms | ITL {itl:.1f} ms/token | {rate:.1f} tokens/s decode | "
+        f"{n} tokens | cached prompt tokens {t.num_cached_prompt_tokens} | finish {finish_reason}"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
+    parser.add_argument("--log-level", default="INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
+    gen.add_argument("model", help="Hugging Face checkpoint directory")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    _add_sampling_args(gen)
+    add_engine_args(gen)
+    gen.set_defaults(func=_cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args))
+    except KVFlowError as e:
+        print(f"kvflow: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""Engine configuration: frozen dataclasses split by concern, validated with clear errors.
+
+Each component takes only its own config. `EngineConfig.from_kwargs` maps the flat keyword
+arguments users pass to `LLM(...)` (and the CLI flags generated from the same fields) onto them.
+Pure Python: no torch import, so the scheduler and its tests stay torch-free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvflow.errors import InvalidRequestError
+
+DType = Literal["auto", "float32", "bfloat16", "float16"]
+
+# Default KV pool budget when neither `kv_cache_memory_bytes` nor `num_kv_blocks` is given:
+# vLLM's CPU backend defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE); the pool is also capped at what
+# `max_num_seqs` requests of `max_model_len` tokens could ever use, so tiny models stay tiny.
+DEFAULT_KV_CACHE_MEMORY_BYTES = 4 * 1024**3
+
+
+class ConfigError(InvalidRequestError):
+    """An engine argument is out of range or inconsistent with another one."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str = field(default="", metadata={"help": "Hugging Face checkpoint directory"})
+    dtype: DType = field(
+        default="auto",
+        metadata={"help": "weight/activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)"},
+    )
+    max_model_len: int | None = field(
+        default=None, metadata={"help": "context length (prompt + output); default: the model's"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of the engine's random generator"})
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ConfigError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse KV of identical prefixes"})
+    kv_cache_memory_bytes: int | None = field(
+        default=None, metadata={"help": "bytes for the KV pool (default 4 GiB, capped at what can be used)"}
+    )
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "KV pool size in blocks; overrides kv_cache_memory_bytes"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ConfigError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=64, metadata={"help": "maximum requests running at once"})
+    max_num_batched_tokens: int = field(
+        default=512,
+        metadata={
+            "help": "token budget per step (prefill chunks + decode tokens); bounds the ITL stall a "
+            "prefill chunk causes to the decodes sharing its step"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+_SECTIONS: tuple[tuple[str, type], ...] = (
+    ("model_config", ModelConfig),
+    ("cache_config", CacheConfig),
+    ("scheduler_config", SchedulerConfig),
+)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_config: ModelConfig
+    cache_config: CacheConfig = field(default_factory=CacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Split flat keyword arguments (`LLM(model=..., block_size=...)`) into the sections."""
+        sections: dict[str, dict[str, Any]] = {name: {} for name, _ in _SECTIONS}
+        owner = {f.name: name for name, klass in _SECTIONS for f in dataclasses.fields(klass)}
+        for key, value in kwargs.items():
+            if key not in owner:
+                raise ConfigError(f"unknown engine argument {key!r}; known: {', '.join(sorted(owner))}")
+            sections[owner[key]][key] = value
+        built = {name: klass(**sections[name]) for name, klass in _SECTIONS}
+        return cls(**built)
+
+    @staticmethod
+    def arg_specs() -> list[EngineArgSpec]:
+        """Every engine argument: the CLI builds its flags from this list."""
+        specs = []
+        for _, klass in _SECTIONS:
+            hints = typing.get_type_hints(klass)
+            for f in dataclasses.fields(klass):
+                specs.append(EngineArgSpec(f.name, _base_type(hints[f.name]), f.default, f.metadata.get("help", "")))
+        return specs
+
+
+@dataclass(frozen=True)
+class EngineArgSpec:
+    name: str
+    type: type  # int, float, str or bool (Optional and Literal unwrapped)
+    default: Any
+    help: str
+
+
+def _base_type(hint: Any) -> type:
+    """`int | None` -> int, `Literal["a", "b"]` -> str, `bool` -> bool."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is Literal:
+        return type(args[0])
+    if args:
+        return _base_type(args[0])
+    return hint if isinstance(hint, type) else str

@@ -1,0 +1,133 @@
+"""LLMEngine: add_request / step / abort_request, the streaming API the server builds on.
+
+step() = schedule -> execute -> update -> outputs. Each call returns the `RequestOutput`s of
+requests that produced tokens or finished in that step (with `delta_text` for streaming).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from kvflow.config import EngineConfig
+from kvflow.engine.model_setup import (
+    kv_pool_bytes_per_token,
+    load_checkpoint,
+    log_kv_pool,
+    num_kv_blocks_for,
+)
+from kvflow.engine.output_processor import OutputProcessor
+from kvflow.engine.request import Request, RequestStatus
+from kvflow.engine.scheduler import Scheduler
+from kvflow.errors import InvalidRequestError, PromptTooLongError
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+from kvflow.worker.kv_store import KVStore
+from kvflow.worker.model_runner import ModelRunner
+
+Prompt = str | list[int]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        loaded = load_checkpoint(config)
+        self.tokenizer = loaded.tokenizer
+        self.arch = loaded.arch
+        self.max_model_len = loaded.max_model_len
+        cache, sched = config.cache_config, config.scheduler_config
+        bytes_per_token = kv_pool_bytes_per_token(loaded)
+        num_blocks = num_kv_blocks_for(cache, sched.max_num_seqs, self.max_model_len, bytes_per_token)
+        self.kv_pool_summary = log_kv_pool(num_blocks, cache.block_size, bytes_per_token, self.max_model_len)
+        self.kv_bytes_per_token = bytes_per_token
+        a = loaded.arch
+        # +1: block 0 is the null block (padding and released sliding-window blocks point to it).
+        kv_store = KVStore(
+            a.num_hidden_layers, num_blocks + 1, cache.block_size, a.num_key_value_heads, a.head_dim, loaded.dtype
+        )
+        self.scheduler = Scheduler(sched, cache, num_blocks + 1, self.max_model_len, a.sliding_window)
+        self.model_runner = ModelRunner(
+            loaded.model, kv_store, self.tokenizer.eos_token_ids, config.model_config.seed
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self._pending_outputs: list[RequestOutput] = []
+        self._request_counter = itertools.count()
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
+        return cls(EngineConfig.from_kwargs(**kwargs))
+
+    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        vocab = self.arch.vocab_size
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
+        return None, ids
+
+    def add_request(
+        self, request_id: str | None, prompt: Prompt, sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> str:
+        """Validate, tokenize and queue a request; returns its id. Raises InvalidRequestError."""
+        params = sampling_params or SamplingParams()
+        text, prompt_ids = self._tokenize(prompt)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens; with at least one output token it does not fit "
+                f"in max_model_len={self.max_model_len}"
+            )
+        request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
+        if request_id in self.output_processor.states:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        request = Request(
+            request_id, prompt_ids, params, self.tokenizer.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(), prompt=text,
+        )
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+        return request_id
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        self._finish(ids, RequestStatus.FINISHED_ABORTED)
+
+    def _finish(self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None) -> None:
+        states = [self.output_processor.states[i] for i in request_ids if i in self.output_processor.states]
+        self.scheduler.finish_requests(request_ids, status)
+        for state in states:
+            if stop_reason is not None:  # a stop string wins over a length cap hit by the same token
+                state.request.status = status
+                state.request.stop_reason = stop_reason
+            output = self.output_processor.finish(state.request)
+            if output is not None:
+                self._pending_outputs.append(output)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        scheduler_output = self.scheduler.schedule()
+        # Even an empty schedule goes through update: it reports requests the scheduler finished
+        # itself (e.g. one that outgrew the whole KV pool).
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        for update in self.scheduler.update_from_output(scheduler_output, runner_output):
+            rid = update.request.request_id
+            output, stop_str = self.output_processor.process(update, runner_output.logprobs.get(rid))
+            if stop_str is not None:
+                self._finish([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
+                outputs.extend(self._pending_outputs)
+                self._pending_outputs = []
+            elif output is not None:
+                outputs.append(output)
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()

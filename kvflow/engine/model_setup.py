@@ -1,0 +1,100 @@
+"""Start-up: checkpoint directory -> tokenizer, model, dtype, context length and KV pool size.
+
+Kept apart from the step loop so `engine.py` reads as add_request / step / abort only.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvflow.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ConfigError, EngineConfig
+from kvflow.errors import ModelLoadError
+from kvflow.models.arch_config import ArchConfig, load_hf_config, parse_arch_config
+from kvflow.models.llama import LlamaFamilyForCausalLM
+from kvflow.models.loader import load_model
+from kvflow.tokenizer import Tokenizer
+from kvflow.worker.kv_store import kv_bytes_per_token
+
+logger = logging.getLogger("kvflow")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model_dir: Path
+    arch: ArchConfig
+    tokenizer: Tokenizer
+    model: LlamaFamilyForCausalLM
+    dtype: torch.dtype
+    max_model_len: int
+
+
+def resolve_dtype(requested: str, checkpoint_dtype: str | None) -> torch.dtype:
+    """auto = the checkpoint's dtype, except float16 -> bfloat16: fp16 matmuls are a slow path on
+    CPUs (benchmarks/NOTES.md) while bf16 has the same width and a wider range."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    if checkpoint_dtype in (None, "float32"):
+        return torch.float32
+    if checkpoint_dtype in ("float16", "bfloat16"):
+        return torch.bfloat16
+    raise ModelLoadError(f"config.json: unsupported torch_dtype {checkpoint_dtype!r}")
+
+
+def load_checkpoint(config: EngineConfig) -> LoadedModel:
+    mc = config.model_config
+    model_dir = Path(mc.model).expanduser()
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist (or is not a directory)")
+    arch = parse_arch_config(load_hf_config(model_dir))
+    max_model_len = mc.max_model_len or arch.max_position_embeddings
+    if max_model_len > arch.max_position_embeddings:
+        raise ConfigError(
+            f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{arch.max_position_embeddings}"
+        )
+    tokenizer = Tokenizer.from_pretrained(model_dir)
+    dtype = resolve_dtype(mc.dtype, arch.torch_dtype)
+    model = load_model(model_dir, arch, dtype, max_model_len)
+    return LoadedModel(model_dir, arch, tokenizer, model, dtype, max_model_len)
+
+
+def num_kv_blocks_for(
+    cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int
+) -> int:
+    """Usable blocks in the pool (the null block comes on top)."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    budget = cache.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
+    by_memory = budget // (bytes_per_token * cache.block_size)
+    # More blocks than max_num_seqs full-length requests can hold would never be used.
+    by_demand = max_num_seqs * math.ceil(max_model_len / cache.block_size)
+    blocks = by_memory if cache.kv_cache_memory_bytes is not None else min(by_memory, by_demand)
+    if blocks < 1:
+        raise ConfigError(
+            f"kv_cache_memory_bytes={budget} holds no block of {cache.block_size} tokens "
+            f"({bytes_per_token} bytes/token)"
+        )
+    return int(blocks)
+
+
+def kv_pool_bytes_per_token(loaded: LoadedModel) -> int:
+    a = loaded.arch
+    return kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, loaded.dtype)
+
+
+def log_kv_pool(num_blocks: int, block_size: int, bytes_per_token: int, max_model_len: int) -> str:
+    tokens = num_blocks * block_size
+    line = (
+        f"KV cache pool: {num_blocks} blocks x {block_size} tokens = {tokens} tokens, "
+        f"{bytes_per_token} bytes/token, {tokens * bytes_per_token / 2**20:.1f} MiB; "
+        f"max concurrent requests at max_model_len={max_model_len}: {tokens / max_model_len:.2f}"
+    )
+    logger.info(line)
+    return line

@@ -1,0 +1,45 @@
+"""The narrow typed hand-off from the scheduler to the model runner (pure Python)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    """One request's share of a step: compute KV for `token_ids` at positions
+    `num_computed_tokens .. num_computed_tokens + len(token_ids) - 1`.
+
+    `block_ids` is the request's whole block table at the time of the step: position p lives in
+    block `block_ids[p // block_size]`, slot `p % block_size`. Blocks that sliding-window attention
+    released are replaced by the null block id; no attended position ever falls in one.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]
+    do_sample: bool  # the chunk reaches the request's last token: sample the next one
+    sampling_params: SamplingParams
+    # References to the request's live lists (penalties read them when sampling).
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest]
+    num_batched_tokens: int
+    preempted_request_ids: list[str] = field(default_factory=list)
+    # Requests that finished or were aborted since the previous step: the runner drops their state.
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

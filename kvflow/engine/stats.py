@@ -1,0 +1,89 @@
+"""Per-request timelines: the raw material of TTFT/ITL metrics, `kvflow bench` and `kvflow doctor`.
+
+All times are `time.monotonic()` seconds (intervals only; never compared across processes).
+Definitions (docs/ARCHITECTURE.md section 4):
+    queue_time   = first_scheduled - arrival
+    prefill_time = first_token - first_scheduled
+    ttft         = first_token - arrival
+    itl[i]       = token_times[i + 1] - token_times[i]
+    tpot         = (last_token - first_token) / (num_output_tokens - 1)
+    e2e          = last_token - arrival
+No Prometheus (or torch) import here: the server's metrics layer reads these objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PrefillChunk:
+    time: float  # when the step computing this chunk was scheduled
+    num_tokens: int  # tokens computed in that step for this request
+    num_computed_tokens: int  # the request's computed tokens before the chunk
+
+
+@dataclass
+class RequestTimeline:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
+    first_token_time: float | None = None
+    token_times: list[float] = field(default_factory=list)  # one entry per output token
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+
+    def record_scheduled(self, now: float, num_tokens: int, num_computed_tokens: int, is_prefill: bool) -> None:
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
+        if is_prefill:
+            self.prefill_chunks.append(PrefillChunk(now, num_tokens, num_computed_tokens))
+
+    def record_tokens(self, now: float, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        if self.first_token_time is None:
+            self.first_token_time = now
+        self.token_times.extend([now] * num_tokens)
+
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_time(self) -> float | None:
+        if self.first_token_time is None or self.first_scheduled_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def decode_time(self) -> float | None:
+        if self.first_token_time is None or not self.token_times:
+            return None
+        return self.token_times[-1] - self.first_token_time
+
+    @property
+    def itl(self) -> list[float]:
+        t = self.token_times
+        return [t[i + 1] - t[i] for i in range(len(t) - 1)]
+
+    @property
+    def tpot(self) -> float | None:
+        if len(self.token_times) < 2 or self.first_token_time is None:
+            return None
+        return (self.token_times[-1] - self.first_token_time) / (len(self.token_times) - 1)
+
+    @property
+    def e2e(self) -> float | None:
+        if not self.token_times:
+            return None
+        return self.token_times[-1] - self.arrival_time

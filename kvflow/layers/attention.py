@@ -1,0 +1,79 @@
+"""Attention over the paged KV store for a mixed batch of prefill chunks and decode tokens.
+
+Shapes: T flat tokens, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim.
+1. Every token's K/V is written into the pool through `slot_mapping` (all of a layer's writes
+   precede its attention, so a chunk sees its own keys and a prefix cached in this same step).
+2. Decodes (single-token queries) are one batched SDPA call. GQA without repeating K/V: the G
+   query heads sharing a KV head are folded into the query-length axis, q: [B, Hkv, G, D] against
+   k: [B, Hkv, L, D], so no [B, Hq, L, D] copy of K/V is ever made.
+3. Each prefill chunk is one SDPA call over its keys: its own fresh K/V when it has no cached
+   context (plain causal), else the gathered context plus itself under an explicit mask
+   (bottom-right causal, sliding window).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """key/value: [T, Hkv, D] -> pool rows `slot_mapping` [T]."""
+    key_cache.index_copy_(0, slot_mapping, key)
+    value_cache.index_copy_(0, slot_mapping, value)
+
+
+def _decode_attention(
+    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
+) -> torch.Tensor:
+    assert meta.decode_kv_slots is not None
+    num_decodes, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[1]
+    q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+    slots = meta.decode_kv_slots
+    # [B, L, Hkv, D] -> [B, Hkv, L, D]
+    k = key_cache[slots].transpose(1, 2)
+    v = value_cache[slots].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_attend)  # [B, Hkv, G, D]
+    return out.reshape(num_decodes, num_heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+    value_cache: torch.Tensor, chunk: PrefillChunkMetadata,
+) -> torch.Tensor:
+    s, e = chunk.token_start, chunk.token_end
+    if chunk.kv_slots is None:
+        k, v = key[s:e], value[s:e]  # [n, Hkv, D]: the chunk is its whole context
+    else:
+        k, v = key_cache[chunk.kv_slots], value_cache[chunk.kv_slots]  # [L, Hkv, D]
+    q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    out = F.scaled_dot_product_attention(
+        q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.attend, is_causal=chunk.attend is None, enable_gqa=True,
+    )  # [1, Hq, n, D]
+    return out[0].transpose(0, 1)
+
+
+def paged_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+    value_cache: torch.Tensor, meta: AttentionMetadata,
+) -> torch.Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D] (already rotated) -> attention output [T, Hq, D]."""
+    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    nd = meta.num_decode_tokens
+    if not meta.prefills:
+        return _decode_attention(query, key_cache, value_cache, meta)
+    out = torch.empty_like(query)
+    if nd:
+        out[:nd] = _decode_attention(query[:nd], key_cache, value_cache, meta)
+    for chunk in meta.prefills:
+        out[chunk.token_start : chunk.token_end] = _prefill_attention(
+            query, key, value, key_cache, value_cache, chunk
+        )
+    return out

@@ -1,0 +1,51 @@
+"""The offline facade: `LLM(model, **engine_args).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvflow.engine.engine import LLMEngine, Prompt
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams, broadcast_sampling_params
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any) -> None:
+        self.llm_engine = LLMEngine.from_kwargs(model=model, **engine_args)
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of `prompts`.
+
+        A prompt is a string or a list of token ids; a single prompt may be passed bare.
+        """
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
+        ):
+            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
+        else:
+            prompt_list = list(prompts)  # type: ignore[arg-type]
+        params = broadcast_sampling_params(sampling_params, len(prompt_list))
+        engine = self.llm_engine
+        ids: list[str] = []
+        try:
+            for prompt, p in zip(prompt_list, params):
+                ids.append(engine.add_request(None, prompt, p))
+            finished: dict[str, RequestOutput] = {}
+            while engine.has_unfinished_requests():
+                for out in engine.step():
+                    if out.finished:
+                        finished[out.request_id] = out
+        except BaseException:
+            engine.abort_request(ids)  # leave the engine clean for the next call
+            while engine.has_unfinished_requests():
+                engine.step()
+            raise
+        return [finished[i] for i in ids]

@@ -1,0 +1,141 @@
+"""Parse a Hugging Face `config.json` into the switches of kvflow's llama-family model.
+
+One model class covers Llama, Mistral, Qwen2 and Qwen3; they differ only in these switches:
+    Llama    attention_bias (q/k/v/o), mlp_bias, rope_scaling (llama3, linear, yarn)
+    Mistral  sliding_window on every layer
+    Qwen2    q/k/v bias (o without), optional sliding window (use_sliding_window)
+    Qwen3    explicit head_dim, RMSNorm on q and k per head, attention_bias
+Both spellings of RoPE are accepted: hub checkpoints' top-level `rope_theta` + `rope_scaling`
+and transformers 5's `rope_parameters`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from kvflow.errors import ModelLoadError
+from kvflow.layers.rotary import RopeConfig
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+DEFAULT_ROPE_THETA = 10000.0  # the RoPE paper's base, HF's default when a config omits it
+
+
+@dataclass(frozen=True)
+class ArchConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    sliding_window: int | None  # same window on every layer, or None
+    rope: RopeConfig
+    torch_dtype: str | None
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_attention_heads // self.num_key_value_heads
+
+
+def load_hf_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: missing config.json (is {model_dir} a Hugging Face checkpoint?)")
+    try:
+        config: dict[str, Any] = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: invalid JSON: {e}") from e
+    return config
+
+
+def _rope_config(cfg: dict[str, Any], head_dim: int, max_pos: int) -> RopeConfig:
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or DEFAULT_ROPE_THETA
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        raise ModelLoadError("config.json: partial_rotary_factor != 1 is not supported")
+    return RopeConfig(head_dim, float(theta), max_pos, rope_type, params)
+
+
+def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int) -> int | None:
+    window = cfg.get("sliding_window")
+    if arch.startswith("Qwen") and not cfg.get("use_sliding_window", False):
+        window = None
+    layer_types = cfg.get("layer_types")
+    if window is not None and layer_types is not None and len(set(layer_types)) > 1:
+        raise ModelLoadError(
+            "config.json: a mix of sliding-window and full-attention layers is not supported yet "
+            f"(layer_types={sorted(set(layer_types))})"
+        )
+    if window is not None and arch.startswith("Qwen"):
+        max_window_layers = cfg.get("max_window_layers", num_layers)
+        if 0 < max_window_layers < num_layers:
+            raise ModelLoadError(
+                "config.json: sliding window on only some layers (max_window_layers) is not supported yet"
+            )
+    return int(window) if window is not None else None
+
+
+def _require(cfg: dict[str, Any], key: str) -> Any:
+    if key not in cfg:
+        raise ModelLoadError(f"config.json: missing required field {key!r}")
+    return cfg[key]
+
+
+def parse_arch_config(cfg: dict[str, Any]) -> ArchConfig:
+    archs = cfg.get("architectures") or []
+    arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+    if arch is None:
+        raise ModelLoadError(
+            f"config.json: unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    hidden = int(_require(cfg, "hidden_size"))
+    num_heads = int(_require(cfg, "num_attention_heads"))
+    num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
+    if num_heads % num_kv_heads:
+        raise ModelLoadError(f"config.json: {num_heads} attention heads not divisible by {num_kv_heads} KV heads")
+    head_dim = int(cfg.get("head_dim") or hidden // num_heads)
+    num_layers = int(_require(cfg, "num_hidden_layers"))
+    max_pos = int(cfg.get("max_position_embeddings", 2048))
+    is_qwen2 = arch == "Qwen2ForCausalLM"
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return ArchConfig(
+        architecture=arch,
+        vocab_size=int(_require(cfg, "vocab_size")),
+        hidden_size=hidden,
+        intermediate_size=int(_require(cfg, "intermediate_size")),
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=True if is_qwen2 else attention_bias,
+        o_bias=False if is_qwen2 else attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch == "Qwen3ForCausalLM",
+        sliding_window=_sliding_window(cfg, arch, num_layers),
+        rope=_rope_config(cfg, head_dim, max_pos),
+        torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+    )

@@ -1,0 +1,109 @@
+"""The llama-family decoder covering Llama, Mistral, Qwen2 and Qwen3 by config switches.
+
+Forward over a flat token batch (prefill chunks and decodes together), context passed in:
+    model(input_ids [T], attn_metadata, kv_store) -> hidden [T, hidden]
+q/k/v and gate/up are merged into one projection each (one GEMM instead of three / two); the
+loader concatenates the checkpoint's separate weights in that order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.layers.activation import silu_and_mul
+from kvflow.layers.attention import paged_attention
+from kvflow.layers.linear import Linear
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
+from kvflow.models.arch_config import ArchConfig
+from kvflow.worker.attn_metadata import AttentionMetadata
+from kvflow.worker.kv_store import KVStore
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias, dtype)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+
+    def forward(
+        self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
+        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = cos_sin
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, cfg.mlp_bias, dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, cfg.mlp_bias, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = Attention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp = MLP(cfg, dtype)
+
+    def forward(
+        self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaFamilyForCausalLM(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.dtype = dtype
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        # Tied checkpoints share the embedding matrix; the loader fills lm_head from it either way,
+        # so that the head can be packed for the fast GEMM path independently of the lookup table.
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
+        self.rotary_emb = RotaryEmbedding(cfg.rope, max_positions)
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden] (normed)."""
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(meta.positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos_sin, kv_store.layer(i), meta)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
+        return self.lm_head(hidden).float()
+
+    def prepare_for_inference(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.prepare_for_inference()

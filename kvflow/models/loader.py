@@ -1,0 +1,117 @@
+"""Load a Hugging Face checkpoint directory (single or sharded safetensors) into kvflow's model.
+
+Every parameter of the model names the checkpoint tensors it is made of (merged projections
+concatenate theirs along the output dimension); each source is checked for presence and shape,
+and an error names the tensor and the file. The model is built on the meta device and
+materialised uninitialised: every parameter is then overwritten from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from kvflow.errors import ModelLoadError
+from kvflow.layers.rotary import RotaryEmbedding
+from kvflow.models.arch_config import ArchConfig
+from kvflow.models.llama import LlamaFamilyForCausalLM
+from kvflow.models.registry import MODEL_REGISTRY
+
+logger = logging.getLogger(__name__)
+
+# Tensors some checkpoints carry that the model recomputes (RoPE tables).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Merged parameters: kvflow name fragment -> the checkpoint fragments concatenated (dim 0) in order.
+_MERGED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def resolve_weight_files(model_dir: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file holding it."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        files = {name: model_dir / fname for name, fname in weight_map.items()}
+        for path in set(files.values()):
+            if not path.is_file():
+                raise ModelLoadError(f"{index}: lists {path.name}, which is missing")
+        return files
+    shards = sorted(model_dir.glob("*.safetensors"))
+    if not shards:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+    files = {}
+    for path in shards:
+        with safe_open(str(path), framework="pt") as f:
+            files.update({name: path for name in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
+    return files
+
+
+def _sources(param_name: str, cfg: ArchConfig, available: set[str]) -> list[str]:
+    """The checkpoint tensors one kvflow parameter is built from."""
+    if param_name == "lm_head.weight":
+        if cfg.tie_word_embeddings or "lm_head.weight" not in available:
+            return ["model.embed_tokens.weight"]
+        return ["lm_head.weight"]
+    for merged, parts in _MERGED.items():
+        if merged in param_name:
+            return ["model." + param_name.replace(merged, part) for part in parts]
+    return ["model." + param_name]
+
+
+class _ShardReader:
+    """Opens each safetensors file once and reads tensors by name."""
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        self.files = files
+        self._handles: dict[Path, object] = {}
+
+    def read(self, name: str) -> torch.Tensor:
+        path = self.files[name]
+        if path not in self._handles:
+            self._handles[path] = safe_open(str(path), framework="pt")
+        return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
+
+
+def _load_param(
+    name: str, param: torch.Tensor, sources: list[str], reader: _ShardReader
+) -> None:
+    for src in sources:
+        if src not in reader.files:
+            raise ModelLoadError(f"checkpoint is missing tensor {src!r} (needed for {name})")
+    tensors = [reader.read(src) for src in sources]
+    merged = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+    if tuple(merged.shape) != tuple(param.shape):
+        detail = ", ".join(f"{s} {tuple(t.shape)} in {reader.files[s].name}" for s, t in zip(sources, tensors))
+        raise ModelLoadError(
+            f"shape mismatch for {name}: expected {tuple(param.shape)} from config.json, got {detail}"
+        )
+    param.copy_(merged.to(param.dtype))
+
+
+def load_model(
+    model_dir: Path, cfg: ArchConfig, dtype: torch.dtype, max_positions: int
+) -> LlamaFamilyForCausalLM:
+    files = resolve_weight_files(model_dir)
+    with torch.device("meta"):
+        model = MODEL_REGISTRY[cfg.architecture](cfg, dtype, max_positions)
+    model.to_empty(device="cpu")
+    model.rotary_emb = RotaryEmbedding(cfg.rope, max_positions)  # buffers were meta: recompute
+    reader = _ShardReader(files)
+    used: set[str] = set()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            sources = _sources(name, cfg, set(files))
+            _load_param(name, param, sources, reader)
+            used.update(sources)
+    unused = [n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
+    if unused:
+        logger.warning("ignoring %d checkpoint tensors kvflow does not use, e.g. %s", len(unused), unused[:3])
+    model.eval()
+    model.prepare_for_inference()
+    return model

@@ -1,0 +1,47 @@
+"""What the engine returns: typed dataclasses, never bare dicts (vLLM's `RequestOutput` shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvflow.engine.stats import RequestTimeline
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float  # log-probability under the model's raw (unfiltered, temperature 1) distribution
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+# One generated position: token id -> Logprob, holding the sampled token plus the top-n.
+TokenLogprobs = dict[int, Logprob]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestTimeline
+    num_cached_tokens: int = 0
+    # For streaming: the text and token ids produced by the step that made this output.
+    delta_text: str = ""
+    delta_token_ids: list[int] = field(default_factory=list)

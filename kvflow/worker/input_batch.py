@@ -1,0 +1,117 @@
+"""SchedulerOutput -> the flat token batch and its attention metadata.
+
+Order of the flat batch: single-token queries first (decodes), then each longer chunk as a run.
+Slot of position p of a request: block_table[p // block_size] * block_size + p % block_size.
+Sliding window W (HF semantics): query position q sees key positions k with q - W < k <= q, so a
+query never needs keys before q - W + 1 and blocks released by the KV manager are never read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
+
+
+@dataclass
+class InputBatch:
+    requests: list[ScheduledRequest]  # in flat-batch order
+    input_ids: torch.Tensor  # [T] int64
+    attn_metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [N] int64: flat index of the last token of each sampling request
+    sampling_requests: list[ScheduledRequest]  # the N requests, aligned with logits_indices
+
+
+def _first_key_position(query_position: int, sliding_window: int | None) -> int:
+    return 0 if sliding_window is None else max(0, query_position - sliding_window + 1)
+
+
+def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """Slots of positions [start, end) of one request."""
+    return [block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)]
+
+
+def _decode_metadata(
+    decodes: list[ScheduledRequest], block_size: int, sliding_window: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded key slots [B, L] and the attend mask [B, 1, 1, L] of single-token queries."""
+    query_pos = torch.tensor([r.num_computed_tokens for r in decodes], dtype=torch.int64)  # [B]
+    first_key = torch.tensor(
+        [_first_key_position(r.num_computed_tokens, sliding_window) for r in decodes], dtype=torch.int64
+    )
+    num_keys = query_pos - first_key + 1
+    max_keys = int(num_keys.max())
+    max_blocks = max(len(r.block_ids) for r in decodes)
+    block_tables = torch.tensor(
+        [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes], dtype=torch.int64
+    )  # [B, max_blocks], padded with the null block
+    key_pos = first_key[:, None] + torch.arange(max_keys)[None, :]  # [B, L]
+    valid = key_pos <= query_pos[:, None]
+    key_pos = torch.where(valid, key_pos, 0)
+    slots = block_tables.gather(1, key_pos // block_size) * block_size + key_pos % block_size
+    slots = torch.where(valid, slots, 0)
+    return slots, valid[:, None, None, :]
+
+
+def _prefill_metadata(
+    req: ScheduledRequest, token_start: int, block_size: int, sliding_window: int | None
+) -> PrefillChunkMetadata:
+    start, n = req.num_computed_tokens, req.num_tokens
+    token_end = token_start + n
+    first_key = _first_key_position(start, sliding_window)
+    key_pos = torch.arange(first_key, start + n)  # [L]
+    query_pos = torch.arange(start, start + n)  # [n]
+    windowed = sliding_window is not None and n > sliding_window
+    if start == 0 and not windowed:
+        return PrefillChunkMetadata(token_start, token_end, kv_slots=None, attend=None)
+    attend = key_pos[None, :] <= query_pos[:, None]
+    if sliding_window is not None:
+        attend &= key_pos[None, :] > query_pos[:, None] - sliding_window
+    if start == 0:  # no cached context: attend to the chunk's own fresh K/V under the window mask
+        return PrefillChunkMetadata(token_start, token_end, kv_slots=None, attend=attend)
+    kv_slots = torch.tensor(_slots(req.block_ids, first_key, start + n, block_size), dtype=torch.int64)
+    return PrefillChunkMetadata(token_start, token_end, kv_slots=kv_slots, attend=attend)
+
+
+def build_input_batch(
+    scheduler_output: SchedulerOutput, block_size: int, sliding_window: int | None
+) -> InputBatch:
+    decodes = [r for r in scheduler_output.scheduled if r.num_tokens == 1]
+    chunks = [r for r in scheduler_output.scheduled if r.num_tokens > 1]
+    ordered = decodes + chunks
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    logits_indices: list[int] = []
+    prefills: list[PrefillChunkMetadata] = []
+    for req in ordered:
+        token_start = len(input_ids)
+        start, end = req.num_computed_tokens, req.num_computed_tokens + req.num_tokens
+        input_ids.extend(req.token_ids)
+        positions.extend(range(start, end))
+        slot_mapping.extend(_slots(req.block_ids, start, end, block_size))
+        if req.num_tokens > 1:
+            prefills.append(_prefill_metadata(req, token_start, block_size, sliding_window))
+        if req.do_sample:
+            logits_indices.append(len(input_ids) - 1)
+    decode_slots, decode_attend = (
+        _decode_metadata(decodes, block_size, sliding_window) if decodes else (None, None)
+    )
+    meta = AttentionMetadata(
+        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
+        num_decode_tokens=len(decodes),
+        decode_kv_slots=decode_slots,
+        decode_attend=decode_attend,
+        prefills=prefills,
+    )
+    return InputBatch(
+        requests=ordered,
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        attn_metadata=meta,
+        logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+        sampling_requests=[r for r in ordered if r.do_sample],
+    )

@@ -1,0 +1,74 @@
+"""Runs one engine step on the model: flat batch -> forward -> logits at sampling rows -> tokens.
+
+Owns the per-request sampling state the scheduler does not need: the torch.Generator of each
+seeded request (created on its first sampled token, dropped when the scheduler reports it
+finished), so that a seeded request's tokens depend only on its seed and its logits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvflow.models.llama import LlamaFamilyForCausalLM
+from kvflow.sample.sampler import Sampler, SamplingBatch
+from kvflow.worker.input_batch import build_input_batch
+from kvflow.worker.kv_store import KVStore
+from kvflow.worker.runner_output import ModelRunnerOutput
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaFamilyForCausalLM, kv_store: KVStore, eos_token_ids: frozenset[int], seed: int
+    ) -> None:
+        self.model = model
+        self.kv_store = kv_store
+        self.block_size = kv_store.block_size
+        self.sliding_window = model.config.sliding_window
+        self.eos_token_ids = eos_token_ids
+        self.sampler = Sampler(torch.Generator().manual_seed(seed))
+        self._generators: dict[str, torch.Generator] = {}
+
+    def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return None
+        if req.request_id not in self._generators:
+            self._generators[req.request_id] = torch.Generator().manual_seed(seed)
+        return self._generators[req.request_id]
+
+    def _banned_token_ids(self, req: ScheduledRequest) -> list[int]:
+        """min_tokens: EOS (unless ignored) and stop token ids may not end the output early."""
+        params = req.sampling_params
+        if len(req.output_token_ids) >= params.min_tokens:
+            return []
+        eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
+        return eos + list(params.stop_token_ids)
+
+    def _sampling_batch(self, requests: list[ScheduledRequest]) -> SamplingBatch:
+        return SamplingBatch(
+            params=[r.sampling_params for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            generators=[self._generator(r) for r in requests],
+            banned_token_ids=[self._banned_token_ids(r) for r in requests],
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in scheduler_output.finished_request_ids:
+            self._generators.pop(request_id, None)
+        if scheduler_output.is_empty:
+            return ModelRunnerOutput()
+        batch = build_input_batch(scheduler_output, self.block_size, self.sliding_window)
+        hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)  # [T, hidden]
+        if not batch.sampling_requests:
+            return ModelRunnerOutput()
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [N, V]
+        sampled = self.sampler(logits, self._sampling_batch(batch.sampling_requests))
+        output = ModelRunnerOutput()
+        for i, req in enumerate(batch.sampling_requests):
+            output.sampled_token_ids[req.request_id] = [sampled.token_ids[i]]
+            if sampled.logprobs is not None and req.sampling_params.logprobs is not None:
+                output.logprobs[req.request_id] = [sampled.logprobs[i]]
+        return output

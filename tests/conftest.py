@@ -1,0 +1,39 @@
+"""Session-wide fixtures: tiny checkpoints built once per distinct arguments (see fixtures/checkpoints.py)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# Tests never reach the network: transformers must not consult the Hub (set before it is imported).
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from fixtures.checkpoints import build_checkpoint, train_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint_factory(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`factory(arch, **build_checkpoint_kwargs) -> Path`, cached for the whole session."""
+    cache: dict[str, Path] = {}
+
+    def factory(arch: str, **kwargs: Any) -> Path:
+        # repr() keys: kwargs may hold unhashable values (a rope dict, a torch.dtype is fine either way).
+        key = repr((arch, sorted(kwargs.items())))
+        if key not in cache:
+            out_dir = tmp_path_factory.mktemp(f"tiny-{arch}")
+            cache[key] = build_checkpoint(out_dir, arch, **kwargs)
+        return cache[key]
+
+    return factory
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A directory with only the fixture tokenizer's files (no weights)."""
+    out_dir = tmp_path_factory.mktemp("tiny-tokenizer")
+    train_tokenizer(out_dir)
+    return out_dir
