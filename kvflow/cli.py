@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 from typing import Any
 
 from kvflow.config import EngineConfig
@@ -28,8 +27,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if spec.name == "model":
             continue
         group.add_argument(
-            "--" + spec.name.replace("_", "-"), dest=spec.name,
-            type=_parse_bool if spec.type is bool else spec.type, default=spec.default,
+            "--" + spec.name.replace("_", "-"),
+            dest=spec.name,
+            type=_parse_bool if spec.type is bool else spec.type,
+            default=spec.default,
             help=f"{spec.help} (default: {spec.default})",
         )
 
@@ -59,9 +60,15 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
     params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, seed=args.sampling_seed,
-        stop=args.stop, ignore_eos=args.ignore_eos,
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
     rid = engine.add_request(None, prompt, params)
     final = None

@@ -31,7 +31,9 @@ class ModelConfig:
     model: str = field(default="", metadata={"help": "Hugging Face checkpoint directory"})
     dtype: DType = field(
         default="auto",
-        metadata={"help": "weight/activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)"},
+        metadata={
+            "help": "weight/activation dtype; auto = the checkpoint's (float16 becomes bfloat16 on CPU)"
+        },
     )
     max_model_len: int | None = field(
         default=None, metadata={"help": "context length (prompt + output); default: the model's"}
@@ -115,7 +117,9 @@ class EngineConfig:
         for _, klass in _SECTIONS:
             hints = typing.get_type_hints(klass)
             for f in dataclasses.fields(klass):
-                specs.append(EngineArgSpec(f.name, _base_type(hints[f.name]), f.default, f.metadata.get("help", "")))
+                specs.append(
+                    EngineArgSpec(f.name, _base_type(hints[f.name]), f.default, f.metadata.get("help", ""))
+                )
         return specs
 
 

@@ -29,14 +29,14 @@ class LLM:
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
         ):
-            prompt_list: list[Prompt] = [prompts]  # type: ignore[list-item]
+            prompt_list: list[Prompt] = [prompts]
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         params = broadcast_sampling_params(sampling_params, len(prompt_list))
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompt_list, params):
+            for prompt, p in zip(prompt_list, params, strict=False):
                 ids.append(engine.add_request(None, prompt, p))
             finished: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():

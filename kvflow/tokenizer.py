@@ -424,8 +424,9 @@ INITIAL_CONTEXT_TOKENS = 5
 class IncrementalDetokenizer:
     """Output text of one request, extended token by token (vLLM's prefix_offset / read_offset method).
 
-    Invariant: `_ids[_prefix_offset:_read_offset]` decodes to `_prefix_text`, text already accounted for
-    (prompt context or emitted output). A new token is decoded together with that window; the text past
+    Invariant: `_ids` is a sliding window whose first `_read_offset` ids (vLLM's prefix_offset to
+    read_offset) decode to `_prefix_text`, text already accounted for (prompt context or emitted output);
+    the ids after them are pending. A new token is decoded together with that window; the text past
     `_prefix_text` is emitted unless it ends in U+FFFD, i.e. unless the last bytes are an incomplete UTF-8
     character, whose remaining bytes are still to come. Decoding with left context (instead of each token
     alone) also keeps the leading space of a token whose decoder strips it at the start of a text.
@@ -436,19 +437,18 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
-        stop: Sequence[str] = (),
+        stop: Sequence[str] | None = (),
         include_stop_str_in_output: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
-        self._stop = tuple(s for s in stop if s)  # an empty stop string would match everywhere
+        self._stop = tuple(s for s in stop or () if s)  # an empty stop string would match everywhere
         self._include_stop = include_stop_str_in_output
         # Characters withheld from a stream so that the start of a stop string never reaches a client
         # (with include_stop_str_in_output the stop string is shown anyway, so nothing is withheld).
         self._holdback = 0 if not self._stop or self._include_stop else max(map(len, self._stop)) - 1
 
         self._ids: list[int] = list(prompt_token_ids[-INITIAL_CONTEXT_TOKENS:])
-        self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._prefix_text = self._decode(self._ids)
         self._output_text = ""
@@ -506,7 +506,7 @@ class IncrementalDetokenizer:
         return new_text
 
     def _pending_text(self) -> str:
-        full_text = self._decode(self._ids[self._prefix_offset :])
+        full_text = self._decode(self._ids)
         if full_text.startswith(self._prefix_text):
             return full_text[len(self._prefix_text) :]
         # Only when the prompt itself ends inside a character: its U+FFFD is replaced by the completed
@@ -516,11 +516,8 @@ class IncrementalDetokenizer:
 
     def _advance(self) -> None:
         # The tokens just emitted become the left context of the next ones; older ids are no longer needed.
-        self._prefix_offset = self._read_offset
+        del self._ids[: self._read_offset]
         self._read_offset = len(self._ids)
-        del self._ids[: self._prefix_offset]
-        self._read_offset -= self._prefix_offset
-        self._prefix_offset = 0
         self._prefix_text = self._decode(self._ids)
 
     def _flush(self) -> None:

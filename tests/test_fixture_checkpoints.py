@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,16 @@ Factory = Callable[..., Path]
 
 # The text every model is prompted with (90 tokens, so longer than mistral's 32-token window).
 LONG_TEXT = SAMPLE_TEXTS[-1]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    # These models are 64 wide: a second intra-op thread buys nothing, and when another process holds a
+    # core, OpenMP's barrier makes each tiny matmul ~1000x slower (measured: 16 ms instead of 10 us).
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
 
 
 def _load(path: Path, **kwargs: Any) -> Any:

@@ -327,6 +327,30 @@ def test_generation_config_and_added_token_dicts(tmp_path: Path, tiny_tokenizer_
     assert tokenizer.eos_token_ids == frozenset({1, 3})
 
 
+@pytest.mark.parametrize("with_post_processor", [True, False])
+@pytest.mark.parametrize("add_bos_token", [True, False])
+def test_add_bos_token_flag_follows_transformers(
+    tmp_path: Path,
+    tiny_tokenizer_dir: Path,
+    caplog: pytest.LogCaptureFixture,
+    with_post_processor: bool,
+    add_bos_token: bool,
+) -> None:
+    # transformers 5 ignores tokenizer_config's add_bos_token once tokenizer.json exists: the
+    # post-processor alone decides whether BOS is added. kvflow follows, and logs the disagreement.
+    tokenizer_json = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    if not with_post_processor:
+        tokenizer_json["post_processor"] = None
+    (tmp_path / "tokenizer.json").write_text(json.dumps(tokenizer_json), encoding="utf-8")
+    config = {**tokenizer_config(), "add_bos_token": add_bos_token}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    ours = Tokenizer.from_pretrained(tmp_path)
+    expected = transformers.AutoTokenizer.from_pretrained(tmp_path)("Hello world")["input_ids"]
+    assert ours.encode("Hello world") == expected
+    assert ours.adds_bos_token == with_post_processor == (expected[0] == 0)
+    assert ("add_bos_token" in caplog.text) == (add_bos_token != with_post_processor)
+
+
 def test_missing_tokenizer_json_raises_model_load_error(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadError, match=str(tmp_path / "tokenizer.json")):
         Tokenizer.from_pretrained(tmp_path)

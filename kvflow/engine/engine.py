@@ -45,7 +45,12 @@ class LLMEngine:
         a = loaded.arch
         # +1: block 0 is the null block (padding and released sliding-window blocks point to it).
         kv_store = KVStore(
-            a.num_hidden_layers, num_blocks + 1, cache.block_size, a.num_key_value_heads, a.head_dim, loaded.dtype
+            a.num_hidden_layers,
+            num_blocks + 1,
+            cache.block_size,
+            a.num_key_value_heads,
+            a.head_dim,
+            loaded.dtype,
         )
         self.scheduler = Scheduler(sched, cache, num_blocks + 1, self.max_model_len, a.sliding_window)
         self.model_runner = ModelRunner(
@@ -70,7 +75,10 @@ class LLMEngine:
         return None, ids
 
     def add_request(
-        self, request_id: str | None, prompt: Prompt, sampling_params: SamplingParams | None = None,
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; returns its id. Raises InvalidRequestError."""
@@ -87,8 +95,12 @@ class LLMEngine:
         if request_id in self.output_processor.states:
             raise InvalidRequestError(f"request id {request_id!r} is already in use")
         request = Request(
-            request_id, prompt_ids, params, self.tokenizer.eos_token_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(), prompt=text,
+            request_id,
+            prompt_ids,
+            params,
+            self.tokenizer.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            prompt=text,
         )
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)

@@ -65,9 +65,7 @@ def load_checkpoint(config: EngineConfig) -> LoadedModel:
     return LoadedModel(model_dir, arch, tokenizer, model, dtype, max_model_len)
 
 
-def num_kv_blocks_for(
-    cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int
-) -> int:
+def num_kv_blocks_for(cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> int:
     """Usable blocks in the pool (the null block comes on top)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks

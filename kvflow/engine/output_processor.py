@@ -33,8 +33,11 @@ class OutputProcessor:
     def add_request(self, request: Request) -> None:
         params = request.sampling_params
         detok = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
-            stop=params.stop, include_stop_str_in_output=params.include_stop_str_in_output,
+            self.tokenizer,
+            request.prompt_token_ids,
+            skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop,
+            include_stop_str_in_output=params.include_stop_str_in_output,
         )
         want_logprobs = params.logprobs is not None
         self.states[request.request_id] = RequestState(
@@ -50,7 +53,7 @@ class OutputProcessor:
     def _add_logprobs(self, state: RequestState, new_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
         if state.logprobs is None or state.cumulative_logprob is None:
             return
-        for tok, position in zip(new_ids, logprobs):
+        for tok, position in zip(new_ids, logprobs, strict=False):
             state.logprobs.append(self._decode_logprobs(position))
             state.cumulative_logprob += position[tok].logprob
 

@@ -34,7 +34,9 @@ class RequestTimeline:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
 
-    def record_scheduled(self, now: float, num_tokens: int, num_computed_tokens: int, is_prefill: bool) -> None:
+    def record_scheduled(
+        self, now: float, num_tokens: int, num_computed_tokens: int, is_prefill: bool
+    ) -> None:
         if self.first_scheduled_time is None:
             self.first_scheduled_time = now
         if is_prefill:

@@ -20,7 +20,10 @@ from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
     """key/value: [T, Hkv, D] -> pool rows `slot_mapping` [T]."""
@@ -35,34 +38,49 @@ def _decode_attention(
     num_decodes, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[1]
     q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
-    slots = meta.decode_kv_slots
-    # [B, L, Hkv, D] -> [B, Hkv, L, D]
-    k = key_cache[slots].transpose(1, 2)
-    v = value_cache[slots].transpose(1, 2)
+    slots = meta.decode_kv_slots  # [B, L]
+    flat = slots.view(-1)
+    # index_select on the flat slot list: ~3x faster than advanced indexing on CPU (NOTES.md).
+    # [B * L, Hkv, D] -> [B, L, Hkv, D] -> [B, Hkv, L, D]
+    k = key_cache.index_select(0, flat).view(*slots.shape, num_kv_heads, head_dim).transpose(1, 2)
+    v = value_cache.index_select(0, flat).view(*slots.shape, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_attend)  # [B, Hkv, G, D]
     return out.reshape(num_decodes, num_heads, head_dim)
 
 
 def _prefill_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-    value_cache: torch.Tensor, chunk: PrefillChunkMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    chunk: PrefillChunkMetadata,
 ) -> torch.Tensor:
     s, e = chunk.token_start, chunk.token_end
     if chunk.kv_slots is None:
         k, v = key[s:e], value[s:e]  # [n, Hkv, D]: the chunk is its whole context
     else:
-        k, v = key_cache[chunk.kv_slots], value_cache[chunk.kv_slots]  # [L, Hkv, D]
+        k = key_cache.index_select(0, chunk.kv_slots)  # [L, Hkv, D]
+        v = value_cache.index_select(0, chunk.kv_slots)
     q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     out = F.scaled_dot_product_attention(
-        q, k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-        attn_mask=chunk.attend, is_causal=chunk.attend is None, enable_gqa=True,
+        q,
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=chunk.attend,
+        is_causal=chunk.attend is None,
+        enable_gqa=True,
     )  # [1, Hq, n, D]
     return out[0].transpose(0, 1)
 
 
 def paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
-    value_cache: torch.Tensor, meta: AttentionMetadata,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
 ) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] (already rotated) -> attention output [T, Hq, D]."""
     write_kv(key, value, key_cache, value_cache, meta.slot_mapping)

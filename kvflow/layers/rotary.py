@@ -120,14 +120,20 @@ class RotaryEmbedding(nn.Module):
         self.max_positions = max_positions
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin for `positions` [T] as [T, 1, D] in `dtype` (HF casts them before multiplying)."""
+        """cos and sign-folded sin for `positions` [T], each [T, 1, D] in `dtype` (HF casts them
+        before multiplying). The sin returned is [-sin, sin] over the two halves, so that
+        rotate_half(x) * sin == roll(x, D/2) * sin_signed: one roll instead of neg + cat."""
         cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        return cos, sin
+        sin = self.sin_cache.index_select(0, positions)
+        half = sin.shape[-1] // 2
+        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype).unsqueeze(1)
+        return cos, sin_signed
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos/sin: [T, 1, D] -> rotated x [T, H, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D]; cos/sin_signed: [T, 1, D] (from `cos_sin`) -> rotated x [T, H, D].
+
+    HF: x * cos + cat(-x2, x1) * sin. Here cat(x2, x1) = roll(x, D/2) and the sign lives in
+    sin_signed; (-a) * b == a * (-b) exactly in IEEE arithmetic, so results are bit-identical.
+    """
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed

@@ -105,7 +105,8 @@ def parse_arch_config(cfg: dict[str, Any]) -> ArchConfig:
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
     if arch is None:
         raise ModelLoadError(
-            f"config.json: unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"config.json: unsupported architecture {archs!r}; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     if cfg.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
@@ -113,7 +114,9 @@ def parse_arch_config(cfg: dict[str, Any]) -> ArchConfig:
     num_heads = int(_require(cfg, "num_attention_heads"))
     num_kv_heads = int(cfg.get("num_key_value_heads") or num_heads)
     if num_heads % num_kv_heads:
-        raise ModelLoadError(f"config.json: {num_heads} attention heads not divisible by {num_kv_heads} KV heads")
+        raise ModelLoadError(
+            f"config.json: {num_heads} attention heads not divisible by {num_kv_heads} KV heads"
+        )
     head_dim = int(cfg.get("head_dim") or hidden // num_heads)
     num_layers = int(_require(cfg, "num_hidden_layers"))
     max_pos = int(cfg.get("max_position_embeddings", 2048))

@@ -35,19 +35,23 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
 
     def forward(
-        self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         num_tokens = hidden.shape[0]
-        qkv = self.qkv_proj(hidden)  # [T, (Hq + 2 Hkv) D]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
+        hq, hkv = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(hidden).view(num_tokens, hq + 2 * hkv, self.head_dim)  # [T, Hq+2Hkv, D]
+        v = qkv[:, hq + hkv :]
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per-head RMSNorm before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
+            qk = torch.cat((self.q_norm(qkv[:, :hq]), self.k_norm(qkv[:, hq : hq + hkv])), dim=1)
+        else:
+            qk = qkv[:, : hq + hkv]
         cos, sin = cos_sin
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass: [T, Hq+Hkv, D]
+        q, k = qk[:, :hq], qk[:, hq:]
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -71,8 +75,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, dtype)
 
     def forward(
-        self, hidden: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))

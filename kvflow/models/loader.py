@@ -78,16 +78,16 @@ class _ShardReader:
         return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
 
 
-def _load_param(
-    name: str, param: torch.Tensor, sources: list[str], reader: _ShardReader
-) -> None:
+def _load_param(name: str, param: torch.Tensor, sources: list[str], reader: _ShardReader) -> None:
     for src in sources:
         if src not in reader.files:
             raise ModelLoadError(f"checkpoint is missing tensor {src!r} (needed for {name})")
     tensors = [reader.read(src) for src in sources]
     merged = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
     if tuple(merged.shape) != tuple(param.shape):
-        detail = ", ".join(f"{s} {tuple(t.shape)} in {reader.files[s].name}" for s, t in zip(sources, tensors))
+        detail = ", ".join(
+            f"{s} {tuple(t.shape)} in {reader.files[s].name}" for s, t in zip(sources, tensors, strict=False)
+        )
         raise ModelLoadError(
             f"shape mismatch for {name}: expected {tuple(param.shape)} from config.json, got {detail}"
         )
@@ -109,7 +109,9 @@ def load_model(
             sources = _sources(name, cfg, set(files))
             _load_param(name, param, sources, reader)
             used.update(sources)
-    unused = [n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"]
+    unused = [
+        n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"
+    ]
     if unused:
         logger.warning("ignoring %d checkpoint tensors kvflow does not use, e.g. %s", len(unused), unused[:3])
     model.eval()

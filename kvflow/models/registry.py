@@ -9,4 +9,6 @@ from __future__ import annotations
 from kvflow.models.arch_config import SUPPORTED_ARCHITECTURES
 from kvflow.models.llama import LlamaFamilyForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaFamilyForCausalLM]] = dict.fromkeys(SUPPORTED_ARCHITECTURES, LlamaFamilyForCausalLM)
+MODEL_REGISTRY: dict[str, type[LlamaFamilyForCausalLM]] = dict.fromkeys(
+    SUPPORTED_ARCHITECTURES, LlamaFamilyForCausalLM
+)

@@ -18,7 +18,12 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
 
 class KVStore:
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
         dtype: torch.dtype,
     ) -> None:
         self.num_blocks = num_blocks

@@ -32,7 +32,7 @@ def _prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     shared = [rng.randrange(vocab_size) for _ in range(40)]
     prompts = [[rng.randrange(vocab_size) for _ in range(n)] for n in PROMPT_LENGTHS]
     # Two prompts sharing a 40-token prefix: with prefix caching on, the second hits 32 of them.
-    prompts += [shared + [rng.randrange(vocab_size) for _ in range(9)], shared + [3, 1, 4]]
+    prompts += [shared + [rng.randrange(vocab_size) for _ in range(9)], [*shared, 3, 1, 4]]
     return prompts
 
 
