@@ -167,7 +167,7 @@ def main() -> None:
     bandwidth = measure_bandwidth_gbs()
     roofline = bandwidth * 1e9 / weight_bytes_per_token(path, dtype)
     decode_tps = single_stream_decode(llm, vocab)
-    print(f"memory bandwidth (copy): {bandwidth:.1f} GB/s -> decode roofline {roofline:.1f} tokens/s")
+    print(f"memory bandwidth (read): {bandwidth:.1f} GB/s -> decode roofline {roofline:.1f} tokens/s")
     print(f"kvflow single-stream decode: {decode_tps:.1f} tokens/s = {decode_tps / roofline:.0%} of roofline")
 
     kv_time, kv_tokens = run_kvflow(llm, prompts, out_lens)

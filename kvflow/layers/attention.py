@@ -3,8 +3,10 @@
 Shapes: T flat tokens, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim.
 1. Every token's K/V is written into the pool through `slot_mapping` (all of a layer's writes
    precede its attention, so a chunk sees its own keys and a prefix cached in this same step).
-2. Decodes (single-token queries) are one batched SDPA call. GQA without repeating K/V: the G
-   query heads sharing a KV head are folded into the query-length axis, q: [B, Hkv, G, D] against
+2. Decodes (single-token queries) are one batched call: in bf16 the native kernel reads each
+   sequence's K/V in place through its slots (kvflow/kernels/paged_decode_attention.cpp);
+   otherwise SDPA over gathered K/V. GQA without repeating K/V either way: the G query heads
+   sharing a KV head are folded into the query-length axis, q: [B, Hkv, G, D] against
    k: [B, Hkv, L, D], so no [B, Hq, L, D] copy of K/V is ever made.
 3. Each prefill chunk is one SDPA call over its keys: its own fresh K/V when it has no cached
    context (plain causal), else the gathered context plus itself under an explicit mask
@@ -16,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvflow.kernels import paged_decode_attention_bf16
 from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
 
 
@@ -34,8 +37,12 @@ def write_kv(
 def _decode_attention(
     query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
 ) -> torch.Tensor:
-    assert meta.decode_kv_slots is not None
+    assert meta.decode_kv_slots is not None and meta.decode_num_keys is not None
     num_decodes, num_heads, head_dim = query.shape
+    native = paged_decode_attention_bf16() if query.dtype == torch.bfloat16 else None
+    if native is not None:  # reads K/V in place through the slots: no gather, no padding work
+        scale = head_dim**-0.5
+        return native(query, key_cache, value_cache, meta.decode_kv_slots, meta.decode_num_keys, scale)
     num_kv_heads = key_cache.shape[1]
     q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     slots = meta.decode_kv_slots  # [B, L]

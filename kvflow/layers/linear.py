@@ -1,10 +1,14 @@
-"""Dense linear layer with a CPU fast path for bfloat16 decode.
+"""Dense linear layer with CPU fast paths for bfloat16, chosen per call by the number of rows.
 
-Measured on this 2-core AVX-512-BF16 EPYC (benchmarks/NOTES.md): a bf16 GEMV through `F.linear`
-reads weights at a fraction of memory bandwidth, while oneDNN's matmul on a weight reordered once
-into its blocked layout (`torch.ops.mkldnn._reorder_linear_weight`) runs close to it. The reorder
-is done once at load time (`prepare_for_inference`); the plain weight is then dropped so the
-model's memory is not doubled.
+Measured on this 2-core AVX512-BF16 EPYC (benchmarks/NOTES.md), weights streamed per step:
+- M <= 2 rows (single-stream decode): kvflow's AVX512-BF16 GEMV (kvflow/kernels) reads the plain
+  [out, in] weight as one sequential stream: 1.05-1.4x oneDNN's M=1 path, which stalls near
+  26 GB/s whatever the machine's bandwidth.
+- M > 2 (batched decode, prefill chunks): oneDNN matmul on a weight reordered once into its
+  blocked layout (`torch.ops.mkldnn._reorder_linear_weight`): 2x `F.linear` at M=4..8, 1.3x at
+  M=64, equal from M~256.
+With both paths the weight is held twice (plain + blocked); without the native kernel only the
+blocked copy is kept. float32/float16 keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -13,13 +17,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.kernels import SkinnyLinear, skinny_linear_bf16
+
+# Up to this many rows the native GEMV beats oneDNN (measured at M = 1, 2, 4, 8).
+SKINNY_MAX_ROWS = 2
+
 
 def _onednn_bf16_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class Linear(nn.Module):
-    """y = x @ W^T + b with W: [out_features, in_features] (the Hugging Face layout)."""
+    """y = x @ W^T + b with W: [out_features, in_features] (the Hugging Face layout); x: [T, in]."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype) -> None:
         super().__init__()
@@ -30,16 +39,20 @@ class Linear(nn.Module):
             nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
         self._packed_weight: torch.Tensor | None = None
+        self._skinny: SkinnyLinear | None = None
 
     def prepare_for_inference(self) -> None:
-        """Reorder a bf16 weight for oneDNN once; other dtypes keep `F.linear` (MKL), measured faster."""
-        if self.weight.dtype != torch.bfloat16 or not _onednn_bf16_available() or self.weight.is_meta:
+        """Pick the bf16 kernels once the weights are loaded (see the module docstring)."""
+        if self.weight.dtype != torch.bfloat16 or self.weight.is_meta or not _onednn_bf16_available():
             return
         self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
-        # The packed copy is the only one the forward reads: drop the plain one (keep the shape).
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        self._skinny = skinny_linear_bf16()
+        if self._skinny is None:  # only the blocked copy is read: drop the plain one
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: [..., in] -> [..., out]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self._skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+            return self._skinny(x, self.weight, self.bias)
         if self._packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

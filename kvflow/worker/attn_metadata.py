@@ -30,4 +30,5 @@ class AttentionMetadata:
     num_decode_tokens: int  # flat tokens [0, num_decode_tokens) are single-token queries
     decode_kv_slots: torch.Tensor | None  # [num_decodes, max_keys] int64, padded with slot 0
     decode_attend: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] bool, False on padding
+    decode_num_keys: torch.Tensor | None  # [num_decodes] int64: valid (leading) entries of each row
     prefills: list[PrefillChunkMetadata]

@@ -36,8 +36,9 @@ def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[
 
 def _decode_metadata(
     decodes: list[ScheduledRequest], block_size: int, sliding_window: int | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Padded key slots [B, L] and the attend mask [B, 1, 1, L] of single-token queries."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Padded key slots [B, L], the attend mask [B, 1, 1, L] and the number of valid keys [B] of
+    single-token queries (valid keys are each row's leading entries)."""
     query_pos = torch.tensor([r.num_computed_tokens for r in decodes], dtype=torch.int64)  # [B]
     first_key = torch.tensor(
         [_first_key_position(r.num_computed_tokens, sliding_window) for r in decodes], dtype=torch.int64
@@ -53,7 +54,7 @@ def _decode_metadata(
     key_pos = torch.where(valid, key_pos, 0)
     slots = block_tables.gather(1, key_pos // block_size) * block_size + key_pos % block_size
     slots = torch.where(valid, slots, 0)
-    return slots, valid[:, None, None, :]
+    return slots, valid[:, None, None, :], num_keys
 
 
 def _prefill_metadata(
@@ -97,8 +98,8 @@ def build_input_batch(
             prefills.append(_prefill_metadata(req, token_start, block_size, sliding_window))
         if req.do_sample:
             logits_indices.append(len(input_ids) - 1)
-    decode_slots, decode_attend = (
-        _decode_metadata(decodes, block_size, sliding_window) if decodes else (None, None)
+    decode_slots, decode_attend, decode_num_keys = (
+        _decode_metadata(decodes, block_size, sliding_window) if decodes else (None, None, None)
     )
     meta = AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.int64),
@@ -106,6 +107,7 @@ def build_input_batch(
         num_decode_tokens=len(decodes),
         decode_kv_slots=decode_slots,
         decode_attend=decode_attend,
+        decode_num_keys=decode_num_keys,
         prefills=prefills,
     )
     return InputBatch(

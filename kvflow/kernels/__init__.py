@@ -1,0 +1,79 @@
+"""Optional native CPU kernels, compiled on first use with torch's JIT extension builder.
+
+- `skinny_linear_bf16()`: the AVX512-BF16 GEMV for few-row (decode) linears (gemv_bf16.cpp);
+- `paged_decode_attention_bf16()`: decode attention read in place from the paged KV pool
+  (paged_decode_attention.cpp).
+Each returns None when this CPU lacks AVX512-BF16, no compiler is available, or the build fails;
+callers then keep the generic torch path. The build (~1 min, once) is cached under
+~/.cache/kvflow/kernels (KVFLOW_KERNEL_CACHE); KVFLOW_DISABLE_KERNELS=1 skips it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (q [B, Hq, D], key_cache [S, Hkv, D], value_cache, slots [B, L], seq_lens [B], scale) -> [B, Hq, D]
+PagedDecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+_SOURCES = ("bindings.cpp", "gemv_bf16.cpp", "paged_decode_attention.cpp")
+_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@functools.cache
+def _native_module() -> ModuleType | None:
+    if os.environ.get("KVFLOW_DISABLE_KERNELS") == "1":
+        return None
+    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        logger.info("native bf16 kernels disabled: CPU lacks %s", ", ".join(missing))
+        return None
+    default_cache = Path.home() / ".cache" / "kvflow" / "kernels"
+    build_dir = Path(os.environ.get("KVFLOW_KERNEL_CACHE", default_cache))
+    build_dir.mkdir(parents=True, exist_ok=True)
+    here = Path(__file__).parent
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name="kvflow_cpu_kernels",
+            sources=[str(here / s) for s in _SOURCES],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
+    except Exception as e:  # a missing compiler or ninja must not stop the engine
+        logger.warning("native bf16 kernels unavailable (build failed: %s); using torch paths", e)
+        return None
+
+
+def skinny_linear_bf16() -> SkinnyLinear | None:
+    module = _native_module()
+    return None if module is None else module.skinny_linear_bf16
+
+
+def paged_decode_attention_bf16() -> PagedDecodeAttention | None:
+    module = _native_module()
+    return None if module is None else module.paged_decode_attention_bf16

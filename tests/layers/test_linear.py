@@ -1,0 +1,46 @@
+"""The bf16 linear fast paths (native AVX512-BF16 GEMV for few rows, oneDNN blocked weights for
+more) agree with a float32 reference to bf16 rounding, for awkward shapes too."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvflow.kernels import skinny_linear_bf16
+from kvflow.layers.linear import SKINNY_MAX_ROWS, Linear
+
+# (rows M, out N, in K): K not a multiple of 32 exercises the masked tail, N of the thread split.
+SHAPES = [(1, 1152, 896), (2, 7, 37), (3, 96, 64), (1, 13, 300), (5, 33, 4864), (64, 40, 96)]
+
+
+def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y.float() - ref).abs().max() / ref.abs().max())
+
+
+@pytest.mark.parametrize(("m", "n", "k"), SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_matches_float_reference(m: int, n: int, k: int, bias: bool) -> None:
+    torch.manual_seed(m * 1000 + n + k)
+    layer = Linear(k, n, bias, torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(n, k))
+        if layer.bias is not None:
+            layer.bias.copy_(torch.randn(n))
+    w = layer.weight.detach().float().clone()
+    b = layer.bias.detach().float().clone() if layer.bias is not None else None
+    layer.prepare_for_inference()
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), w, b)
+    # Products of bf16 values are exact in fp32; the error is accumulation order plus one bf16
+    # rounding of the output (relative 2^-9).
+    assert _relative_error(layer(x), ref) < 8e-3
+
+
+def test_native_kernel_handles_every_row_count_up_to_the_threshold_and_beyond() -> None:
+    kernel = skinny_linear_bf16()
+    if kernel is None:
+        pytest.skip("native AVX512-BF16 kernel unavailable on this CPU/toolchain")
+    w = torch.randn(50, 130, dtype=torch.bfloat16)
+    for m in range(1, 2 * SKINNY_MAX_ROWS + 6):  # past kMaxM too: rows are processed in groups
+        x = torch.randn(m, 130, dtype=torch.bfloat16)
+        assert _relative_error(kernel(x, w, None), x.float() @ w.float().T) < 8e-3
