@@ -142,6 +142,23 @@ def single_stream_decode(llm: LLM, vocab: int, prompt_len: int = 128, out_len: i
     return 1.0 / statistics.median(out.metrics.itl)
 
 
+def batch_decode(llm: LLM, vocab: int, num_seqs: int = 8, prompt_len: int = 128, out_len: int = 64) -> float:
+    """Aggregate decode tokens/s of `num_seqs` requests decoding together (median gap, x num_seqs)."""
+    rng = random.Random(2)
+    prompts = [[rng.randrange(vocab) for _ in range(prompt_len)] for _ in range(num_seqs)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=out_len, ignore_eos=True))
+    gaps = [g for o in outs for g in o.metrics.itl[num_seqs:]]  # skip steps shared with prefill
+    return num_seqs / statistics.median(gaps)
+
+
+def prefill_rate(llm: LLM, vocab: int, prompt_len: int = 512) -> float:
+    """Prompt tokens/s of one 512-token prompt in one chunk (prompt_len / prefill time)."""
+    prompt = [random.Random(3).randrange(vocab) for _ in range(prompt_len)]
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert out.metrics.prefill_time is not None
+    return prompt_len / out.metrics.prefill_time
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-requests", type=int, default=64)
@@ -169,6 +186,9 @@ def main() -> None:
     decode_tps = single_stream_decode(llm, vocab)
     print(f"memory bandwidth (read): {bandwidth:.1f} GB/s -> decode roofline {roofline:.1f} tokens/s")
     print(f"kvflow single-stream decode: {decode_tps:.1f} tokens/s = {decode_tps / roofline:.0%} of roofline")
+
+    print(f"kvflow batch-8 decode: {batch_decode(llm, vocab):.1f} tokens/s")
+    print(f"kvflow prefill (512-token prompt): {prefill_rate(llm, vocab):.1f} tokens/s")
 
     kv_time, kv_tokens = run_kvflow(llm, prompts, out_lens)
     kv_tps = kv_tokens / kv_time
