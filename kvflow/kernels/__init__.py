@@ -53,6 +53,8 @@ def _native_module() -> ModuleType | None:
     build_dir = Path(os.environ.get("KVFLOW_KERNEL_CACHE", default_cache))
     build_dir.mkdir(parents=True, exist_ok=True)
     here = Path(__file__).parent
+    if not (build_dir / "kvflow_cpu_kernels.so").exists():
+        logger.info("building kvflow's native CPU kernels in %s (first use only, about a minute)", build_dir)
     try:
         from torch.utils.cpp_extension import load
 
