@@ -14,6 +14,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "bf16_utils.h"
+
 #include <cstdint>
 #include <cstring>
 
@@ -21,15 +23,6 @@ namespace {
 
 constexpr int64_t kMaxM = 4;   // activation rows per pass (4 x kUnroll accumulators); more loop
 constexpr int64_t kLanes = 32; // bf16 elements per 512-bit register
-
-inline uint16_t float_to_bf16(float f) {
-  // Round to nearest even, as torch does when casting float32 -> bfloat16.
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
-}
 
 inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
   return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
@@ -39,7 +32,7 @@ inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
 // The row is read front to back, so a thread's whole share of W is one sequential stream (the
 // hardware prefetcher follows one stream far better than several interleaved ones: measured 2x),
 // with kUnroll independent accumulators per x row to hide the dot-product latency, and an
-// explicit prefetch kPrefetchBytes ahead (it runs into the next row, which is contiguous).
+// explicit prefetch kPrefetchElems ahead (it runs into the next row, which is contiguous).
 constexpr int64_t kUnroll = 4;
 constexpr int64_t kPrefetchElems = 1024;  // 2 KiB ahead of the loads
 
@@ -88,7 +81,7 @@ inline void rows_times_x(const uint16_t* w, const uint16_t* x, int64_t M, int64_
         case 3: row_dot<3>(wn, xm, K, out); break;
         default: row_dot<4>(wn, xm, K, out); break;
       }
-      for (int64_t m = 0; m < mb; ++m) y[(m0 + m) * N + n] = float_to_bf16(out[m] + b);
+      for (int64_t m = 0; m < mb; ++m) y[(m0 + m) * N + n] = kvflow::float_to_bf16(out[m] + b);
     }
   }
 }

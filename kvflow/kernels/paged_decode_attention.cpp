@@ -15,6 +15,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "bf16_utils.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,14 +36,6 @@ inline __mmask16 tail_mask(int64_t left) {
 inline __m512 load_bf16_as_f32(const uint16_t* p, __mmask16 mask) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t bits;
-  std::memcpy(&bits, &f, sizeof(bits));
-  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40u);
-  bits += 0x7fffu + ((bits >> 16) & 1u);
-  return static_cast<uint16_t>(bits >> 16);
 }
 
 // exp(x) for x <= 0 (softmax after max subtraction): 2^(x log2 e) split into 2^n * 2^f, f in
@@ -151,7 +145,7 @@ void attend_one(const Problem& P, int64_t b, int64_t h, std::vector<float>& scra
   accumulate_values(P, slots, h, G, L, scores, acc);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d)
-      P.out[(b * P.Hq + h * G + g) * D + d] = float_to_bf16(acc[g * padded + d] * inv_sum[g]);
+      P.out[(b * P.Hq + h * G + g) * D + d] = kvflow::float_to_bf16(acc[g * padded + d] * inv_sum[g]);
 }
 
 }  // namespace
