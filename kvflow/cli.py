@@ -52,10 +52,19 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ignore-eos", action="store_true")
 
 
+def _model_dir(args: argparse.Namespace) -> str:
+    """The MODEL argument, or the bundled target model when it is omitted."""
+    if args.model:
+        return str(args.model)
+    from kvflow.assets import bundled_model_dir
+
+    return str(bundled_model_dir("target"))
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvflow.engine.engine import LLMEngine
 
-    engine = LLMEngine.from_kwargs(model=args.model, **engine_kwargs(args))
+    engine = LLMEngine.from_kwargs(model=_model_dir(args), **engine_kwargs(args))
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
@@ -95,17 +104,54 @@ def timing_summary(t: Any, finish_reason: str | None) -> str:
     )
 
 
+DEMO_PROMPTS = (
+    "def fibonacci(n):\n",
+    "import os\n\n\ndef list_python_files(root):\n",
+    'class Stack:\n    """A last-in, first-out container."""\n\n    def __init__(self):\n',
+    "The with statement is used to",
+)
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Generate from a few prompts, one at a time then all together, with each request's timing."""
+    from kvflow.llm import LLM
+
+    model = _model_dir(args)
+    print(f"[kvflow demo] model: {model}", file=sys.stderr)
+    llm = LLM(model, **engine_kwargs(args))
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    for prompt in DEMO_PROMPTS:
+        out = llm.generate([prompt], params)[0]
+        print(f"--- prompt ---\n{prompt}\n--- completion ---\n{out.outputs[0].text}")
+        print(timing_summary(out.metrics, out.outputs[0].finish_reason), file=sys.stderr)
+    outs = llm.generate(list(DEMO_PROMPTS), params)
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    start = min(o.metrics.arrival_time for o in outs)
+    end = max(o.metrics.token_times[-1] for o in outs if o.metrics.token_times)
+    print(
+        f"[kvflow demo] {len(outs)} prompts batched: {n} tokens in {end - start:.2f} s "
+        f"= {n / (end - start):.1f} tokens/s (continuous batching)",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
-    gen.add_argument("model", help="Hugging Face checkpoint directory")
+    gen.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
+    demo = sub.add_parser("demo", help="generate from a few prompts with timing (bundled model by default)")
+    demo.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    add_engine_args(demo)
+    demo.set_defaults(func=_cmd_demo)
     return parser
 
 

@@ -44,3 +44,11 @@ def test_generate_reports_a_missing_model_clearly(tmp_path: Path) -> None:
     result = _kvflow("generate", str(tmp_path / "missing"), "--prompt", "x")
     assert result.returncode == 2
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_generates_with_timing(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    path = tiny_checkpoint_factory("llama")
+    result = _kvflow("demo", "--model", str(path), "--max-tokens", "4", "--dtype", "float32")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("--- completion ---") == 4
+    assert "TTFT" in result.stderr and "continuous batching" in result.stderr
