@@ -44,6 +44,8 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
+from kvflow.assets.tokenizer_recipe import CHAT_TEMPLATE, PRETOKENIZE_REGEX
+
 # Local files only: transformers must not ask the Hub anything (set before it is imported).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -56,35 +58,7 @@ IM_END = "<|im_end|>"
 # <|im_end|>=2.
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 DEFAULT_VOCAB_SIZE = 8192
-# The pre-tokenization regex of tests/fixtures/checkpoints.py (Qwen2's, and up to digit grouping
-# Llama-3's): words with one leading non-letter, single digits, punctuation runs, newlines, spaces.
-# Runs of indentation stay one piece ("\s+(?!\S)"), which suits Python source.
-PRETOKENIZE_REGEX = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
 MAX_POSITION_EMBEDDINGS = 1024
-# ChatML, the same template as the test fixtures' (tools block, role check).
-CHAT_TEMPLATE = (
-    "{%- if tools %}\n"
-    "{{- '<|im_start|>system\\nYou can call these tools:\\n' }}\n"
-    "{%- for tool in tools %}\n"
-    "{{- tool | tojson }}\n"
-    "{{- '\\n' }}\n"
-    "{%- endfor %}\n"
-    "{{- '<|im_end|>\\n' }}\n"
-    "{%- endif %}\n"
-    "{%- for message in messages %}\n"
-    "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}\n"
-    "{{- raise_exception('Unknown role: ' + message['role']) }}\n"
-    "{%- endif %}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] | default('') + '<|im_end|>\\n' }}\n"
-    "{%- endfor %}\n"
-    "{%- if add_generation_prompt %}\n"
-    "{{- '<|im_start|>assistant\\n' }}\n"
-    "{%- endif %}\n"
-)
-
 # ---------------------------------------------------------------------- model shapes
 
 HEAD_DIM = 64
