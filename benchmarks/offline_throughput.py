@@ -166,7 +166,6 @@ def main() -> None:
     ap.add_argument("--skip-hf", action="store_true", help="skip transformers (it takes minutes)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     args = ap.parse_args()
-    torch.set_num_threads(torch.get_num_threads())
     dtype = getattr(torch, args.dtype)
     path = build_checkpoint(dtype)
     vocab = QWEN25_05B["vocab_size"]

@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 from kvflow.config import EngineConfig
+from kvflow.engine.stats import RequestTimeline
 from kvflow.errors import KVFlowError
 from kvflow.sampling_params import SamplingParams
 
@@ -93,7 +94,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def timing_summary(t: Any, finish_reason: str | None) -> str:
+def timing_summary(t: RequestTimeline, finish_reason: str | None) -> str:
     n = len(t.token_times)
     ttft = (t.ttft or 0.0) * 1e3
     itl = (t.tpot or 0.0) * 1e3

@@ -42,9 +42,10 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
-from kvflow.assets.tokenizer_recipe import CHAT_TEMPLATE, PRETOKENIZE_REGEX
+from kvflow.assets.tokenizer_recipe import tokenizer_config as recipe_tokenizer_config
+from kvflow.assets.tokenizer_recipe import train_byte_level_bpe
 
 # Local files only: transformers must not ask the Hub anything (set before it is imported).
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -217,35 +218,15 @@ def collect_corpus(max_bytes: int | None = None) -> Corpus:
 
 
 def train_tokenizer(documents: Sequence[Document], vocab_size: int) -> Tokenizer:
-    """A byte-level BPE (the fixtures' pipeline) whose post-processor puts <|endoftext|> in front.
+    """The recipe's byte-level BPE with <|endoftext|> as BOS as well as EOS (GPT-2's convention):
+    training documents are joined as `<|endoftext|> doc <|endoftext|> doc ...`, so a prompt encoded
+    with its BOS starts the way every training document did."""
+    texts = (doc.text for doc in documents)
+    return train_byte_level_bpe(texts, vocab_size, SPECIAL_TOKENS, ENDOFTEXT, length=len(documents))
 
-    <|endoftext|> is BOS as well as EOS (GPT-2's convention): training documents are joined as
-    `<|endoftext|> doc <|endoftext|> doc ...`, so a prompt encoded with its BOS starts the way every
-    training document did.
-    """
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        # All 256 bytes, so any text encodes (bytes unseen in the corpus included).
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator((doc.text for doc in documents), trainer=trainer, length=len(documents))
-    tokenizer.post_processor = processors.TemplateProcessing(
-        single=f"{ENDOFTEXT} $A",
-        pair=f"{ENDOFTEXT} $A {ENDOFTEXT}:1 $B:1",
-        special_tokens=[(ENDOFTEXT, special_token_id(tokenizer, ENDOFTEXT))],
-    )
-    return tokenizer
+
+def tokenizer_config() -> dict[str, Any]:
+    return recipe_tokenizer_config(ENDOFTEXT, ENDOFTEXT, MAX_POSITION_EMBEDDINGS)
 
 
 def special_token_id(tokenizer: Tokenizer, token: str) -> int:
@@ -253,20 +234,6 @@ def special_token_id(tokenizer: Tokenizer, token: str) -> int:
     if token_id is None:
         raise SystemExit(f"the tokenizer lacks the special token {token!r} (needed: {SPECIAL_TOKENS})")
     return int(token_id)
-
-
-def tokenizer_config() -> dict[str, Any]:
-    """tokenizer_config.json, with the fixtures' conventions (explicit null unk/pad, no cleanup)."""
-    return {
-        "bos_token": ENDOFTEXT,
-        "eos_token": ENDOFTEXT,
-        "chat_template": CHAT_TEMPLATE,
-        "unk_token": None,
-        "pad_token": None,
-        "model_max_length": MAX_POSITION_EMBEDDINGS,
-        "clean_up_tokenization_spaces": False,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
 
 
 # ---------------------------------------------------------------------- token streams

@@ -104,9 +104,10 @@ def load_model(
     model.rotary_emb = RotaryEmbedding(cfg.rope, max_positions)  # buffers were meta: recompute
     reader = _ShardReader(files)
     used: set[str] = set()
+    available = set(files)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            sources = _sources(name, cfg, set(files))
+            sources = _sources(name, cfg, available)
             _load_param(name, param, sources, reader)
             used.update(sources)
     unused = [

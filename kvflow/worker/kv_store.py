@@ -13,7 +13,7 @@ import torch
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
     """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    return 2 * num_layers * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
 class KVStore:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.reference import hf_greedy
 
 from kvflow import LLM, SamplingParams
 
@@ -44,19 +45,9 @@ def reference(request: pytest.FixtureRequest, tiny_checkpoint_factory: Callable[
     prompts = _prompts(model.config.vocab_size)
     tokens, logprobs = [], []
     for prompt in prompts:
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                max_new_tokens=NUM_NEW_TOKENS,
-                min_new_tokens=NUM_NEW_TOKENS,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-                pad_token_id=0,
-            )
-        tokens.append(out.sequences[0, len(prompt) :].tolist())
-        logprobs.append([torch.log_softmax(step[0].float(), -1) for step in out.logits])
+        new_tokens, logits = hf_greedy(model, prompt, NUM_NEW_TOKENS)
+        tokens.append(new_tokens)
+        logprobs.append([torch.log_softmax(step.float(), -1) for step in logits])
     return {"path": path, "arch": request.param, "prompts": prompts, "tokens": tokens, "logprobs": logprobs}
 
 

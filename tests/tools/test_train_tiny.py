@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.reference import hf_greedy
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
@@ -128,16 +129,7 @@ def test_checkpoint_gives_the_same_greedy_tokens_in_transformers_and_kvflow(runs
     assert len(prompt) == NUM_PROMPT_TOKENS
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert type(model).__name__ == "LlamaForCausalLM"
-    with torch.no_grad():
-        sequences = model.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=NUM_NEW_TOKENS,
-            min_new_tokens=NUM_NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-        )
-    expected = sequences[0, len(prompt) :].tolist()
+    expected, _ = hf_greedy(model, prompt, NUM_NEW_TOKENS)
     # min_tokens bans EOS exactly as transformers' min_new_tokens does.
     params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
     output = LLM(str(path), dtype="float32").generate([prompt], params)[0]
