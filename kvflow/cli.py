@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from typing import Any
 
@@ -12,6 +13,8 @@ from kvflow.config import EngineConfig
 from kvflow.engine.stats import RequestTimeline
 from kvflow.errors import KVFlowError
 from kvflow.sampling_params import SamplingParams
+
+API_KEY_ENV = "KVFLOW_API_KEY"
 
 
 def _parse_bool(text: str) -> bool:
@@ -66,9 +69,10 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from kvflow.engine.engine import LLMEngine
 
     engine = LLMEngine.from_kwargs(model=_model_dir(args), **engine_kwargs(args))
-    prompt = args.prompt
-    if args.chat:
-        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    prompt: str | list[int] = args.prompt
+    if args.chat:  # the rendered template carries its special tokens (BOS for Llama-3): add none
+        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     params = SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,
@@ -137,6 +141,46 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvflow.server.launcher import ServerConfig, run_server
+
+    config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_waiting=args.max_waiting,
+        shutdown_grace_s=args.shutdown_grace_seconds,
+        log_level=args.log_level,
+    )
+    return run_server(_model_dir(args), config, engine_kwargs(args))
+
+
+def _add_serve_parser(sub: Any) -> None:
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and /metrics")
+    serve.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
+    serve.add_argument(
+        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or ${API_KEY_ENV})"
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=None,
+        help="queued requests beyond this get HTTP 429 (default: no limit)",
+    )
+    serve.add_argument(
+        "--shutdown-grace-seconds",
+        type=float,
+        default=5.0,
+        help="on SIGINT/SIGTERM, time in-flight requests get",
+    )
+    add_engine_args(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -153,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-tokens", type=int, default=48)
     add_engine_args(demo)
     demo.set_defaults(func=_cmd_demo)
+    _add_serve_parser(sub)
     return parser
 
 

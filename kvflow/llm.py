@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvflow.engine.engine import LLMEngine, Prompt
+from kvflow.errors import RequestFailedError
 from kvflow.outputs import RequestOutput
 from kvflow.sampling_params import SamplingParams, broadcast_sampling_params
 
@@ -48,4 +49,7 @@ class LLM:
             while engine.has_unfinished_requests():
                 engine.step()
             raise
+        failed = [finished[i] for i in ids if finished[i].error is not None]
+        if failed:
+            raise RequestFailedError(f"request {failed[0].request_id} failed: {failed[0].error}")
         return [finished[i] for i in ids]

@@ -45,3 +45,8 @@ class RequestOutput:
     # For streaming: the text and token ids produced by the step that made this output.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # Logprobs of `delta_token_ids` (None unless the request asked for logprobs).
+    delta_logprobs: list[TokenLogprobs] | None = None
+    # Set (with finished=True, finish_reason "abort") when processing this request failed inside
+    # the engine; the other requests of the batch are unaffected.
+    error: str | None = None

@@ -7,6 +7,7 @@ requests that produced tokens or finished in that step (with `delta_text` for st
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -20,12 +21,17 @@ from kvflow.engine.model_setup import (
 )
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.request import Request, RequestStatus
-from kvflow.engine.scheduler import Scheduler
+from kvflow.engine.scheduler import RequestUpdate, Scheduler
+from kvflow.engine.scheduler_output import SchedulerOutput
+from kvflow.engine.stats import StepStats
 from kvflow.errors import InvalidRequestError, PromptTooLongError
-from kvflow.outputs import RequestOutput
+from kvflow.outputs import RequestOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
 from kvflow.worker.kv_store import KVStore
 from kvflow.worker.model_runner import ModelRunner
+from kvflow.worker.runner_output import ModelRunnerOutput
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
 
@@ -59,20 +65,59 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self._pending_outputs: list[RequestOutput] = []
         self._request_counter = itertools.count()
+        self.last_step_stats: StepStats | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
         return cls(EngineConfig.from_kwargs(**kwargs))
 
-    def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _tokenize(self, prompt: Prompt, add_special_tokens: bool) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
         ids = list(prompt)
         vocab = self.arch.vocab_size
         bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
         return None, ids
+
+    def make_request(
+        self,
+        request_id: str | None,
+        prompt: Prompt,
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        add_special_tokens: bool = True,
+    ) -> Request:
+        """Validate and tokenize a request without touching engine state (safe from any thread).
+
+        `add_special_tokens=False` for text that already carries them (a rendered chat template).
+        Raises InvalidRequestError / PromptTooLongError."""
+        params = sampling_params or SamplingParams()
+        text, prompt_ids = self._tokenize(prompt, add_special_tokens)
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(prompt_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_ids)} tokens; with at least one output token it does not fit "
+                f"in max_model_len={self.max_model_len}"
+            )
+        return Request(
+            request_id if request_id is not None else f"req-{next(self._request_counter)}",
+            prompt_ids,
+            params,
+            self.tokenizer.eos_token_ids,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+            prompt=text,
+        )
+
+    def add_processed_request(self, request: Request) -> str:
+        """Queue a request built by `make_request`; returns its id."""
+        if request.request_id in self.output_processor.states:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+        return request.request_id
 
     def add_request(
         self,
@@ -82,61 +127,83 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> str:
         """Validate, tokenize and queue a request; returns its id. Raises InvalidRequestError."""
-        params = sampling_params or SamplingParams()
-        text, prompt_ids = self._tokenize(prompt)
-        if not prompt_ids:
-            raise InvalidRequestError("the prompt is empty")
-        if len(prompt_ids) >= self.max_model_len:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_ids)} tokens; with at least one output token it does not fit "
-                f"in max_model_len={self.max_model_len}"
-            )
-        request_id = request_id if request_id is not None else f"req-{next(self._request_counter)}"
-        if request_id in self.output_processor.states:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        request = Request(
-            request_id,
-            prompt_ids,
-            params,
-            self.tokenizer.eos_token_ids,
-            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-            prompt=text,
+        return self.add_processed_request(
+            self.make_request(request_id, prompt, sampling_params, arrival_time)
         )
-        self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
-        return request_id
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
         self._finish(ids, RequestStatus.FINISHED_ABORTED)
 
-    def _finish(self, request_ids: list[str], status: RequestStatus, stop_reason: str | None = None) -> None:
+    def _finish(
+        self,
+        request_ids: list[str],
+        status: RequestStatus,
+        stop_reason: str | None = None,
+        error: str | None = None,
+    ) -> None:
         states = [self.output_processor.states[i] for i in request_ids if i in self.output_processor.states]
         self.scheduler.finish_requests(request_ids, status)
         for state in states:
             if stop_reason is not None:  # a stop string wins over a length cap hit by the same token
                 state.request.status = status
                 state.request.stop_reason = stop_reason
-            output = self.output_processor.finish(state.request)
+            output = self.output_processor.finish(state.request, error)
             if output is not None:
                 self._pending_outputs.append(output)
 
     def step(self) -> list[RequestOutput]:
-        outputs, self._pending_outputs = self._pending_outputs, []
+        start = time.monotonic()
         scheduler_output = self.scheduler.schedule()
         # Even an empty schedule goes through update: it reports requests the scheduler finished
         # itself (e.g. one that outgrew the whole KV pool).
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        try:
+            runner_output = self.model_runner.execute_model(scheduler_output)
+        except Exception as exc:  # the whole batch failed: fail its requests, keep the engine serving
+            runner_output = self._fail_step(scheduler_output, exc)
         for update in self.scheduler.update_from_output(scheduler_output, runner_output):
-            rid = update.request.request_id
-            output, stop_str = self.output_processor.process(update, runner_output.logprobs.get(rid))
-            if stop_str is not None:
-                self._finish([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
-                outputs.extend(self._pending_outputs)
-                self._pending_outputs = []
-            elif output is not None:
-                outputs.append(output)
+            self._process_update(update, runner_output.logprobs.get(update.request.request_id))
+        outputs, self._pending_outputs = self._pending_outputs, []
+        self.last_step_stats = self._step_stats(scheduler_output, start)
         return outputs
+
+    def _process_update(self, update: RequestUpdate, logprobs: list[TokenLogprobs] | None) -> None:
+        rid = update.request.request_id
+        try:
+            output, stop_str = self.output_processor.process(update, logprobs)
+        except Exception as exc:  # one request's processing failed: only that request ends
+            logger.exception("processing the output of request %s failed", rid)
+            self._finish([rid], RequestStatus.FINISHED_ABORTED, error=f"{type(exc).__name__}: {exc}")
+            return
+        if stop_str is not None:
+            self._finish([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
+        elif output is not None:
+            self._pending_outputs.append(output)
+
+    def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
+        logger.exception(
+            "the model step failed; failing the %d requests in it", len(scheduler_output.scheduled)
+        )
+        ids = [s.request_id for s in scheduler_output.scheduled]
+        self._finish(
+            ids, RequestStatus.FINISHED_ABORTED, error=f"model step failed: {type(exc).__name__}: {exc}"
+        )
+        # Blocks allocated for this step were indexed for prefix reuse but hold no valid K/V.
+        self.scheduler.kv_cache_manager.block_pool.evict_free_cached_blocks()
+        return ModelRunnerOutput()
+
+    def _step_stats(self, scheduler_output: SchedulerOutput, start: float) -> StepStats:
+        num_decode = sum(s.num_tokens for s in scheduler_output.scheduled if s.is_decode)
+        return StepStats(
+            start_time=start,
+            duration=time.monotonic() - start,
+            num_prefill_tokens=scheduler_output.num_batched_tokens - num_decode,
+            num_decode_tokens=num_decode,
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.scheduler.kv_cache_usage,
+            num_preemptions=len(scheduler_output.preempted_request_ids),
+        )
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)

@@ -72,11 +72,14 @@ class OutputProcessor:
             return None, stop_str
         return self.make_output(state), None
 
-    def make_output(self, state: RequestState) -> RequestOutput:
+    def make_output(self, state: RequestState, error: str | None = None) -> RequestOutput:
         req = state.request
         finished = req.is_finished
         delta_text = state.detokenizer.get_next_output_text(finished, delta=True)
         delta_ids = req.output_token_ids[state.sent_token_count :]
+        delta_logprobs = None
+        if state.logprobs is not None:  # one entry per output token, in step with output_token_ids
+            delta_logprobs = state.logprobs[state.sent_token_count : req.num_output_tokens]
         state.sent_token_count = req.num_output_tokens
         completion = CompletionOutput(
             index=0,
@@ -99,12 +102,14 @@ class OutputProcessor:
             num_cached_tokens=req.timeline.num_cached_prompt_tokens,
             delta_text=delta_text,
             delta_token_ids=delta_ids,
+            delta_logprobs=delta_logprobs,
+            error=error,
         )
 
-    def finish(self, request: Request) -> RequestOutput | None:
-        """Final output of a request finished outside `process` (stop string, abort)."""
+    def finish(self, request: Request, error: str | None = None) -> RequestOutput | None:
+        """Final output of a request finished outside `process` (stop string, abort, failure)."""
         state = self.states.get(request.request_id)
         if state is None:
             return None
         assert request.status.is_finished, request
-        return self.make_output(state)
+        return self.make_output(state, error)

@@ -202,6 +202,7 @@ class Scheduler:
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.block_table(request.request_id),
             do_sample=end == request.num_tokens,
+            is_decode=is_decode,
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,

@@ -22,6 +22,7 @@ class ScheduledRequest:
     num_computed_tokens: int
     block_ids: list[int]
     do_sample: bool  # the chunk reaches the request's last token: sample the next one
+    is_decode: bool  # one token: the last sampled one (anything else is prefill, recompute included)
     sampling_params: SamplingParams
     # References to the request's live lists (penalties read them when sampling).
     prompt_token_ids: list[int]

@@ -89,3 +89,33 @@ class RequestTimeline:
         if not self.token_times:
             return None
         return self.token_times[-1] - self.arrival_time
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one engine step computed and how long it took (the server's step-level metrics).
+
+    A step is `decode_only`, `prefill_only` or `mixed` (prefill chunks sharing the step with decodes):
+    an ITL spike that lines up with `mixed` steps is a prefill chunk stalling the decodes.
+    """
+
+    start_time: float  # monotonic seconds
+    duration: float  # schedule -> model -> update -> outputs, seconds
+    num_prefill_tokens: int  # prompt chunks and recomputed tokens after preemption
+    num_decode_tokens: int  # one per decoding request
+    num_running: int  # after the step
+    num_waiting: int  # after the step (preempted requests included)
+    kv_cache_usage: float  # used blocks / usable blocks, after the step
+    num_preemptions: int  # requests preempted while scheduling this step
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def kind(self) -> str:
+        if self.num_prefill_tokens and self.num_decode_tokens:
+            return "mixed"
+        if self.num_prefill_tokens:
+            return "prefill_only"
+        return "decode_only" if self.num_decode_tokens else "idle"

@@ -97,6 +97,19 @@ class BlockPool:
             del self.cached_block_hash_to_block[block.block_hash]
         block.block_hash = None
 
+    def evict_free_cached_blocks(self) -> int:
+        """Drop every free block from the prefix-cache index; returns how many were dropped.
+
+        Blocks enter the index when they are allocated for tokens about to be computed (so that
+        requests in the same step can share them). If that computation fails, the blocks hold no
+        valid K/V: after the failed requests are freed, this makes sure no later request hits them.
+        Blocks still referenced were computed by earlier, successful steps and stay cached.
+        """
+        stale = [block for block in self.free_block_queue.values() if block.block_hash is not None]
+        for block in stale:
+            self._evict(block)
+        return len(stale)
+
     def get_cached_block(self, block_hash: bytes) -> KVCacheBlock | None:
         return self.cached_block_hash_to_block.get(block_hash)
 

@@ -116,6 +116,18 @@ def test_cache_full_block_keeps_the_first_block_for_a_duplicate_hash() -> None:
     pool.check_integrity()
 
 
+def test_evict_free_cached_blocks_drops_only_free_ones() -> None:
+    pool = BlockPool(num_blocks=5, enable_caching=True)
+    held, freed = pool.get_new_blocks(2)
+    pool.cache_full_block(held, h(1))
+    pool.cache_full_block(freed, h(2))
+    pool.free_blocks([freed])
+    assert pool.evict_free_cached_blocks() == 1
+    assert pool.get_cached_block(h(2)) is None and freed.block_hash is None
+    assert pool.get_cached_block(h(1)) is held  # still referenced: computed by an earlier step
+    pool.check_integrity()
+
+
 def test_caching_disabled_never_indexes_blocks() -> None:
     pool = BlockPool(num_blocks=4, enable_caching=False)
     (block,) = pool.get_new_blocks(1)

@@ -1,0 +1,238 @@
+"""Serving latency: client-measured TTFT/ITL next to the server's own numbers, for the same run.
+
+    python benchmarks/serve_latency.py [--num-requests 32] [--concurrency 4] [--input-len 256]
+                                       [--output-len 64] [--dtype bfloat16]
+
+Starts `kvflow serve` (a subprocess, as users run it) on the Qwen2.5-0.5B-shaped random checkpoint
+of offline_throughput.py, sends warm-up requests, then `--num-requests` streaming completions with
+`--concurrency` in flight (closed loop). Prompts are random token ids (exact lengths); outputs are
+exactly `--output-len` tokens (ignore_eos). Every chunk carries its token count
+(`continuous_usage_stats`), so a chunk of n tokens after a gap g counts as n gaps of g/n.
+
+Three views of the same requests:
+  client      TTFT = first content chunk - send; ITL = per-token gaps as above
+  server      each request's own timeline (`kvflow.timing` in the final chunk: ttft_ms) and
+              the gaps between its token times (from /metrics: no per-token export)
+  /metrics    quantiles interpolated from the histogram buckets (Prometheus' histogram_quantile)
+              over exactly the measured requests (bucket deltas across the run)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from offline_throughput import QWEN25_05B, REPO, build_checkpoint
+
+STARTUP_TIMEOUT_S = 600.0  # first start builds the native kernels (about a minute) and the checkpoint
+NUM_WARMUP = 2
+
+
+@dataclass
+class RequestRecord:
+    send: float
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (arrival, tokens in the chunk)
+    server_ttft_ms: float | None = None
+
+    @property
+    def ttft(self) -> float:
+        return self.chunks[0][0] - self.send
+
+    def itl_per_token(self) -> list[float]:
+        gaps = []
+        for (t0, _), (t1, n) in zip(self.chunks, self.chunks[1:], strict=False):
+            gaps += [(t1 - t0) / n] * n
+        return gaps
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def histogram_buckets(text: str, name: str) -> list[tuple[float, float]]:
+    """(upper bound, cumulative count) of one histogram, sorted by bound."""
+    for family in text_string_to_metric_families(text):
+        if family.name == name:
+            return sorted(
+                (float(s.labels["le"]), s.value) for s in family.samples if s.name == name + "_bucket"
+            )
+    raise KeyError(name)
+
+
+def histogram_quantile(
+    before: list[tuple[float, float]], after: list[tuple[float, float]], q: float
+) -> float:
+    """Prometheus' histogram_quantile over the bucket deltas: linear inside the bucket."""
+    deltas = [(le, a - b) for (le, a), (_, b) in zip(after, before, strict=True)]
+    total = deltas[-1][1]
+    rank = q * total
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in deltas:
+        if count >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * (rank - prev_count) / max(count - prev_count, 1e-12)
+        prev_le, prev_count = le, count
+    return prev_le
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_server(model: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "kvflow.cli", "serve", str(model), "--port", str(port)]
+    command += ["--served-model-name", "bench", "--dtype", args.dtype, "--max-model-len", "2048"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)}
+    process = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError("kvflow serve exited during start-up (run it by hand to see why)")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("kvflow serve did not become healthy")
+        time.sleep(0.5)
+
+
+async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestRecord:
+    body = {
+        "model": "bench",
+        "prompt": prompt,
+        "max_tokens": output_len,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "kvflow": {"timing": True},
+    }
+    record = RequestRecord(send=time.perf_counter())
+    seen_tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            now = time.perf_counter()
+            chunk = json.loads(line[len("data: ") :])
+            if not chunk["choices"]:
+                continue
+            tokens = chunk["usage"]["completion_tokens"] - seen_tokens
+            seen_tokens = chunk["usage"]["completion_tokens"]
+            if tokens > 0:
+                record.chunks.append((now, tokens))
+            if "kvflow" in chunk:
+                record.server_ttft_ms = chunk["kvflow"]["timing"]["ttft_ms"]
+    if seen_tokens != output_len:
+        raise RuntimeError(f"got {seen_tokens} tokens, expected {output_len}")
+    return record
+
+
+async def run_load(
+    base: str, prompts: list[list[int]], output_len: int, concurrency: int
+) -> list[RequestRecord]:
+    semaphore = asyncio.Semaphore(concurrency)
+    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+
+        async def bounded(prompt: list[int]) -> RequestRecord:
+            async with semaphore:
+                return await one_request(client, prompt, output_len)
+
+        return list(await asyncio.gather(*(bounded(p) for p in prompts)))
+
+
+def report(
+    records: list[RequestRecord], before: str, after: str, wall: float, args: argparse.Namespace
+) -> None:
+    client_ttft = [r.ttft * 1e3 for r in records]
+    client_itl = [g * 1e3 for r in records for g in r.itl_per_token()]
+    server_ttft = [r.server_ttft_ms for r in records if r.server_ttft_ms is not None]
+    ttft_b = histogram_buckets(before, "kvflow:time_to_first_token_seconds")
+    ttft_a = histogram_buckets(after, "kvflow:time_to_first_token_seconds")
+    itl_b = histogram_buckets(before, "kvflow:inter_token_latency_seconds")
+    itl_a = histogram_buckets(after, "kvflow:inter_token_latency_seconds")
+    n_tokens = sum(n for r in records for _, n in r.chunks)
+    print(
+        f"\n{len(records)} requests, concurrency {args.concurrency}, {args.input_len} prompt + "
+        f"{args.output_len} output tokens, {args.dtype}; {wall:.1f} s, {n_tokens / wall:.1f} output tok/s"
+    )
+    header = ("client", "server (exact)", "/metrics (hist)", "client - server")
+    print(f"{'metric':<8}{'pct':>5}{header[0]:>12}" + "".join(f"{h:>17}" for h in header[1:]))
+    for q in (0.5, 0.99):
+        c, s = percentile(client_ttft, q), percentile(server_ttft, q)
+        h = histogram_quantile(ttft_b, ttft_a, q) * 1e3
+        print(f"{'TTFT':<8}{f'p{int(q * 100)}':>5}{c:>10.1f}ms{s:>15.1f}ms{h:>15.1f}ms{c - s:>15.1f}ms")
+    for q in (0.5, 0.99):
+        c = percentile(client_itl, q)
+        h = histogram_quantile(itl_b, itl_a, q) * 1e3
+        print(f"{'ITL':<8}{f'p{int(q * 100)}':>5}{c:>10.1f}ms{'':>17}{h:>15.1f}ms{c - h:>15.1f}ms")
+    itl_count = histogram_buckets(after, "kvflow:inter_token_latency_seconds")[-1][1] - itl_b[-1][1]
+    print(f"ITL samples: client {len(client_itl)}, server histogram {itl_count:.0f}")
+    diffs = [c - s for c, s in zip(client_ttft, server_ttft, strict=False)]
+    print(f"TTFT client - server per request: mean {statistics.mean(diffs):.2f} ms, max {max(diffs):.2f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--input-len", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--server-threads", type=int, default=2)
+    args = parser.parse_args()
+
+    model = build_checkpoint(getattr(torch, args.dtype))
+    rng = random.Random(0)
+    vocab = QWEN25_05B["vocab_size"]
+    prompts = [
+        [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)] for _ in range(args.num_requests)
+    ]
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    server = start_server(model, port, args)
+    try:
+        warmup = [
+            [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)] for _ in range(NUM_WARMUP)
+        ]
+        asyncio.run(run_load(base, warmup, 8, NUM_WARMUP))
+        before = httpx.get(base + "/metrics").text
+        start = time.perf_counter()
+        records = asyncio.run(run_load(base, prompts, args.output_len, args.concurrency))
+        wall = time.perf_counter() - start
+        after = httpx.get(base + "/metrics").text
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(60)
+    report(records, before, after, wall, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""OpenAI-style error bodies and the mapping from kvflow's exceptions to HTTP status codes.
+
+Every error answer is `{"error": {"message", "type", "param", "code"}}` with the status below:
+    400  malformed JSON, a wrong type or value (the field is named), prompt + max_tokens > context
+    401  missing or wrong API key (when the server has one)
+    404  unknown model name, unknown route
+    429  the waiting queue is full (`--max-waiting`), with a Retry-After header
+    500  one request's processing failed inside the engine (the others keep being served)
+    503  the engine has stopped
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from http import HTTPStatus
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from kvflow.engine.async_engine import EngineDeadError
+from kvflow.errors import EngineOverloadedError, InvalidRequestError, RequestFailedError
+
+logger = logging.getLogger(__name__)
+
+# Seconds a client told 429 should wait: about one engine step's worth of queue drain on small
+# models; clients (the openai library included) back off exponentially from it.
+RETRY_AFTER_S = 1
+
+_ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "invalid_request_error",
+    HTTPStatus.UNAUTHORIZED: "authentication_error",
+    HTTPStatus.NOT_FOUND: "invalid_request_error",
+    HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "server_error",
+    HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error with its HTTP status, raised by the serving layer and rendered by `error_response`."""
+
+    def __init__(
+        self,
+        status: HTTPStatus,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+
+def error_body(
+    status: HTTPStatus, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": code if code is not None else int(status),
+        }
+    }
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(
+        error_body(error.status, error.message, error.param, error.code),
+        status_code=int(error.status),
+        headers=error.headers,
+    )
+
+
+def sse_error(error: APIError) -> str:
+    """An error after a stream has started (the status line is already sent): one `data:` event."""
+    return f"data: {json.dumps(error_body(error.status, error.message, error.param, error.code))}\n\n"
+
+
+def to_api_error(exc: BaseException) -> APIError:
+    """Map any exception raised while serving a request to its HTTP error."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, InvalidRequestError):
+        return APIError(HTTPStatus.BAD_REQUEST, str(exc))
+    if isinstance(exc, EngineOverloadedError):
+        return APIError(
+            HTTPStatus.TOO_MANY_REQUESTS,
+            str(exc),
+            code="rate_limit_exceeded",
+            headers={"Retry-After": str(RETRY_AFTER_S)},
+        )
+    if isinstance(exc, RequestFailedError):
+        return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"processing the request failed: {exc}")
+    if isinstance(exc, EngineDeadError):
+        return APIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
+    logger.error("unexpected error while serving a request", exc_info=exc)
+    return APIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
+    """pydantic/FastAPI validation errors -> (message naming the field, the field's dotted path)."""
+    if not errors:
+        return "invalid request body", None
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if tuple(first.get("loc", ())) == ("body",):
+        return "the request body must be a JSON object (send Content-Type: application/json)", None
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    messages = []
+    for err in errors[:3]:
+        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
+        messages.append(f"{where}: {err.get('msg')}")
+    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+    return "invalid request: " + "; ".join(messages) + more, param

@@ -1,0 +1,80 @@
+"""`kvflow serve`: load the model, then run uvicorn with the app and the engine thread.
+
+SIGINT/SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for
+`shutdown_grace_s`, cancels the rest (their handlers abort their engine requests), then the app's
+lifespan stops the engine thread; the process exits with status 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+import uvicorn
+
+from kvflow.engine.async_engine import AsyncLLMEngine
+from kvflow.engine.engine import LLMEngine
+from kvflow.server.api import build_app
+from kvflow.server.metrics import EngineMetrics
+from kvflow.server.serving import ServingContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # default: the model path as given (vLLM's default)
+    api_key: str | None = None
+    max_waiting: int | None = None  # None: unbounded queue (vLLM's behaviour)
+    shutdown_grace_s: float = 5.0
+    log_level: str = "info"
+
+
+def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> ServingContext:
+    """Load the model and wire engine, metrics and serving context (the engine thread is not started)."""
+    engine = LLMEngine.from_kwargs(model=model, **engine_kwargs)
+    name = config.served_model_name or model
+    metrics = EngineMetrics(name, engine.max_model_len)
+    async_engine = AsyncLLMEngine(engine, config.max_waiting, metrics.observe_step)
+    return ServingContext(
+        engine=async_engine,
+        served_model_name=name,
+        model_dir=model,
+        max_model_len=engine.max_model_len,
+        tokenizer=engine.tokenizer,
+        metrics=metrics,
+        api_key=config.api_key,
+    )
+
+
+def run_server(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
+    ctx = build_context(model, config, engine_kwargs)
+    app = build_app(ctx)
+    uv_config = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        timeout_graceful_shutdown=max(1, round(config.shutdown_grace_s)),
+        log_level=config.log_level.lower(),
+        access_log=False,
+    )
+    base = f"http://{config.host}:{config.port}"
+    print(f"[kvflow serve] {ctx.served_model_name} at {base}/v1 (metrics: {base}/metrics)", file=sys.stderr)
+    print(f"[kvflow serve] {ctx.engine.engine.kv_pool_summary}", file=sys.stderr)
+    # uvicorn handles SIGINT/SIGTERM while it runs (graceful drain), then re-raises the signal into the
+    # handlers it found: these no-ops make the drained shutdown an ordinary exit with status 0.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _after_graceful_shutdown)
+    uvicorn.Server(uv_config).run()
+    print("[kvflow serve] stopped", file=sys.stderr)
+    return 0
+
+
+def _after_graceful_shutdown(signum: int, frame: FrameType | None) -> None:
+    logger.debug("signal %d after the graceful shutdown: exiting normally", signum)

@@ -1,0 +1,227 @@
+"""What completions and chat completions share: the serving context, request -> SamplingParams,
+the context-length check, fan-out of `n` choices, waiting for a client that may disconnect, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from pydantic import BaseModel
+
+from kvflow.engine.async_engine import AsyncLLMEngine, OutputStream
+from kvflow.engine.request import Request
+from kvflow.errors import PromptTooLongError
+from kvflow.outputs import RequestOutput
+from kvflow.sampling_params import SamplingParams
+from kvflow.server.errors import APIError, sse_error, to_api_error
+from kvflow.server.metrics import EngineMetrics, timing_fields
+from kvflow.server.protocol import UsageInfo, _SamplingFields
+from kvflow.tokenizer import Tokenizer
+
+TIMING_HEADER = "x-kvflow-timing"
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """Everything a request handler needs; built once per server, passed (never global)."""
+
+    engine: AsyncLLMEngine
+    served_model_name: str
+    model_dir: str
+    max_model_len: int
+    tokenizer: Tokenizer
+    metrics: EngineMetrics
+    api_key: str | None = None
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(
+                HTTPStatus.NOT_FOUND,
+                f"the model `{model}` does not exist; this server serves `{self.served_model_name}`",
+                param="model",
+                code="model_not_found",
+            )
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """One prompt, tokenized: `text` is None when the client sent token ids."""
+
+    text: str | None
+    token_ids: list[int]
+
+
+def unsupported_fields(body: _SamplingFields) -> None:
+    """Refuse what kvflow cannot honour instead of silently ignoring it."""
+    if body.logit_bias:
+        raise APIError(HTTPStatus.BAD_REQUEST, "logit_bias is not supported", param="logit_bias")
+    if body.best_of is not None and body.best_of != body.n:
+        raise APIError(HTTPStatus.BAD_REQUEST, "best_of other than n is not supported", param="best_of")
+    if body.stream_options is not None and not body.stream:
+        raise APIError(
+            HTTPStatus.BAD_REQUEST, "stream_options is only allowed with stream=true", "stream_options"
+        )
+
+
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
+    """The output budget; None means "the rest of the context" (vLLM's chat default)."""
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + requested > max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens; the request needs "
+            f"{num_prompt_tokens + requested} ({num_prompt_tokens} in the prompt + {requested} for "
+            "max_tokens): shorten the prompt or lower max_tokens"
+        )
+    return requested
+
+
+def sampling_params(
+    body: _SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None
+) -> SamplingParams:
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=0 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else body.min_p,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        seed=seed,
+        max_tokens=max_tokens,
+        min_tokens=min(body.min_tokens, max_tokens),
+        stop=stop,
+        stop_token_ids=list(body.stop_token_ids or []),
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        skip_special_tokens=body.skip_special_tokens,
+    )
+
+
+def build_requests(
+    ctx: ServingContext,
+    prefix: str,
+    prompts: list[PromptInput],
+    body: _SamplingFields,
+    requested_max_tokens: int | None,
+    logprobs: int | None,
+    arrival_time: float,
+) -> list[Request]:
+    """One engine request per (prompt, choice): choice index = prompt index * n + j, as OpenAI orders
+    them. With a seed, choice j samples with seed + j (identical choices would be pointless)."""
+    requests = []
+    group = uuid.uuid4().hex[:12]  # engine ids are unique even when clients reuse x-request-id
+    for p_index, prompt in enumerate(prompts):
+        max_tokens = resolve_max_tokens(requested_max_tokens, len(prompt.token_ids), ctx.max_model_len)
+        for j in range(body.n):
+            seed = None if body.seed is None else body.seed + j
+            params = sampling_params(body, max_tokens, logprobs, seed)
+            request = ctx.engine.engine.make_request(
+                f"{prefix}-{group}-{p_index * body.n + j}", prompt.token_ids, params, arrival_time
+            )
+            request.prompt = prompt.text
+            requests.append(request)
+    return requests
+
+
+def choice_index(request_id: str) -> int:
+    return int(request_id.rsplit("-", 1)[1])
+
+
+def wants_timing(body: _SamplingFields, raw: HTTPRequest) -> bool:
+    return bool(body.kvflow and body.kvflow.timing) or raw.headers.get(TIMING_HEADER, "") in ("1", "true")
+
+
+def output_timing(output: RequestOutput) -> dict[str, Any]:
+    return timing_fields(output.metrics, len(output.prompt_token_ids), len(output.outputs[0].token_ids))
+
+
+def kvflow_timing(finals: list[RequestOutput]) -> dict[str, Any]:
+    """`kvflow` field of a non-streamed response: choice 0's timing, plus every choice's if several."""
+    result: dict[str, Any] = {"timing": output_timing(finals[0])}
+    if len(finals) > 1:
+        result["choice_timings"] = [output_timing(f) for f in finals]
+    return result
+
+
+def usage_of(finals: list[RequestOutput], n: int) -> UsageInfo:
+    """Prompt tokens count once per prompt (not per choice), as OpenAI and vLLM count them."""
+    prompt = sum(len(f.prompt_token_ids) for f in finals[::n])
+    completion = sum(len(f.outputs[0].token_ids) for f in finals)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+async def wait_for_disconnect(raw: HTTPRequest) -> None:
+    """Returns when the client has gone (the body is read: the next ASGI message is the disconnect)."""
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def collect_finals(stream: OutputStream, raw: HTTPRequest) -> list[RequestOutput]:
+    """Final outputs of every request of the group, in choice order; aborts them if the client leaves."""
+    finals: dict[str, RequestOutput] = {}
+
+    async def collect() -> None:
+        async for output in stream:
+            if output.finished:
+                finals[output.request_id] = output
+
+    collect_task = asyncio.ensure_future(collect())
+    disconnect_task = asyncio.ensure_future(wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({collect_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+        if not collect_task.done():
+            raise asyncio.CancelledError("client disconnected")
+        collect_task.result()  # re-raises a failure
+    finally:
+        collect_task.cancel()
+        disconnect_task.cancel()
+        stream.close()
+    return sorted(finals.values(), key=lambda f: choice_index(f.request_id))
+
+
+def sse(payload: BaseModel) -> str:
+    return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+async def sse_stream(
+    stream: OutputStream,
+    make_events: Callable[[RequestOutput], list[str]],
+    tail: Callable[[], list[str]],
+    head: list[str] | None = None,
+) -> AsyncIterator[str]:
+    """`head`, SSE events for each output, then `tail()` and [DONE]. An error after the stream started
+    becomes an error event; a client that goes away cancels this generator, and `finally` aborts its
+    requests (their KV blocks return to the pool)."""
+    try:
+        for event in head or []:
+            yield event
+        async for output in stream:
+            for event in make_events(output):
+                yield event
+        for event in tail():
+            yield event
+        yield SSE_DONE
+    except Exception as exc:
+        yield sse_error(to_api_error(exc))
+        yield SSE_DONE
+    finally:
+        stream.close()
+
+
+def now() -> float:
+    """Arrival timestamps share the engine timelines' clock."""
+    return time.monotonic()
