@@ -20,7 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from kvflow.errors import KVFlowError
-from kvflow.server.errors import APIError, error_response, to_api_error, validation_message
+from kvflow.server.errors import (
+    CLIENT_CLOSED_REQUEST,
+    APIError,
+    error_response,
+    to_api_error,
+    validation_message,
+)
 from kvflow.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -29,7 +35,7 @@ from kvflow.server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from kvflow.server.serving import ServingContext
+from kvflow.server.serving import ClientDisconnectedError, ServingContext
 from kvflow.server.serving_chat import create_chat_completion, render_chat_prompt
 from kvflow.server.serving_completion import create_completion
 
@@ -97,6 +103,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         try:
             return await create_completion(ctx, body, raw)
+        except ClientDisconnectedError:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:  # rendered inside the middlewares, so x-request-id is kept
             raise to_api_error(exc) from exc
 
@@ -104,6 +112,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         try:
             return await create_chat_completion(ctx, body, raw)
+        except ClientDisconnectedError:
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         except Exception as exc:
             raise to_api_error(exc) from exc
 

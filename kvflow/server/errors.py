@@ -7,6 +7,8 @@ Every error answer is `{"error": {"message", "type", "param", "code"}}` with the
     429  the waiting queue is full (`--max-waiting`), with a Retry-After header
     500  one request's processing failed inside the engine (the others keep being served)
     503  the engine has stopped
+    499  (nginx's "client closed request") the client left before a non-streamed answer was ready;
+         nobody receives it, but access logs show it for what it was
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ logger = logging.getLogger(__name__)
 # Seconds a client told 429 should wait: about one engine step's worth of queue drain on small
 # models; clients (the openai library included) back off exponentially from it.
 RETRY_AFTER_S = 1
+CLIENT_CLOSED_REQUEST = 499
 
 _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",

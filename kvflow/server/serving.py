@@ -27,6 +27,10 @@ from kvflow.tokenizer import Tokenizer
 TIMING_HEADER = "x-kvflow-timing"
 
 
+class ClientDisconnectedError(Exception):
+    """The client went away while its non-streamed request ran (its engine requests are aborted)."""
+
+
 @dataclass(frozen=True)
 class ServingContext:
     """Everything a request handler needs; built once per server, passed (never global)."""
@@ -181,7 +185,7 @@ async def collect_finals(stream: OutputStream, raw: HTTPRequest) -> list[Request
     try:
         await asyncio.wait({collect_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
         if not collect_task.done():
-            raise asyncio.CancelledError("client disconnected")
+            raise ClientDisconnectedError("the client disconnected before the response was ready")
         collect_task.result()  # re-raises a failure
     finally:
         collect_task.cancel()

@@ -178,3 +178,62 @@ def test_missing_tensor_and_shape_mismatch_name_the_tensor(tmp_path: Path, llama
     save_file(load_file(str(llama_dir / "model.safetensors")), str(ckpt / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"shape mismatch .*gate_proj.* in model\.safetensors"):
         LLM(str(ckpt))
+
+
+def test_a_failed_model_step_fails_its_requests_only_and_leaves_no_stale_prefix(
+    llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = LLMEngine.from_kwargs(model=str(llama_dir), dtype="float32", max_model_len=256, block_size=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt = list(range(10, 30))
+    reference = LLM(str(llama_dir), dtype="float32", max_model_len=256).generate([prompt], params)[0]
+    execute = engine.model_runner.execute_model
+    calls = {"n": 0}
+
+    def fail_first_call(*args: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected model failure")
+        return execute(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine.model_runner, "execute_model", fail_first_call)
+    engine.add_request("doomed", prompt, params)
+    outputs = engine.step()
+    assert [(o.request_id, o.finished, o.outputs[0].finish_reason) for o in outputs] == [
+        ("doomed", True, "abort")
+    ]
+    assert outputs[0].error is not None and "injected model failure" in outputs[0].error
+    assert engine.last_step_stats is not None and engine.last_step_stats.num_prefill_tokens == len(prompt)
+    engine.scheduler.check_integrity()
+    # The blocks allocated for the failed step were indexed for reuse but never written: a retry of the
+    # same prompt must recompute them (a stale hit would change the output).
+    engine.add_request("retry", prompt, params)
+    final = None
+    while engine.has_unfinished_requests():
+        final = next((o for o in engine.step() if o.finished), final)
+    assert final is not None and final.error is None
+    assert final.num_cached_tokens == 0
+    assert final.outputs[0].token_ids == reference.outputs[0].token_ids
+    engine.scheduler.check_integrity()
+
+
+def test_a_failed_output_fails_that_request_only(llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    processor = llm.llm_engine.output_processor
+    process = processor.process
+
+    def fail_one(update: object, logprobs: object) -> object:
+        if update.request.request_id == "req-bad":  # type: ignore[attr-defined]
+            raise ValueError("injected output failure")
+        return process(update, logprobs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(processor, "process", fail_one)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine.add_request("req-good", "def main():", params)
+    engine.add_request("req-bad", "def main():", params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert finals["req-bad"].error == "ValueError: injected output failure"
+    assert finals["req-good"].error is None and len(finals["req-good"].outputs[0].token_ids) == 5
+    engine.scheduler.check_integrity()
