@@ -35,10 +35,12 @@ from pathlib import Path
 
 import httpx
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import QWEN25_05B, REPO, build_checkpoint
+
+from kvflow.bench.metrics import percentile
+from kvflow.bench.server_metrics import Snapshot, histogram_quantile, scrape
 
 STARTUP_TIMEOUT_S = 600.0  # first start builds the native kernels (about a minute) and the checkpoint
 NUM_WARMUP = 2
@@ -59,40 +61,6 @@ class RequestRecord:
         for (t0, _), (t1, n) in zip(self.chunks, self.chunks[1:], strict=False):
             gaps += [(t1 - t0) / n] * n
         return gaps
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = int(k), min(int(k) + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def histogram_buckets(text: str, name: str) -> list[tuple[float, float]]:
-    """(upper bound, cumulative count) of one histogram, sorted by bound."""
-    for family in text_string_to_metric_families(text):
-        if family.name == name:
-            return sorted(
-                (float(s.labels["le"]), s.value) for s in family.samples if s.name == name + "_bucket"
-            )
-    raise KeyError(name)
-
-
-def histogram_quantile(
-    before: list[tuple[float, float]], after: list[tuple[float, float]], q: float
-) -> float:
-    """Prometheus' histogram_quantile over the bucket deltas: linear inside the bucket."""
-    deltas = [(le, a - b) for (le, a), (_, b) in zip(after, before, strict=True)]
-    total = deltas[-1][1]
-    rank = q * total
-    prev_le, prev_count = 0.0, 0.0
-    for le, count in deltas:
-        if count >= rank:
-            if le == float("inf"):
-                return prev_le
-            return prev_le + (le - prev_le) * (rank - prev_count) / max(count - prev_count, 1e-12)
-        prev_le, prev_count = le, count
-    return prev_le
 
 
 def free_port() -> int:
@@ -167,15 +135,12 @@ async def run_load(
 
 
 def report(
-    records: list[RequestRecord], before: str, after: str, wall: float, args: argparse.Namespace
+    records: list[RequestRecord], before: Snapshot, after: Snapshot, wall: float, args: argparse.Namespace
 ) -> None:
     client_ttft = [r.ttft * 1e3 for r in records]
     client_itl = [g * 1e3 for r in records for g in r.itl_per_token()]
     server_ttft = [r.server_ttft_ms for r in records if r.server_ttft_ms is not None]
-    ttft_b = histogram_buckets(before, "kvflow:time_to_first_token_seconds")
-    ttft_a = histogram_buckets(after, "kvflow:time_to_first_token_seconds")
-    itl_b = histogram_buckets(before, "kvflow:inter_token_latency_seconds")
-    itl_a = histogram_buckets(after, "kvflow:inter_token_latency_seconds")
+    ttft_name, itl_name = "time_to_first_token_seconds", "inter_token_latency_seconds"
     n_tokens = sum(n for r in records for _, n in r.chunks)
     print(
         f"\n{len(records)} requests, concurrency {args.concurrency}, {args.input_len} prompt + "
@@ -184,14 +149,15 @@ def report(
     header = ("client", "server (exact)", "/metrics (hist)", "client - server")
     print(f"{'metric':<8}{'pct':>5}{header[0]:>12}" + "".join(f"{h:>17}" for h in header[1:]))
     for q in (0.5, 0.99):
-        c, s = percentile(client_ttft, q), percentile(server_ttft, q)
-        h = histogram_quantile(ttft_b, ttft_a, q) * 1e3
+        c, s = percentile(client_ttft, 100 * q), percentile(server_ttft, 100 * q)
+        h = (histogram_quantile(before, after, ttft_name, q) or 0.0) * 1e3
         print(f"{'TTFT':<8}{f'p{int(q * 100)}':>5}{c:>10.1f}ms{s:>15.1f}ms{h:>15.1f}ms{c - s:>15.1f}ms")
     for q in (0.5, 0.99):
-        c = percentile(client_itl, q)
-        h = histogram_quantile(itl_b, itl_a, q) * 1e3
+        c = percentile(client_itl, 100 * q)
+        h = (histogram_quantile(before, after, itl_name, q) or 0.0) * 1e3
         print(f"{'ITL':<8}{f'p{int(q * 100)}':>5}{c:>10.1f}ms{'':>17}{h:>15.1f}ms{c - h:>15.1f}ms")
-    itl_count = histogram_buckets(after, "kvflow:inter_token_latency_seconds")[-1][1] - itl_b[-1][1]
+    count_key = "kvflow:" + itl_name + "_count"
+    itl_count = sum(after[count_key].values()) - sum(before[count_key].values())
     print(f"ITL samples: client {len(client_itl)}, server histogram {itl_count:.0f}")
     diffs = [c - s for c, s in zip(client_ttft, server_ttft, strict=False)]
     print(f"TTFT client - server per request: mean {statistics.mean(diffs):.2f} ms, max {max(diffs):.2f} ms")
@@ -223,14 +189,15 @@ def main() -> None:
             [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)] for _ in range(NUM_WARMUP)
         ]
         asyncio.run(run_load(base, warmup, 8, NUM_WARMUP))
-        before = httpx.get(base + "/metrics").text
+        before = scrape(base + "/metrics")
         start = time.perf_counter()
         records = asyncio.run(run_load(base, prompts, args.output_len, args.concurrency))
         wall = time.perf_counter() - start
-        after = httpx.get(base + "/metrics").text
+        after = scrape(base + "/metrics")
     finally:
         server.send_signal(signal.SIGINT)
         server.wait(60)
+    assert before is not None and after is not None, "kvflow serve exports /metrics"
     report(records, before, after, wall, args)
 
 

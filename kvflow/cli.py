@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(demo)
     demo.set_defaults(func=_cmd_demo)
     _add_serve_parser(sub)
+    from kvflow.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -206,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except KVFlowError as e:
+    except (KVFlowError, ValueError) as e:  # bad input (flags, paths, workloads): a message, not a trace
         print(f"kvflow: error: {e}", file=sys.stderr)
         return 2
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -13,6 +13,9 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from fixtures.checkpoints import build_checkpoint, train_tokenizer
+
+if TYPE_CHECKING:
+    from fixtures.live_server import LiveServer
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +49,34 @@ def _one_torch_thread() -> None:
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def server_model_dir(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
+    return tiny_checkpoint_factory("llama")
+
+
+@pytest.fixture(scope="session")
+def start_server(server_model_dir: Path) -> Iterator[Callable[..., LiveServer]]:
+    """`start_server(server_config_kwargs..., engine=dict)` -> a running LiveServer, stopped at the end."""
+    servers: list[LiveServer] = []
+
+    from fixtures.live_server import ENGINE_KWARGS, LiveServer
+
+    from kvflow.server.launcher import ServerConfig
+
+    def start(engine: dict[str, Any] | None = None, **config: Any) -> LiveServer:
+        config.setdefault("served_model_name", "tiny-llama")
+        server = LiveServer(server_model_dir, ServerConfig(**config), {**ENGINE_KWARGS, **(engine or {})})
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(start_server: Callable[..., LiveServer]) -> LiveServer:
+    """The shared default server (no API key, no queue limit)."""
+    return start_server()

@@ -1,0 +1,182 @@
+"""The streaming client: sends one request to an OpenAI-compatible server and records raw events.
+
+Token counts per chunk come from `usage` when the server streams it on every chunk (vLLM's and
+kvflow's `continuous_usage_stats`), otherwise from tokenizing the chunk's text with the model's
+tokenizer (exact for whole requests, approximate across a chunk boundary that splits a multi-byte
+character). The request's output count: the final `usage` first, then the server's `/tokenize`,
+then the local tokenizer (kvflow/bench/runner.py fills in the last two and warns on disagreement).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import httpx
+
+from kvflow.bench.events import ChunkEvent, ChunkKind, RequestRecord
+
+Endpoint = Literal["chat", "completions"]
+# The message of an HTTP error is cut to this many characters in the records.
+MAX_ERROR_CHARS = 500
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    base_url: str  # ends with /v1
+    model: str
+    endpoint: Endpoint = "completions"
+    api_key: str | None = None
+    ignore_eos: bool = True  # output lengths exact (vLLM/kvflow extension; others ignore it)
+    continuous_usage_stats: bool = True  # per-chunk token counts (vLLM/kvflow extension)
+    temperature: float = 0.0
+    extra_body: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+
+@dataclass
+class Prompt:
+    """What one request sends: chat messages, or a completions prompt (text or token ids)."""
+
+    max_tokens: int
+    messages: list[dict[str, str]] | None = None
+    prompt: str | list[int] | None = None
+    num_tokens: int = 0  # the workload's input length (the server's usage replaces it when given)
+    num_chars: int = 0
+
+
+def request_body(config: ClientConfig, prompt: Prompt) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": config.model,
+        "max_tokens": prompt.max_tokens,
+        "temperature": config.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **config.extra_body,
+    }
+    if config.continuous_usage_stats:
+        body["stream_options"]["continuous_usage_stats"] = True
+    if config.ignore_eos:
+        body["ignore_eos"] = True
+    if config.endpoint == "chat":
+        body["messages"] = prompt.messages
+    else:
+        body["prompt"] = prompt.prompt
+    return body
+
+
+class StreamParser:
+    """Turns SSE `data:` payloads into ChunkEvents on a record (pure: no I/O, unit-tested directly)."""
+
+    def __init__(self, record: RequestRecord, endpoint: Endpoint, count_tokens: Callable[[str], int] | None):
+        self.record = record
+        self.endpoint = endpoint
+        self.count_tokens = count_tokens
+        self.usage_tokens: int | None = None  # completion tokens per the last usage seen
+
+    def feed(self, data: str, now: float) -> bool:
+        """One `data:` payload; returns False at [DONE]."""
+        if data.strip() == "[DONE]":
+            return False
+        payload = json.loads(data)
+        if "error" in payload:
+            error = payload["error"]
+            message = error.get("message", error) if isinstance(error, dict) else error
+            self.record.error = f"error event mid-stream: {message}"[:MAX_ERROR_CHARS]
+            return True
+        usage = payload.get("usage") or None
+        choices = payload.get("choices") or []
+        if not choices:
+            if usage is not None:
+                self._set_usage(usage)
+                self.record.chunks.append(ChunkEvent(now, "usage", 0))
+            return True
+        text, kind = self._text_and_kind(choices[0])
+        num_tokens = 0
+        if usage is not None and "completion_tokens" in usage:
+            before = self.usage_tokens or 0
+            self._set_usage(usage)
+            num_tokens = (self.usage_tokens or 0) - before
+        elif text and self.count_tokens is not None:
+            num_tokens = self.count_tokens(text)
+        elif text:
+            num_tokens = 1  # no usage, no tokenizer: one token per chunk (what most servers send)
+        self.record.output_text += text
+        self.record.chunks.append(ChunkEvent(now, kind, num_tokens, text))
+        return True
+
+    def _text_and_kind(self, choice: dict[str, Any]) -> tuple[str, ChunkKind]:
+        if self.endpoint == "chat":
+            delta = choice.get("delta") or {}
+            text = delta.get("content") or ""
+            if delta.get("role") and not text and choice.get("finish_reason") is None:
+                return "", "role"
+            return text, "content"
+        return choice.get("text") or "", "content"
+
+    def _set_usage(self, usage: dict[str, Any]) -> None:
+        if "completion_tokens" in usage:
+            self.usage_tokens = int(usage["completion_tokens"])
+        if usage.get("prompt_tokens"):
+            self.record.prompt_tokens = int(usage["prompt_tokens"])
+
+    def finish(self, now: float) -> None:
+        self.record.end_time = now
+        if self.usage_tokens is not None:
+            self.record.output_tokens = self.usage_tokens
+            self.record.token_count_source = "usage"
+        else:
+            self.record.output_tokens = sum(c.num_tokens for c in self.record.chunks)
+            self.record.token_count_source = "local"
+
+
+async def send_request(
+    http: httpx.AsyncClient,
+    config: ClientConfig,
+    prompt: Prompt,
+    record: RequestRecord,
+    count_tokens: Callable[[str], int] | None,
+) -> RequestRecord:
+    """Stream one request into `record` (failures are recorded in `record.error`, never raised)."""
+    path = "/chat/completions" if config.endpoint == "chat" else "/completions"
+    parser = StreamParser(record, config.endpoint, count_tokens)
+    record.prompt_tokens = record.prompt_tokens or prompt.num_tokens
+    record.prompt_chars = prompt.num_chars
+    record.send_time = time.perf_counter()
+    try:
+        async with http.stream(
+            "POST", path, json=request_body(config, prompt), headers=config.headers
+        ) as response:
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", "replace")
+                record.error = f"HTTP {response.status_code}: {_error_message(body)}"[:MAX_ERROR_CHARS]
+                return record
+            async for line in response.aiter_lines():
+                if line.startswith("data:") and not parser.feed(
+                    line[len("data:") :].strip(), time.perf_counter()
+                ):
+                    break
+            else:
+                record.error = record.error or "the stream ended before data: [DONE]"
+        parser.finish(time.perf_counter())
+        if record.error is None and not record.content_chunks:
+            record.error = "the stream ended without any content"
+    except (httpx.HTTPError, json.JSONDecodeError, OSError) as exc:
+        record.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
+    return record
+
+
+def _error_message(body: str) -> str:
+    try:
+        error = json.loads(body).get("error")
+        if isinstance(error, dict) and "message" in error:
+            return str(error["message"])
+        return str(error if error is not None else body)
+    except (json.JSONDecodeError, AttributeError):
+        return body

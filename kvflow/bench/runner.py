@@ -1,0 +1,323 @@
+"""One benchmark run: discover the server, build the workload, warm up, run the load, scrape the
+server's metrics around it, and assemble the JSON result (schema in docs/metrics.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from kvflow.bench.client import ClientConfig, Endpoint, Prompt, send_request
+from kvflow.bench.datasets import BenchTokenizer, Conversation, DatasetSpec, Workload, build_workload
+from kvflow.bench.events import RequestRecord
+from kvflow.bench.load import LoadSpec, run_load
+from kvflow.bench.metrics import aggregate, request_metrics
+from kvflow.bench.server_metrics import Snapshot, scrape, server_section
+
+# Requests whose input length is checked against the server's /tokenize before the run.
+NUM_LENGTH_CHECKS = 8
+HTTP_TIMEOUT_S = 3600.0  # a long-context request on a CPU can take minutes; the run decides
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    base_url: str  # the OpenAI base, e.g. http://127.0.0.1:8000/v1
+    dataset: DatasetSpec
+    load: LoadSpec
+    model: str | None = None  # default: the first model the server lists
+    endpoint: Endpoint = "completions"
+    tokenizer: str | None = None  # model dir with tokenizer.json (default: the server's model root if local)
+    slo: dict[str, float] = field(default_factory=dict)
+    warmup: int = 2
+    api_key: str | None = None
+    ignore_eos: bool = True
+    continuous_usage_stats: bool = True
+    temperature: float = 0.0
+    progress: bool = True
+
+    @property
+    def server_root(self) -> str:
+        return self.base_url.rstrip("/").removesuffix("/v1")
+
+
+@dataclass
+class ServerInfo:
+    model: str
+    max_model_len: int | None
+    root: str | None
+
+
+def discover(config: BenchConfig) -> ServerInfo:
+    """The model to use and what /v1/models says about it (vLLM and kvflow give max_model_len, root)."""
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+    try:
+        response = httpx.get(config.base_url.rstrip("/") + "/models", headers=headers, timeout=30)
+        cards = response.json().get("data", []) if response.status_code == 200 else []
+    except (httpx.HTTPError, ValueError):
+        cards = []
+    card = next((c for c in cards if config.model in (None, c.get("id"))), None)
+    model = config.model or (card or {}).get("id")
+    if model is None:
+        raise ValueError(f"{config.base_url}/models lists no model: give --model")
+    card = card or {}
+    return ServerInfo(model, card.get("max_model_len"), card.get("root"))
+
+
+def load_tokenizer(config: BenchConfig, info: ServerInfo) -> BenchTokenizer | None:
+    from kvflow.tokenizer import Tokenizer
+
+    for candidate in (config.tokenizer, info.root):
+        if candidate and (Path(candidate) / "tokenizer.json").is_file():
+            return Tokenizer.from_pretrained(candidate)
+    if config.tokenizer:
+        raise ValueError(f"no tokenizer.json in {config.tokenizer}")
+    return None
+
+
+def turn_prompt(
+    conversation: Conversation, turn_index: int, history: list[str], endpoint: Endpoint
+) -> Prompt:
+    """The request for turn `turn_index`: earlier turns and the server's answers (`history`) resent."""
+    turn = conversation.turns[turn_index]
+    if endpoint == "chat":
+        messages = [{"role": "system", "content": conversation.system}] if conversation.system else []
+        for i in range(turn_index):
+            messages += [
+                {"role": "user", "content": conversation.turns[i].text},
+                {"role": "assistant", "content": history[i]},
+            ]
+        messages.append({"role": "user", "content": turn.text})
+        chars = sum(len(m["content"] or "") for m in messages)
+        return Prompt(turn.max_tokens, messages=messages, num_tokens=turn.num_tokens or 0, num_chars=chars)
+    if turn_index == 0 and turn.token_ids is not None:  # exact: send the ids themselves
+        ids = (conversation.system_token_ids or []) + turn.token_ids
+        chars = len(conversation.system or "") + len(turn.text)
+        return Prompt(turn.max_tokens, prompt=ids, num_tokens=len(ids), num_chars=chars)
+    parts = [conversation.system] if conversation.system else []
+    for i in range(turn_index):
+        parts += [conversation.turns[i].text, history[i]]
+    text = "\n\n".join([*parts, turn.text])
+    return Prompt(turn.max_tokens, prompt=text, num_tokens=turn.num_tokens or 0, num_chars=len(text))
+
+
+class Progress:
+    """tqdm when installed, else one line per 10% on stderr."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.done, self.enabled = total, 0, enabled
+        self._bar: Any = None
+        if enabled:
+            with contextlib.suppress(ImportError):
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=total, desc="requests", unit="req", file=sys.stderr)
+
+    def update(self) -> None:
+        self.done += 1
+        if self._bar is not None:
+            self._bar.update(1)
+        elif (
+            self.enabled and self.total and self.done * 10 // self.total != (self.done - 1) * 10 // self.total
+        ):
+            print(f"[kvflow bench] {self.done}/{self.total} requests", file=sys.stderr)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+class Runner:
+    def __init__(self, config: BenchConfig, info: ServerInfo, tokenizer: BenchTokenizer | None) -> None:
+        self.config = config
+        self.info = info
+        self.tokenizer = tokenizer
+        self.client_config = ClientConfig(
+            base_url=config.base_url,
+            model=info.model,
+            endpoint=config.endpoint,
+            api_key=config.api_key,
+            ignore_eos=config.ignore_eos,
+            continuous_usage_stats=config.continuous_usage_stats,
+            temperature=config.temperature,
+        )
+        self.records: list[RequestRecord] = []
+        self.warnings: list[str] = []
+        self.before: Snapshot | None = None  # /metrics around the measured part of the run
+        self.after: Snapshot | None = None
+
+    def count_tokens(self) -> Callable[[str], int] | None:
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+    async def run_conversation(
+        self, http: httpx.AsyncClient, workload: Workload, index: int, warmup: bool, progress: Progress | None
+    ) -> None:
+        conversation = workload.conversations[index]
+        history: list[str] = []
+        for t in range(len(conversation.turns)):
+            prompt = turn_prompt(conversation, t, history, self.config.endpoint)
+            record = RequestRecord(
+                len(self.records), 0.0, 0, is_warmup=warmup, language=conversation.language
+            )
+            if len(conversation.turns) > 1:
+                record.conversation, record.turn = index, t
+            self.records.append(record)
+            await send_request(http, self.client_config, prompt, record, self.count_tokens())
+            if progress is not None:
+                progress.update()
+            if record.error is not None:
+                return  # later turns need this answer
+            history.append(record.output_text)
+
+    async def run(self, workload: Workload) -> float:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
+        async with httpx.AsyncClient(
+            base_url=self.config.base_url, timeout=HTTP_TIMEOUT_S, limits=limits, headers=headers
+        ) as http:
+            for i in range(self.config.warmup):
+                await self.run_conversation(http, workload, i % len(workload.conversations), True, None)
+            self.before = scrape(self.config.server_root + "/metrics", headers)
+            progress = Progress(workload.num_requests, self.config.progress)
+            try:
+                duration = await run_load(
+                    len(workload.conversations),
+                    self.config.load,
+                    lambda i: self.run_conversation(http, workload, i, False, progress),
+                )
+            finally:
+                progress.close()
+            self.after = scrape(self.config.server_root + "/metrics", headers)
+        return duration
+
+
+def check_input_lengths(config: BenchConfig, workload: Workload, warnings: list[str]) -> None:
+    """Compare the workload's token counts with the server's /tokenize (kvflow, vLLM) on a sample."""
+    url = config.server_root + "/tokenize"
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    mismatches = []
+    for conversation in workload.conversations[:NUM_LENGTH_CHECKS]:
+        turn = conversation.turns[0]
+        if turn.num_tokens is None:
+            continue
+        try:
+            response = httpx.post(
+                url, json={"prompt": turn.text, "add_special_tokens": False}, headers=headers
+            )
+        except httpx.HTTPError:
+            return
+        if response.status_code != 200 or "count" not in response.json():
+            return  # no /tokenize on this server: the local tokenizer is all there is
+        if response.json()["count"] != turn.num_tokens:
+            mismatches.append((turn.num_tokens, response.json()["count"]))
+    if mismatches:
+        warnings.append(
+            f"input lengths differ from the server's /tokenize on {len(mismatches)} of the first requests "
+            f"(local, server): {mismatches[:3]}: is --tokenizer the server's tokenizer?"
+        )
+
+
+def check_output_counts(
+    records: list[RequestRecord], tokenizer: BenchTokenizer | None, warnings: list[str]
+) -> None:
+    """Server usage is the source of truth; say so when the local tokenizer disagrees with it."""
+    if tokenizer is None:
+        if any(r.token_count_source == "local" for r in records):
+            warnings.append("no server usage and no tokenizer: output tokens counted as one per chunk")
+        return
+    disagree = 0
+    for r in records:
+        if r.succeeded and r.token_count_source == "usage":
+            local = len(tokenizer.encode(r.output_text, add_special_tokens=False))
+            disagree += abs(local - r.output_tokens) > 1  # one token of slack: a stop token has no text
+    if disagree:
+        warnings.append(
+            f"{disagree} requests: the local tokenizer's output count differs from the server's usage"
+        )
+
+
+def request_entry(record: RequestRecord, run_start: float) -> dict[str, Any]:
+    m = request_metrics(record)
+    return {
+        "index": record.index,
+        "send_s": record.send_time - run_start,
+        "ttft_ms": m.ttft_ms,
+        "ttft_first_chunk_ms": m.ttft_first_chunk_ms,
+        "e2e_ms": m.e2e_ms,
+        "tpot_ms": m.tpot_ms,
+        "prompt_tokens": record.prompt_tokens,
+        "output_tokens": record.output_tokens,
+        "token_count_source": record.token_count_source,
+        "error": record.error,
+        "itl_ms": m.itl_ms,
+        "conversation": record.conversation,
+        "turn": record.turn,
+        "language": record.language,
+        "chunks": [[c.time - record.send_time, c.kind, c.num_tokens] for c in record.chunks],
+    }
+
+
+def language_table(records: list[RequestRecord]) -> dict[str, dict[str, float]]:
+    table: dict[str, dict[str, float]] = {}
+    for r in records:
+        if r.language is None or not r.succeeded or r.language in table:
+            continue
+        table[r.language] = {
+            "chars": r.prompt_chars,
+            "tokens": r.prompt_tokens,
+            "tokens_per_char": r.prompt_tokens / max(r.prompt_chars, 1),
+        }
+    return table
+
+
+def run_benchmark(config: BenchConfig) -> dict[str, Any]:
+    info = discover(config)
+    tokenizer = load_tokenizer(config, info)
+    spec = config.dataset
+    if spec.name == "long-context" and spec.max_model_len is None:
+        spec = replace(spec, max_model_len=info.max_model_len)
+    workload = build_workload(spec, tokenizer)
+    runner = Runner(config, info, tokenizer)
+    runner.warnings += workload.notes
+    if config.endpoint == "chat":
+        check_input_lengths(config, workload, runner.warnings)
+    duration = asyncio.run(runner.run(workload))
+    measured = [r for r in runner.records if not r.is_warmup]
+    check_output_counts(measured, tokenizer, runner.warnings)
+    result: dict[str, Any] = {"config": _config_dict(config, info)}
+    result.update(aggregate(measured, duration, config.slo))
+    client_ttft = result["ttft_ms"]["mean"]
+    result["server"] = server_section(runner.before, runner.after, client_ttft)
+    result["errors"] = dict(Counter(r.error for r in measured if r.error is not None))
+    result["warnings"] = runner.warnings
+    if spec.name == "multilingual":
+        result["languages"] = language_table(measured)
+    run_start = min((r.send_time for r in measured), default=0.0)
+    result["requests"] = [request_entry(r, run_start) for r in measured]
+    return result
+
+
+def _config_dict(config: BenchConfig, info: ServerInfo) -> dict[str, Any]:
+    return {
+        "base_url": config.base_url,
+        "model": info.model,
+        "endpoint": config.endpoint,
+        **{f"dataset_{k}" if k == "name" else k: v for k, v in asdict(config.dataset).items()},
+        **{k: v for k, v in asdict(config.load).items() if v is not None},
+        "slo": config.slo,
+        "warmup": config.warmup,
+        "ignore_eos": config.ignore_eos,
+        "temperature": config.temperature,
+        "tokenizer": config.tokenizer or info.root,
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }

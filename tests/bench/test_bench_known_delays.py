@@ -1,0 +1,115 @@
+"""kvflow bench against a server that streams with fixed, known delays: the reported TTFT, ITL and
+TPOT land within a few ms of the delays it was built with (medians: robust to a busy machine)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
+from fixtures.live_server import free_port
+
+from kvflow.bench.datasets import DatasetSpec
+from kvflow.bench.load import LoadSpec
+from kvflow.bench.runner import BenchConfig, run_benchmark
+
+TTFT_S = 0.200
+GAP_S = 0.050
+# (seconds after the first token, tokens in the chunk): the 2-token chunk comes after two gaps, so
+# every per-token gap is GAP_S while the per-chunk gaps are GAP_S, GAP_S, 2 * GAP_S, GAP_S.
+SCHEDULE = ((0.0, 1), (GAP_S, 1), (2 * GAP_S, 1), (4 * GAP_S, 2), (5 * GAP_S, 1))
+NUM_TOKENS = sum(n for _, n in SCHEDULE)
+# Tolerances for medians: asyncio timers, loopback and JSON on a shared 2-core machine.
+TTFT_TOLERANCE_MS = 20.0
+ITL_TOLERANCE_MS = 10.0
+
+
+def fixed_delay_app() -> FastAPI:
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": "fixed", "object": "model", "max_model_len": 1024}]}
+
+    async def stream(chat: bool) -> AsyncIterator[str]:
+        start = time.perf_counter()
+        if chat:  # the role arrives at once: TTFT must not count it
+            yield "data: " + json.dumps(
+                {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]}
+            )
+            yield "\n\n"
+        sent = 0
+        for offset, n in SCHEDULE:
+            await asyncio.sleep(max(0.0, start + TTFT_S + offset - time.perf_counter()))
+            sent += n
+            text = "x" * n
+            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            usage = {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent}
+            yield "data: " + json.dumps({"choices": [choice], "usage": usage}) + "\n\n"
+        usage = {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent}
+        yield "data: " + json.dumps({"choices": [], "usage": usage}) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> StreamingResponse:
+        return StreamingResponse(stream(chat=False), media_type="text/event-stream")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> StreamingResponse:
+        return StreamingResponse(stream(chat=True), media_type="text/event-stream")
+
+    return app
+
+
+@pytest.fixture(scope="module")
+def fixed_server() -> Iterator[str]:
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(fixed_delay_app(), host="127.0.0.1", port=port, log_level="warning")
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    yield f"http://127.0.0.1:{port}/v1"
+    server.should_exit = True
+    thread.join(10)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_reported_latencies_match_the_known_delays(fixed_server: str, tmp_path: Path, endpoint: str) -> None:
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"hello {i}"}) for i in range(6)))
+    config = BenchConfig(
+        base_url=fixed_server,
+        dataset=DatasetSpec(name=f"jsonl:{prompts}", num_requests=6, output_len=NUM_TOKENS),
+        load=LoadSpec(concurrency=3),
+        endpoint=endpoint,  # type: ignore[arg-type]
+        warmup=1,
+        progress=False,
+    )
+    result = run_benchmark(config)
+    assert (result["completed"], result["failed"]) == (6, 0)
+    assert result["ttft_ms"]["p50"] == pytest.approx(TTFT_S * 1e3, abs=TTFT_TOLERANCE_MS)
+    assert result["itl_ms"]["p50"] == pytest.approx(GAP_S * 1e3, abs=ITL_TOLERANCE_MS)
+    assert result["tpot_ms"]["p50"] == pytest.approx(GAP_S * 1e3, abs=ITL_TOLERANCE_MS)
+    # Per chunk, the 2-token chunk's gap is twice as long: the median stays GAP_S, the max is ~2 GAP_S.
+    assert result["itl_chunk_ms"]["max"] == pytest.approx(2 * GAP_S * 1e3, abs=2 * ITL_TOLERANCE_MS)
+    assert result["e2e_ms"]["p50"] == pytest.approx((TTFT_S + 5 * GAP_S) * 1e3, abs=TTFT_TOLERANCE_MS)
+    first_chunk = result["ttft_first_chunk_ms"]["p50"]
+    if endpoint == "chat":  # vLLM's definition counts the immediate role chunk
+        assert first_chunk < TTFT_S * 1e3 / 2
+    else:
+        assert first_chunk == pytest.approx(result["ttft_ms"]["p50"], abs=1.0)
+    assert all(
+        r["output_tokens"] == NUM_TOKENS and r["token_count_source"] == "usage" for r in result["requests"]
+    )
+    assert result["server"] == {}  # this server exports no /metrics
