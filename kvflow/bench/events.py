@@ -40,6 +40,9 @@ class RequestRecord:
     turn: int | None = None
     language: str | None = None  # multilingual workload
     prompt_chars: int = 0  # characters of the prompt text (tokens per character, multilingual)
+    # Leading prompt tokens already sent by an earlier request of the run (whole blocks of
+    # PREFIX_BLOCK_TOKENS, as a prefix cache would find them); None without a tokenizer.
+    shared_prefix_tokens: int | None = None
     output_text: str = ""
 
     @property

@@ -22,6 +22,9 @@ from kvflow.bench.load import LoadSpec, run_load
 from kvflow.bench.metrics import aggregate, request_metrics
 from kvflow.bench.server_metrics import Snapshot, scrape, server_section
 
+# Granularity of the client-side repeated-prefix count: the block size of kvflow's and vLLM's
+# prefix caches (a prefix is reusable only in whole blocks).
+PREFIX_BLOCK_TOKENS = 16
 # Requests whose input length is checked against the server's /tokenize before the run.
 NUM_LENGTH_CHECKS = 8
 HTTP_TIMEOUT_S = 3600.0  # a long-context request on a CPU can take minutes; the run decides
@@ -152,12 +155,35 @@ class Runner:
         self.warnings: list[str] = []
         self.before: Snapshot | None = None  # /metrics around the measured part of the run
         self.after: Snapshot | None = None
+        self._seen_prefix_blocks: set[int] = set()  # chained hashes of prompt blocks sent so far
 
     def count_tokens(self) -> Callable[[str], int] | None:
         tokenizer = self.tokenizer
         if tokenizer is None:
             return None
         return lambda text: len(tokenizer.encode(text, add_special_tokens=False))
+
+    def shared_prefix_tokens(self, prompt: Prompt) -> int | None:
+        """Leading tokens of `prompt` that an earlier request already sent, in whole blocks (what an
+        ideal prefix cache could reuse); records this prompt's blocks for the requests after it."""
+        if isinstance(prompt.prompt, list):
+            ids: list[int] = prompt.prompt
+        elif self.tokenizer is None:
+            return None
+        else:
+            text = (
+                prompt.prompt if prompt.messages is None else "\n".join(m["content"] for m in prompt.messages)
+            )
+            ids = self.tokenizer.encode(text or "", add_special_tokens=False)
+        shared, chain, still_shared = 0, 0, True
+        for start in range(0, len(ids) - PREFIX_BLOCK_TOKENS + 1, PREFIX_BLOCK_TOKENS):
+            chain = hash((chain, tuple(ids[start : start + PREFIX_BLOCK_TOKENS])))
+            if still_shared and chain in self._seen_prefix_blocks:
+                shared += PREFIX_BLOCK_TOKENS
+            else:
+                still_shared = False
+                self._seen_prefix_blocks.add(chain)
+        return shared
 
     async def run_conversation(
         self, http: httpx.AsyncClient, workload: Workload, index: int, warmup: bool, progress: Progress | None
@@ -172,6 +198,7 @@ class Runner:
             if len(conversation.turns) > 1:
                 record.conversation, record.turn = index, t
             self.records.append(record)
+            record.shared_prefix_tokens = self.shared_prefix_tokens(prompt)
             await send_request(http, self.client_config, prompt, record, self.count_tokens())
             if progress is not None:
                 progress.update()
@@ -256,6 +283,7 @@ def request_entry(record: RequestRecord, run_start: float) -> dict[str, Any]:
         "e2e_ms": m.e2e_ms,
         "tpot_ms": m.tpot_ms,
         "prompt_tokens": record.prompt_tokens,
+        "shared_prefix_tokens": record.shared_prefix_tokens,
         "output_tokens": record.output_tokens,
         "token_count_source": record.token_count_source,
         "error": record.error,

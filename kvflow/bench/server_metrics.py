@@ -90,6 +90,17 @@ def _mean_ms(before: Snapshot, after: Snapshot, name: str) -> float | None:
     return 1e3 * total / count
 
 
+def _step_times(before: Snapshot, after: Snapshot) -> dict[str, dict[str, float | None]]:
+    """kvflow's engine step time by what the step computed (decode_only / mixed / prefill_only)."""
+    result: dict[str, dict[str, float | None]] = {}
+    for kind in ("decode_only", "mixed", "prefill_only"):
+        count = _delta(before, after, "engine_step_time_seconds_count", step_kind=kind)
+        total = _delta(before, after, "engine_step_time_seconds_sum", step_kind=kind)
+        if count:
+            result[kind] = {"count": count, "mean": 1e3 * (total or 0.0) / count}
+    return result
+
+
 def server_section(
     before: Snapshot | None, after: Snapshot | None, client_ttft_mean_ms: float | None
 ) -> dict[str, Any]:
@@ -127,6 +138,7 @@ def server_section(
             "p99": quantile_ms("inter_token_latency_seconds", 0.99),
         },
         "queue_time_ms": {"mean": _mean_ms(before, after, "request_queue_time_seconds")},
+        "step_time_ms": _step_times(before, after),
         "prefill_time_ms": {"mean": _mean_ms(before, after, "request_prefill_time_seconds")},
         "client_minus_server_ttft_ms": (
             client_ttft_mean_ms - ttft_mean

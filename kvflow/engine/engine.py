@@ -48,6 +48,8 @@ class LLMEngine:
         num_blocks = num_kv_blocks_for(cache, sched.max_num_seqs, self.max_model_len, bytes_per_token)
         self.kv_pool_summary = log_kv_pool(num_blocks, cache.block_size, bytes_per_token, self.max_model_len)
         self.kv_bytes_per_token = bytes_per_token
+        self.num_kv_blocks = num_blocks  # usable blocks (the null block comes on top)
+        self.dtype = loaded.dtype
         a = loaded.arch
         # +1: block 0 is the null block (padding and released sliding-window blocks point to it).
         kv_store = KVStore(

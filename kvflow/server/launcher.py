@@ -40,7 +40,7 @@ def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any
     """Load the model and wire engine, metrics and serving context (the engine thread is not started)."""
     engine = LLMEngine.from_kwargs(model=model, **engine_kwargs)
     name = config.served_model_name or model
-    metrics = EngineMetrics(name, engine.max_model_len)
+    metrics = EngineMetrics(name, engine.max_model_len, engine_info(engine))
     async_engine = AsyncLLMEngine(engine, config.max_waiting, metrics.observe_step)
     return ServingContext(
         engine=async_engine,
@@ -51,6 +51,23 @@ def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any
         metrics=metrics,
         api_key=config.api_key,
     )
+
+
+def engine_info(engine: LLMEngine) -> dict[str, str]:
+    """The settings `kvflow doctor` needs, exported as labels of kvflow:cache_config_info."""
+    cache, sched = engine.config.cache_config, engine.config.scheduler_config
+    dtype = str(engine.dtype).removeprefix("torch.")
+    return {
+        "block_size": str(cache.block_size),
+        "enable_prefix_caching": str(cache.enable_prefix_caching).lower(),
+        "num_kv_blocks": str(engine.num_kv_blocks),
+        "kv_bytes_per_token": str(engine.kv_bytes_per_token),
+        "kv_cache_dtype": dtype,
+        "dtype": dtype,
+        "max_num_seqs": str(sched.max_num_seqs),
+        "max_num_batched_tokens": str(sched.max_num_batched_tokens),
+        "max_model_len": str(engine.max_model_len),
+    }
 
 
 def run_server(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:

@@ -47,7 +47,9 @@ def _token_count_buckets(max_model_len: int) -> list[float]:
 
 
 class EngineMetrics:
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(
+        self, model_name: str, max_model_len: int, engine_info: dict[str, str] | None = None
+    ) -> None:
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -100,6 +102,14 @@ class EngineMetrics:
             registry=r,
         )
         self._model = model_name
+        if engine_info:  # vLLM's cache_config_info idiom: constant 1, the configuration in the labels
+            info = Gauge(
+                PREFIX + "cache_config_info",
+                "engine configuration (labels); kvflow doctor reads it",
+                sorted(engine_info),
+                registry=r,
+            )
+            info.labels(**engine_info).set(1)
         for reason in FINISHED_REASONS:  # export zeros so dashboards see every series from the start
             self.request_success.labels(model_name, reason)
         for kind in STEP_KINDS:
