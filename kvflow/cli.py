@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+    from kvflow.doctor.cli import add_doctor_parser
+
+    add_doctor_parser(sub)
     return parser
 
 

@@ -1,0 +1,118 @@
+"""`kvflow doctor` flags -> model, hardware, settings, evidence -> findings -> text / JSON / HTML."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvflow.doctor.evidence import (
+    EngineSettings,
+    RunEvidence,
+    calculator_evidence,
+    evidence_from_bench,
+    settings_from_metrics,
+)
+from kvflow.doctor.findings import Diagnosis, diagnose
+from kvflow.doctor.hardware import named_hardware
+from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec
+from kvflow.doctor.report import doctor_json, html_report, text_report
+from kvflow.doctor.roofline import Roofline
+
+DEFAULT_CONTEXT = 2048
+DEFAULT_OUTPUT_LEN = 256
+
+
+def add_doctor_parser(sub: Any) -> None:
+    doctor = sub.add_parser(
+        "doctor",
+        help="diagnose latency: input, TTFT, ITL, KV memory, quantization, serving features",
+        description="The six-step latency diagnosis from a kvflow bench result and a model's config.json.",
+    )
+    doctor.add_argument("model", help="checkpoint directory (config.json alone is enough without --verify)")
+    doctor.add_argument("--hardware", default="auto", help="auto|cpu|h100|h200|a100-80g|l40s|rtx4090|mi300x")
+    doctor.add_argument("--bench", default=None, help="a kvflow bench JSON result to diagnose")
+    doctor.add_argument("--engine-config", default=None, help="JSON of the server's settings")
+    doctor.add_argument(
+        "--metrics-url", default=None, help="the server's /metrics (kvflow: settings from it)"
+    )
+    doctor.add_argument("--context", type=int, default=None, help="calculator mode: prompt tokens")
+    doctor.add_argument("--output-len", type=int, default=None, help="calculator mode: output tokens")
+    doctor.add_argument("--concurrency", type=int, default=None, help="calculator mode: requests in flight")
+    doctor.add_argument("--kv-cache-dtype", default=None, choices=sorted(DTYPE_BYTES))
+    doctor.add_argument("--weight-dtype", default=None, choices=sorted(DTYPE_BYTES))
+    doctor.add_argument("--json", action="store_true", help="print the JSON document instead of text")
+    doctor.add_argument("--output", default=None, help="also write the JSON document here")
+    doctor.add_argument("--html", default=None, help="write an HTML report here")
+    doctor.add_argument("--verify", action="store_true", help="kvflow only: apply and measure each what-if")
+    doctor.set_defaults(func=cmd_doctor)
+
+
+def _settings(args: argparse.Namespace, result: dict[str, Any] | None) -> EngineSettings:
+    if args.engine_config:
+        return EngineSettings.from_json(args.engine_config)
+    url = args.metrics_url
+    if url is None and result is not None:  # the benchmarked server, if it is still there
+        url = str(result["config"]["base_url"]).rstrip("/").removesuffix("/v1") + "/metrics"
+    if url is None:
+        return EngineSettings()
+    try:
+        return settings_from_metrics(url)
+    except Exception:  # the server may be gone: the diagnosis says the settings are unknown
+        return EngineSettings()
+
+
+def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:
+    model = ModelSpec.from_dir(args.model)
+    result = json.loads(Path(args.bench).read_text()) if args.bench else None
+    settings = _settings(args, result)
+    run: RunEvidence
+    if result is not None:
+        run = evidence_from_bench(result)
+    else:
+        run = calculator_evidence(
+            args.context or DEFAULT_CONTEXT, args.concurrency or 1, args.output_len or DEFAULT_OUTPUT_LEN
+        )
+    weight_dtype = args.weight_dtype or settings.dtype or model.dtype
+    kv_dtype = args.kv_cache_dtype or settings.kv_cache_dtype or weight_dtype
+    roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
+    return Diagnosis(model, roofline, run, settings, measured=result is not None), result
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    diagnosis, result = build_diagnosis(args)
+    findings = diagnose(diagnosis)
+    doc = doctor_json(diagnosis, findings)
+    if args.verify:
+        if result is None:
+            raise ValueError("--verify re-runs a benchmark: give --bench")
+        if diagnosis.settings.server != "kvflow":
+            raise ValueError("--verify needs a kvflow server's settings (--metrics-url or --engine-config)")
+        from kvflow.doctor.verify import verify
+
+        checks = verify(args.model, diagnosis.settings, findings, result)
+        doc["verification"] = [
+            {
+                "change": c.change,
+                "metric": c.metric,
+                "baseline": c.baseline,
+                "predicted": c.predicted,
+                "measured": c.measured,
+                "agrees": c.agrees,
+                "explanation": c.explain(),
+            }
+            for c in checks
+        ]
+    if args.output:
+        Path(args.output).write_text(json.dumps(doc, indent=1))
+    if args.html:
+        Path(args.html).write_text(html_report(doc))
+    if args.json:
+        print(json.dumps(doc, indent=1))
+    else:
+        print(text_report(doc))
+        for check in doc.get("verification", []):
+            print("verify: " + check["explanation"], file=sys.stdout)
+    return 0

@@ -1,0 +1,129 @@
+"""The doctor's output: a stable JSON document (schema in docs/doctor.md), its text rendering, and
+a self-contained HTML page."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import asdict
+from typing import Any
+
+from kvflow.doctor.findings import Diagnosis, Finding
+
+SEVERITY_MARK = {"ok": "ok", "info": "info", "warning": "WARNING"}
+
+
+def doctor_json(d: Diagnosis, findings: list[Finding]) -> dict[str, Any]:
+    m, hw, roof, run = d.model, d.roofline.hardware, d.roofline, d.run
+    prefill_n = max(1, round(run.prompt_p50))
+    prefill = roof.prefill(prefill_n)
+    decode = roof.decode_step(d.decode_batch, round(run.decode_context))
+    pool = d.kv_pool_bytes()
+    return {
+        "model": {
+            "name": m.name,
+            "num_params": m.num_params,
+            "weight_dtype": roof.weight_dtype,
+            "weight_bytes": m.weight_bytes(roof.weight_dtype),
+            "kv_cache_dtype": roof.kv_dtype,
+            "kv_cache_bytes_per_token": m.kv_bytes_per_token(roof.kv_dtype),
+            "num_layers": m.arch.num_hidden_layers,
+            "num_kv_heads": m.arch.num_key_value_heads,
+            "num_q_heads": m.arch.num_attention_heads,
+            "head_dim": m.arch.head_dim,
+            "tied_embeddings": m.arch.tie_word_embeddings,
+            "sliding_window": m.arch.sliding_window,
+        },
+        "hardware": {
+            "name": hw.name,
+            "bandwidth_bytes_s": hw.bandwidth_bytes_s,
+            "flops": hw.flops,
+            "memory_bytes": hw.memory_bytes,
+            "source": hw.source,
+        },
+        "memory": {
+            "weights_bytes": m.weight_bytes(roof.weight_dtype),
+            "kv_pool_bytes": pool,
+            "request_len_p95": run.request_len_p95,
+            "max_concurrency": roof.max_concurrency(pool, max(1, round(run.request_len_p95))),
+        },
+        "roofline": {
+            "prefill_tokens": prefill_n,
+            "prefill_ms_per_token": 1e3 * prefill.seconds / prefill_n,
+            "prefill_bound": prefill.bound,
+            "decode_batch": d.decode_batch,
+            "decode_context": run.decode_context,
+            "decode_ms_per_step": 1e3 * decode.seconds,
+            "decode_bound": decode.bound,
+        },
+        "measured": {
+            "available": d.measured,
+            "prefill_ms_per_token": d.measured_prefill_ms_per_token() if d.measured else None,
+            "decode_ms_per_step": run.tpot_p50_ms,
+            "ttft_p50_ms": run.ttft_p50_ms,
+            "itl_p99_ms": run.itl_p99_ms,
+            "concurrency": run.concurrency,
+        },
+        "settings": asdict(d.settings),
+        "findings": [asdict(f) for f in findings],
+    }
+
+
+def _num(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    return str(value)
+
+
+def text_report(doc: dict[str, Any]) -> str:
+    m, r, mem, meas = doc["model"], doc["roofline"], doc["memory"], doc["measured"]
+    lines = [
+        f"kvflow doctor: {m['name']} ({m['num_params'] / 1e9:.3g}B params, {m['weight_dtype']} "
+        f"{m['weight_bytes'] / 1e9:.3g} GB, KV {m['kv_cache_bytes_per_token']:,.0f} bytes/token) on "
+        f"{doc['hardware']['name']}",
+        f"  roofline: prefill {r['prefill_ms_per_token']:.4g} ms/token ({r['prefill_bound']}-bound), "
+        f"decode {r['decode_ms_per_step']:.4g} ms/step at batch {r['decode_batch']}, "
+        f"context {r['decode_context']:,.0f} ({r['decode_bound']}-bound)",
+    ]
+    if meas["available"]:
+        lines.append(
+            f"  measured: prefill {_num(meas['prefill_ms_per_token'])} ms/token, decode "
+            f"{_num(meas['decode_ms_per_step'])} ms/step"
+        )
+    lines.append(
+        f"  memory: KV pool {mem['kv_pool_bytes'] / 1e9:.3g} GB holds {mem['max_concurrency']:,.1f} "
+        f"requests of {mem['request_len_p95']:,.0f} tokens"
+    )
+    for f in doc["findings"]:
+        lines.append(f"\n{f['step']}. {f['title']} [{SEVERITY_MARK[f['severity']]}] {f['summary']}")
+        lines.append(f"   cause: {f['cause']}")
+        shown = {k: v for k, v in f["evidence"].items() if v is not None}
+        if shown:
+            lines.append("   evidence: " + ", ".join(f"{k}={_num(v)}" for k, v in shown.items()))
+        for w in f["what_ifs"]:
+            lines.append(f"   what-if {w['change']}: {w['effect']}")
+    return "\n".join(lines)
+
+
+def html_report(doc: dict[str, Any]) -> str:
+    esc = html.escape
+    rows = []
+    for f in doc["findings"]:
+        evidence = "<br>".join(
+            f"{esc(k)} = {esc(_num(v))}" for k, v in f["evidence"].items() if v is not None
+        )
+        what_ifs = "<br>".join(f"<b>{esc(w['change'])}</b>: {esc(w['effect'])}" for w in f["what_ifs"])
+        rows.append(
+            f"<tr class='{esc(f['severity'])}'><td>{f['step']}</td><td>{esc(f['title'])}</td>"
+            f"<td>{esc(f['severity'])}</td><td>{esc(f['summary'])}<br><i>{esc(f['cause'])}</i></td>"
+            f"<td>{evidence}</td><td>{what_ifs}</td></tr>"
+        )
+    summary = esc(text_report(doc).split("\n\n")[0])
+    return (
+        "<!doctype html><html><head><meta charset='utf-8'><title>kvflow doctor</title><style>"
+        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
+        "padding:6px;vertical-align:top}.warning{background:#fff1e6}.info{background:#eef5ff}</style></head>"
+        f"<body><h1>kvflow doctor</h1><pre>{summary}</pre><table><tr><th>step</th><th>question</th>"
+        "<th>severity</th><th>finding</th><th>evidence</th><th>what-ifs</th></tr>"
+        + "".join(rows)
+        + "</table></body></html>"
+    )

@@ -1,0 +1,90 @@
+"""Roofline time of each phase and the memory budget (formulas in docs/doctor.md).
+
+prefill(n new tokens, context c) = max(FLOPs / peak FLOP/s, bytes / bandwidth)
+    FLOPs = 2 x layer params x n + 2 x LM-head params (logits of the last position only, as
+            vLLM and kvflow compute them) + 4 x layers x n x c x q_heads x head_dim (attention)
+    bytes = weight bytes + n x KV bytes per token (written) + c x KV bytes per token (read)
+decode step(batch b, context c) = max(FLOPs / peak, bytes / bandwidth)
+    FLOPs = 2 x (layer + LM-head params) x b + 4 x layers x b x c x q_heads x head_dim
+    bytes = weight bytes read per step + b x min(c, window) x KV bytes per token
+max concurrency at length L = KV pool bytes / (min(L, window) x KV bytes per token)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvflow.doctor.hardware import Hardware
+from kvflow.doctor.model_spec import ModelSpec
+
+# Accelerators cannot give all their memory to weights + KV (activations, CUDA graphs, allocator
+# slack): vLLM's default gpu_memory_utilization.
+GPU_MEMORY_UTILIZATION = 0.9
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    seconds: float
+    compute_s: float
+    memory_s: float
+
+    @property
+    def bound(self) -> str:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+@dataclass(frozen=True)
+class Roofline:
+    model: ModelSpec
+    hardware: Hardware
+    weight_dtype: str
+    kv_dtype: str
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.hardware.flops_for(self.weight_dtype)
+
+    def prefill(self, num_tokens: int, context_len: int | None = None) -> PhaseTime:
+        m = self.model
+        c = context_len if context_len is not None else num_tokens
+        flops = (
+            2.0 * m.layer_params * num_tokens + 2.0 * m.embedding_params + m.attention_flops(num_tokens, c)
+        )
+        kv = m.kv_bytes_per_token(self.kv_dtype)
+        nbytes = m.decode_weight_bytes(self.weight_dtype) + (num_tokens + m.kv_tokens_held(c)) * kv
+        return self._time(flops, nbytes)
+
+    def prefill_ms_per_token(self, num_tokens: int = 512) -> float:
+        return 1e3 * self.prefill(num_tokens).seconds / num_tokens
+
+    def decode_step(self, batch: int, context_len: int) -> PhaseTime:
+        m = self.model
+        flops = 2.0 * (m.layer_params + m.embedding_params) * batch + m.attention_flops(batch, context_len)
+        kv_bytes = batch * m.kv_tokens_held(context_len) * m.kv_bytes_per_token(self.kv_dtype)
+        return self._time(flops, m.decode_weight_bytes(self.weight_dtype) + kv_bytes)
+
+    def decode_bytes(self, batch: int, context_len: int) -> float:
+        m = self.model
+        kv_bytes = batch * m.kv_tokens_held(context_len) * m.kv_bytes_per_token(self.kv_dtype)
+        return m.decode_weight_bytes(self.weight_dtype) + kv_bytes
+
+    def _time(self, flops: float, nbytes: float) -> PhaseTime:
+        compute = flops / self.flops_per_s
+        memory = nbytes / self.hardware.bandwidth_bytes_s
+        return PhaseTime(max(compute, memory), compute, memory)
+
+    # ---------------------------------------------------------------------------------- memory
+
+    def default_kv_pool_bytes(self) -> float:
+        """What a server would give the KV pool on this hardware when no engine config says."""
+        hw = self.hardware
+        usable = hw.memory_bytes * (
+            GPU_MEMORY_UTILIZATION if "NVIDIA" in hw.name or "AMD" in hw.name else 0.5
+        )
+        return max(0.0, usable - self.model.weight_bytes(self.weight_dtype))
+
+    def max_concurrency(self, kv_pool_bytes: float, request_len: int) -> float:
+        per_request = self.model.kv_tokens_held(max(request_len, 1)) * self.model.kv_bytes_per_token(
+            self.kv_dtype
+        )
+        return kv_pool_bytes / per_request
