@@ -7,6 +7,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from kvflow.config import EngineConfig
@@ -181,6 +182,59 @@ def _add_serve_parser(sub: Any) -> None:
     serve.set_defaults(func=_cmd_serve)
 
 
+def _cmd_quant_eval(args: argparse.Namespace) -> int:
+    import json
+    import textwrap
+
+    from kvflow.llm import LLM
+    from kvflow.quant.quality import compare
+
+    model = _model_dir(args)
+    text = Path(args.text).read_text() if args.text else Path(textwrap.__file__).read_text()
+    common = {"dtype": args.dtype, "max_model_len": args.window + 1}
+    reference = LLM(model, **common)
+    candidate = LLM(
+        model,
+        **common,
+        quantization=args.quantization,
+        quantization_group_size=args.quantization_group_size,
+        quantize_lm_head=args.quantize_lm_head,
+    )
+    ids = reference.get_tokenizer().encode(text)[: args.max_tokens]
+    report = compare(reference, candidate, ids, args.window)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(
+        f"quant-eval {model}: {args.quantization} weights (group {args.quantization_group_size}, "
+        f"LM head {'quantized' if args.quantize_lm_head else 'kept'}) vs {args.dtype}, "
+        f"{report['positions']} positions"
+    )
+    print(f"  mean KL {report['mean_kl']:.5f} nats, top-1 agreement {report['top1_agreement']:.2%}")
+    for p in report["paths"]:
+        print(
+            f"  {p['label']:<10} perplexity {p['perplexity']:.3f}, "
+            f"decode {p['decode_tokens_per_s']:.1f} tok/s, weights {p['weight_bytes'] / 2**20:.1f} MiB"
+        )
+    return 0
+
+
+def _add_quant_eval_parser(sub: Any) -> None:
+    qe = sub.add_parser(
+        "quant-eval", help="quality and speed of quantized weights against the unquantized model"
+    )
+    qe.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
+    qe.add_argument("--quantization", choices=("int8", "int4"), default="int8")
+    qe.add_argument("--quantization-group-size", type=int, default=128)
+    qe.add_argument("--quantize-lm-head", action="store_true")
+    qe.add_argument("--dtype", default="bfloat16")
+    qe.add_argument("--text", default=None, help="text file to score (default: the stdlib's textwrap.py)")
+    qe.add_argument("--window", type=int, default=512, help="tokens of context per scored window")
+    qe.add_argument("--max-tokens", type=int, default=4096, help="score at most this many tokens")
+    qe.add_argument("--json", action="store_true")
+    qe.set_defaults(func=_cmd_quant_eval)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
     parser.add_argument("--log-level", default="INFO")
@@ -204,6 +258,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvflow.doctor.cli import add_doctor_parser
 
     add_doctor_parser(sub)
+    _add_quant_eval_parser(sub)
     return parser
 
 

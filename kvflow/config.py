@@ -85,10 +85,41 @@ class SchedulerConfig:
             raise ConfigError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+QuantMethod = Literal["none", "int8", "int4"]
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    quantization: QuantMethod = field(
+        default="none",
+        metadata={
+            "help": "weight-only quantization at load: int8 (per output channel, symmetric) or int4 "
+            "(group-wise, asymmetric)"
+        },
+    )
+    quantization_group_size: int = field(default=128, metadata={"help": "int4 group size: 32, 64 or 128"})
+    quantize_lm_head: bool = field(
+        default=False, metadata={"help": "quantize the LM head too (it stays in the model dtype otherwise)"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.quantization not in ("none", "int8", "int4"):
+            raise ConfigError(f"quantization must be none|int8|int4, got {self.quantization!r}")
+        if self.quantization_group_size not in INT4_GROUP_SIZES:
+            size = self.quantization_group_size
+            raise ConfigError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {size}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.quantization != "none"
+
+
 _SECTIONS: tuple[tuple[str, type], ...] = (
     ("model_config", ModelConfig),
     ("cache_config", CacheConfig),
     ("scheduler_config", SchedulerConfig),
+    ("quant_config", QuantConfig),
 )
 
 
@@ -97,6 +128,7 @@ class EngineConfig:
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    quant_config: QuantConfig = field(default_factory=QuantConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

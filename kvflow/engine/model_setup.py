@@ -61,7 +61,7 @@ def load_checkpoint(config: EngineConfig) -> LoadedModel:
         )
     tokenizer = Tokenizer.from_pretrained(model_dir)
     dtype = resolve_dtype(mc.dtype, arch.torch_dtype)
-    model = load_model(model_dir, arch, dtype, max_model_len)
+    model = load_model(model_dir, arch, dtype, max_model_len, config.quant_config)
     return LoadedModel(model_dir, arch, tokenizer, model, dtype, max_model_len)
 
 

@@ -15,11 +15,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvflow.config import QuantConfig
 from kvflow.errors import ModelLoadError
 from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.arch_config import ArchConfig
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.registry import MODEL_REGISTRY
+from kvflow.quant.apply import quantize_model
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +97,7 @@ def _load_param(name: str, param: torch.Tensor, sources: list[str], reader: _Sha
 
 
 def load_model(
-    model_dir: Path, cfg: ArchConfig, dtype: torch.dtype, max_positions: int
+    model_dir: Path, cfg: ArchConfig, dtype: torch.dtype, max_positions: int, quant: QuantConfig | None = None
 ) -> LlamaFamilyForCausalLM:
     files = resolve_weight_files(model_dir)
     with torch.device("meta"):
@@ -116,5 +118,7 @@ def load_model(
     if unused:
         logger.warning("ignoring %d checkpoint tensors kvflow does not use, e.g. %s", len(unused), unused[:3])
     model.eval()
+    if quant is not None:
+        quantize_model(model, quant)
     model.prepare_for_inference()
     return model

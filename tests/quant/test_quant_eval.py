@@ -1,0 +1,49 @@
+"""quant-eval's scorer and report: teacher-forced log-probs equal the engine's own, windows cover
+every position once, and the command reports KL / top-1 / perplexity for both paths."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvflow import LLM, SamplingParams
+from kvflow.cli import main
+from kvflow.quant.scoring import window_log_probs, windows
+
+
+def test_windows_predict_every_token_once() -> None:
+    ids = list(range(10))
+    chunks = windows(ids, 4)
+    assert chunks == [[0, 1, 2, 3, 4], [4, 5, 6, 7, 8], [8, 9]]
+    predicted = [t for c in chunks for t in c[1:]]
+    assert predicted == ids[1:]
+
+
+def test_scorer_matches_the_engines_logprobs(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    llm = LLM(str(tiny_checkpoint_factory("llama")), dtype="float32", max_model_len=128)
+    prompt = llm.get_tokenizer().encode("def main():\n    return 1")
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, logprobs=5))[0].outputs[0]
+    assert out.logprobs is not None
+    scored = window_log_probs(llm.llm_engine.model_runner.model, prompt)[-1]
+    for token, lp in out.logprobs[0].items():
+        assert float(scored[token]) == pytest.approx(lp.logprob, abs=1e-4)
+    assert int(scored.argmax()) == out.token_ids[0]
+    assert torch.isclose(scored.exp().sum(), torch.tensor(1.0), atol=1e-4)
+
+
+def test_quant_eval_command(
+    tiny_checkpoint_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = str(tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16))
+    args = ["quant-eval", path, "--quantization", "int8", "--window", "63", "--max-tokens", "200", "--json"]
+    assert main(args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["positions"] == 199
+    assert 0.0 <= report["mean_kl"] < 0.05 and 0.8 <= report["top1_agreement"] <= 1.0
+    reference, quantized = report["paths"]
+    assert reference["perplexity"] > 1 and quantized["perplexity"] > 1
+    assert quantized["weight_bytes"] < reference["weight_bytes"]
