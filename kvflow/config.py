@@ -15,6 +15,7 @@ from typing import Any, Literal
 from kvflow.errors import InvalidRequestError
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
+KVCacheDType = Literal["auto", "bfloat16", "float16", "fp8_e4m3", "int8", "int4"]
 
 # Default KV pool budget when neither `kv_cache_memory_bytes` nor `num_kv_blocks` is given:
 # vLLM's CPU backend defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE); the pool is also capped at what
@@ -57,6 +58,13 @@ class CacheConfig:
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "KV pool size in blocks; overrides kv_cache_memory_bytes"}
     )
+    kv_cache_dtype: KVCacheDType = field(
+        default="auto",
+        metadata={
+            "help": "KV storage: auto (model dtype), bfloat16, float16, or quantized per token and head: "
+            "fp8_e4m3, int8, int4 (more blocks for the same memory)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -65,6 +73,9 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_dtype not in typing.get_args(KVCacheDType):
+            choices = "|".join(typing.get_args(KVCacheDType))
+            raise ConfigError(f"kv_cache_dtype must be {choices}, got {self.kv_cache_dtype!r}")
 
 
 @dataclass(frozen=True)

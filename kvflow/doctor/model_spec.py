@@ -22,7 +22,15 @@ from kvflow.models.arch_config import ArchConfig, load_hf_config, parse_arch_con
 
 # Bytes per element of each storage format; int4 adds one 16-bit scale (and for asymmetric
 # quantization one zero point) per group: at group size 128, 0.5 + 4/128 bytes per weight.
-DTYPE_BYTES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+DTYPE_BYTES = {
+    "float32": 4.0,
+    "bfloat16": 2.0,
+    "float16": 2.0,
+    "fp8": 1.0,
+    "fp8_e4m3": 1.0,  # kvflow's --kv-cache-dtype spelling
+    "int8": 1.0,
+    "int4": 0.5,
+}
 INT4_GROUP_SIZE = 128
 GROUP_OVERHEAD_BYTES = 4.0  # bf16 scale + bf16 zero point per group
 INT8_CHANNEL_OVERHEAD = 2.0  # one bf16 scale per output channel (negligible, counted per row)

@@ -44,9 +44,16 @@ class LLMEngine:
         self.arch = loaded.arch
         self.max_model_len = loaded.max_model_len
         cache, sched = config.cache_config, config.scheduler_config
-        bytes_per_token = kv_pool_bytes_per_token(loaded)
+        bytes_per_token = kv_pool_bytes_per_token(loaded, cache.kv_cache_dtype)
         num_blocks = num_kv_blocks_for(cache, sched.max_num_seqs, self.max_model_len, bytes_per_token)
-        self.kv_pool_summary = log_kv_pool(num_blocks, cache.block_size, bytes_per_token, self.max_model_len)
+        self.kv_pool_summary = log_kv_pool(
+            num_blocks,
+            cache.block_size,
+            bytes_per_token,
+            self.max_model_len,
+            cache.kv_cache_dtype,
+            kv_pool_bytes_per_token(loaded),
+        )
         self.kv_bytes_per_token = bytes_per_token
         self.num_kv_blocks = num_blocks  # usable blocks (the null block comes on top)
         self.dtype = loaded.dtype
@@ -59,6 +66,7 @@ class LLMEngine:
             a.num_key_value_heads,
             a.head_dim,
             loaded.dtype,
+            cache.kv_cache_dtype,
         )
         self.scheduler = Scheduler(sched, cache, num_blocks + 1, self.max_model_len, a.sliding_window)
         self.model_runner = ModelRunner(

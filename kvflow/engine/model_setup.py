@@ -82,17 +82,29 @@ def num_kv_blocks_for(cache: CacheConfig, max_num_seqs: int, max_model_len: int,
     return int(blocks)
 
 
-def kv_pool_bytes_per_token(loaded: LoadedModel) -> int:
+def kv_pool_bytes_per_token(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> int:
     a = loaded.arch
-    return kv_bytes_per_token(a.num_hidden_layers, a.num_key_value_heads, a.head_dim, loaded.dtype)
+    return kv_bytes_per_token(
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_cache_dtype
+    )
 
 
-def log_kv_pool(num_blocks: int, block_size: int, bytes_per_token: int, max_model_len: int) -> str:
+def log_kv_pool(
+    num_blocks: int,
+    block_size: int,
+    bytes_per_token: int,
+    max_model_len: int,
+    kv_cache_dtype: str = "auto",
+    model_dtype_bytes_per_token: int | None = None,
+) -> str:
     tokens = num_blocks * block_size
     line = (
         f"KV cache pool: {num_blocks} blocks x {block_size} tokens = {tokens} tokens, "
         f"{bytes_per_token} bytes/token, {tokens * bytes_per_token / 2**20:.1f} MiB; "
         f"max concurrent requests at max_model_len={max_model_len}: {tokens / max_model_len:.2f}"
     )
+    if kv_cache_dtype != "auto" and model_dtype_bytes_per_token:
+        gain = model_dtype_bytes_per_token / bytes_per_token
+        line += f"; {kv_cache_dtype} KV: {gain:.2f}x the tokens of the model dtype in the same memory"
     logger.info(line)
     return line

@@ -11,6 +11,8 @@ Shapes: T flat tokens, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim.
 3. Each prefill chunk is one SDPA call over its keys: its own fresh K/V when it has no cached
    context (plain causal), else the gathered context plus itself under an explicit mask
    (bottom-right causal, sliding window).
+Quantized KV pools (kvflow/worker/kv_layer.py) are dequantized for the gathered slots only; the
+native decode kernel reads plain bf16 pools in place.
 """
 
 from __future__ import annotations
@@ -20,37 +22,24 @@ import torch.nn.functional as F
 
 from kvflow.kernels import paged_decode_attention_bf16
 from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
+from kvflow.worker.kv_layer import KVLayer
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """key/value: [T, Hkv, D] -> pool rows `slot_mapping` [T]."""
-    key_cache.index_copy_(0, slot_mapping, key)
-    value_cache.index_copy_(0, slot_mapping, value)
-
-
-def _decode_attention(
-    query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, meta: AttentionMetadata
-) -> torch.Tensor:
+def _decode_attention(query: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
     assert meta.decode_kv_slots is not None and meta.decode_num_keys is not None
     num_decodes, num_heads, head_dim = query.shape
     native = paged_decode_attention_bf16() if query.dtype == torch.bfloat16 else None
-    if native is not None:  # reads K/V in place through the slots: no gather, no padding work
+    pools = kv.in_place()
+    if native is not None and pools is not None:  # reads K/V in place through the slots: no gather
         scale = head_dim**-0.5
-        return native(query, key_cache, value_cache, meta.decode_kv_slots, meta.decode_num_keys, scale)
-    num_kv_heads = key_cache.shape[1]
-    q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
+        return native(query, pools[0], pools[1], meta.decode_kv_slots, meta.decode_num_keys, scale)
     slots = meta.decode_kv_slots  # [B, L]
-    flat = slots.view(-1)
-    # index_select on the flat slot list: ~3x faster than advanced indexing on CPU (NOTES.md).
+    k_flat, v_flat = kv.gather(slots.view(-1))  # [B * L, Hkv, D] (dequantized if the pool is)
+    num_kv_heads = k_flat.shape[1]
+    q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     # [B * L, Hkv, D] -> [B, L, Hkv, D] -> [B, Hkv, L, D]
-    k = key_cache.index_select(0, flat).view(*slots.shape, num_kv_heads, head_dim).transpose(1, 2)
-    v = value_cache.index_select(0, flat).view(*slots.shape, num_kv_heads, head_dim).transpose(1, 2)
+    k = k_flat.view(*slots.shape, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_flat.view(*slots.shape, num_kv_heads, head_dim).transpose(1, 2)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=meta.decode_attend)  # [B, Hkv, G, D]
     return out.reshape(num_decodes, num_heads, head_dim)
 
@@ -59,16 +48,14 @@ def _prefill_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv: KVLayer,
     chunk: PrefillChunkMetadata,
 ) -> torch.Tensor:
     s, e = chunk.token_start, chunk.token_end
     if chunk.kv_slots is None:
         k, v = key[s:e], value[s:e]  # [n, Hkv, D]: the chunk is its whole context
     else:
-        k = key_cache.index_select(0, chunk.kv_slots)  # [L, Hkv, D]
-        v = value_cache.index_select(0, chunk.kv_slots)
+        k, v = kv.gather(chunk.kv_slots)  # [L, Hkv, D]
     q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
     out = F.scaled_dot_product_attention(
         q,
@@ -85,20 +72,17 @@ def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    kv: KVLayer,
     meta: AttentionMetadata,
 ) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] (already rotated) -> attention output [T, Hq, D]."""
-    write_kv(key, value, key_cache, value_cache, meta.slot_mapping)
+    kv.write(key, value, meta.slot_mapping)
     nd = meta.num_decode_tokens
     if not meta.prefills:
-        return _decode_attention(query, key_cache, value_cache, meta)
+        return _decode_attention(query, kv, meta)
     out = torch.empty_like(query)
     if nd:
-        out[:nd] = _decode_attention(query[:nd], key_cache, value_cache, meta)
+        out[:nd] = _decode_attention(query[:nd], kv, meta)
     for chunk in meta.prefills:
-        out[chunk.token_start : chunk.token_end] = _prefill_attention(
-            query, key, value, key_cache, value_cache, chunk
-        )
+        out[chunk.token_start : chunk.token_end] = _prefill_attention(query, key, value, kv, chunk)
     return out

@@ -18,6 +18,7 @@ from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.models.arch_config import ArchConfig
 from kvflow.worker.attn_metadata import AttentionMetadata
+from kvflow.worker.kv_layer import KVLayer
 from kvflow.worker.kv_store import KVStore
 
 
@@ -38,7 +39,7 @@ class Attention(nn.Module):
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVLayer,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         num_tokens = hidden.shape[0]
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass: [T, Hq+Hkv, D]
         q, k = qk[:, :hq], qk[:, hq:]
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, Hq, D]
+        out = paged_attention(q, k, v, kv_cache, meta)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -78,7 +79,7 @@ class DecoderLayer(nn.Module):
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: KVLayer,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)

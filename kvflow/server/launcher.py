@@ -62,7 +62,7 @@ def engine_info(engine: LLMEngine) -> dict[str, str]:
         "enable_prefix_caching": str(cache.enable_prefix_caching).lower(),
         "num_kv_blocks": str(engine.num_kv_blocks),
         "kv_bytes_per_token": str(engine.kv_bytes_per_token),
-        "kv_cache_dtype": dtype,
+        "kv_cache_dtype": dtype if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype,
         "dtype": dtype,
         "max_num_seqs": str(sched.max_num_seqs),
         "max_num_batched_tokens": str(sched.max_num_batched_tokens),

@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.worker.kv_layer import PlainKVLayer, QuantizedKVLayer, kv_bytes_per_token_head, make_kv_layer
 
-def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """2 (K and V) x layers x kv_heads x head_dim x bytes per element."""
-    return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+def kv_bytes_per_token(
+    num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per element (+ scales when quantized)."""
+    return round(num_layers * num_kv_heads * kv_bytes_per_token_head(kv_cache_dtype, head_dim, dtype))
 
 
 class KVStore:
@@ -25,17 +29,20 @@ class KVStore:
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=dtype) for _ in range(num_layers)]
+        self.kv_cache_dtype = kv_cache_dtype
+        num_slots = num_blocks * block_size
+        self.layers = [
+            make_kv_layer(kv_cache_dtype, num_slots, num_kv_heads, head_dim, dtype) for _ in range(num_layers)
+        ]
 
-    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(key, value) pools of one layer, each [num_slots, num_kv_heads, head_dim]."""
-        return self.key_caches[index], self.value_caches[index]
+    def layer(self, index: int) -> PlainKVLayer | QuantizedKVLayer:
+        """One layer's pool (write / gather; plain pools also expose the raw tensors)."""
+        return self.layers[index]
 
     @property
     def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.key_caches + self.value_caches)
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors)

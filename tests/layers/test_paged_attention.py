@@ -10,6 +10,7 @@ import torch
 from kvflow.kernels import paged_decode_attention_bf16
 from kvflow.layers.attention import paged_attention
 from kvflow.worker.attn_metadata import AttentionMetadata
+from kvflow.worker.kv_layer import PlainKVLayer
 
 CASES = [  # (num_kv_heads, queries per kv head, head_dim)
     (2, 7, 64),
@@ -72,5 +73,7 @@ def test_sdpa_decode_path_matches_reference(hkv: int, g: int, d: int) -> None:
         prefills=[],
     )
     k_new = torch.zeros(q.shape[0], hkv, d)
-    out = paged_attention(q, k_new, k_new.clone(), kc, vc, meta)
+    kv = PlainKVLayer(kc.shape[0], hkv, d, torch.float32, torch.float32)
+    kv.key_cache, kv.value_cache = kc, vc
+    out = paged_attention(q, k_new, k_new.clone(), kv, meta)
     torch.testing.assert_close(out.double(), _reference(q, kc, vc, slots, num_keys), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,168 @@
+"""One layer's K/V pool behind write / gather, plain or quantized per token and head.
+
+Formats (D = head_dim; scales and zero points in float16, one per token per KV head):
+    plain      the model dtype (or float16/bfloat16 if asked): 2 x D bytes per token-head
+    int8       symmetric: s = max|x| / 127, q = round(x / s);              D + 2 bytes
+    fp8_e4m3   s = max|x| / 448 (e4m3's largest normal), q = fp8(x / s);    D + 2 bytes
+    int4       asymmetric: s = (max - min) / 15, z = min, q = round((x - z) / s), two per byte;
+               D / 2 + 4 bytes
+Quantized pools are dequantized only for the slots a step gathers (never the whole pool), into the
+model dtype, and attention runs on those. Slot 0 (the null block's first slot) stays all zeros in
+every format, so padded gathers read finite values.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "int8", "int4")
+QUANTIZED_KV_DTYPES = ("fp8_e4m3", "int8", "int4")
+SCALE_DTYPE = torch.float16
+SCALE_BYTES = 2
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0
+INT4_LEVELS = 15.0
+# Scales never drop below this: an all-zero token-head (padding, the null slot) stays exactly zero.
+MIN_SCALE = 1e-8
+
+
+def kv_bytes_per_token_head(kv_cache_dtype: str, head_dim: int, model_dtype: torch.dtype) -> float:
+    """Bytes one token costs per KV head for K and V together (data + scales + zero points)."""
+    if kv_cache_dtype in ("int8", "fp8_e4m3"):
+        return 2 * (head_dim + SCALE_BYTES)
+    if kv_cache_dtype == "int4":
+        return 2 * (head_dim / 2 + 2 * SCALE_BYTES)
+    return 2 * head_dim * plain_dtype(kv_cache_dtype, model_dtype).itemsize
+
+
+def plain_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(kv_cache_dtype, model_dtype)
+
+
+class KVLayer(Protocol):
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """key/value [T, Hkv, D] -> pool rows `slot_mapping` [T]."""
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `slots` [N] as [N, Hkv, D] in the model dtype."""
+
+    def in_place(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The raw pools for kernels that read them in place (plain pools only)."""
+
+
+class PlainKVLayer:
+    def __init__(
+        self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, model_dtype: torch.dtype
+    ):
+        shape = (num_slots, num_kv_heads, head_dim)
+        self.key_cache = torch.zeros(shape, dtype=dtype)
+        self.value_cache = torch.zeros(shape, dtype=dtype)
+        self.model_dtype = model_dtype
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.key_cache.index_copy_(0, slot_mapping, key.to(self.key_cache.dtype))
+        self.value_cache.index_copy_(0, slot_mapping, value.to(self.value_cache.dtype))
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # index_select on a flat slot list: ~3x faster than advanced indexing on CPU (NOTES.md).
+        k = self.key_cache.index_select(0, slots).to(self.model_dtype)
+        return k, self.value_cache.index_select(0, slots).to(self.model_dtype)
+
+    def in_place(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self.key_cache.dtype != self.model_dtype:
+            return None
+        return self.key_cache, self.value_cache
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.key_cache, self.value_cache]
+
+
+class _QuantizedPool:
+    """One quantized pool (K or V): data [slots, Hkv, D or D/2], scale [and zero] [slots, Hkv]."""
+
+    def __init__(self, kind: str, num_slots: int, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype):
+        self.kind = kind
+        self.model_dtype = model_dtype
+        width = head_dim // 2 if kind == "int4" else head_dim
+        # fp8 is stored as its bytes (uint8): CPU index_copy/index_select do not take float8 tensors.
+        data_dtype = {"int8": torch.int8, "fp8_e4m3": torch.uint8, "int4": torch.uint8}[kind]
+        self.data = torch.zeros((num_slots, num_kv_heads, width), dtype=data_dtype)
+        self.scale = torch.zeros((num_slots, num_kv_heads), dtype=SCALE_DTYPE)
+        self.zero = torch.zeros((num_slots, num_kv_heads), dtype=SCALE_DTYPE) if kind == "int4" else None
+
+    def write(self, x: torch.Tensor, slots: torch.Tensor) -> None:
+        x = x.float()
+        if self.kind == "int4":
+            assert self.zero is not None
+            lo, hi = x.amin(dim=-1), x.amax(dim=-1)
+            scale = ((hi - lo) / INT4_LEVELS).clamp(min=MIN_SCALE)
+            q = torch.round((x - lo[..., None]) / scale[..., None]).clamp(0, INT4_LEVELS).to(torch.uint8)
+            packed = q[..., 0::2] | (q[..., 1::2] << 4)  # element 2i in the low nibble, 2i+1 high
+            self.data.index_copy_(0, slots, packed)
+            self.zero.index_copy_(0, slots, lo.to(SCALE_DTYPE))
+        else:
+            top = INT8_MAX if self.kind == "int8" else FP8_E4M3_MAX
+            scale = (x.abs().amax(dim=-1) / top).clamp(min=MIN_SCALE)
+            scaled = x / scale[..., None]
+            if self.kind == "int8":
+                q = torch.round(scaled).clamp(-top, top).to(torch.int8)
+            else:
+                q = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+            self.data.index_copy_(0, slots, q)
+        self.scale.index_copy_(0, slots, scale.to(SCALE_DTYPE))
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        data = self.data.index_select(0, slots)
+        scale = self.scale.index_select(0, slots).float()[..., None]
+        if self.kind == "int4":
+            assert self.zero is not None
+            q = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2).float()
+            x = q * scale + self.zero.index_select(0, slots).float()[..., None]
+        elif self.kind == "fp8_e4m3":
+            x = data.view(torch.float8_e4m3fn).float() * scale
+        else:
+            x = data.float() * scale
+        return x.to(self.model_dtype)
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data, self.scale] + ([self.zero] if self.zero is not None else [])
+
+
+class QuantizedKVLayer:
+    def __init__(self, kind: str, num_slots: int, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype):
+        if kind == "int4" and head_dim % 2:
+            raise ValueError(f"int4 KV packs two values per byte: head_dim {head_dim} must be even")
+        self.keys = _QuantizedPool(kind, num_slots, num_kv_heads, head_dim, model_dtype)
+        self.values = _QuantizedPool(kind, num_slots, num_kv_heads, head_dim, model_dtype)
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        self.keys.write(key, slot_mapping)
+        self.values.write(value, slot_mapping)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys.gather(slots), self.values.gather(slots)
+
+    def in_place(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.keys.tensors + self.values.tensors
+
+
+def make_kv_layer(
+    kv_cache_dtype: str, num_slots: int, num_kv_heads: int, head_dim: int, model_dtype: torch.dtype
+) -> PlainKVLayer | QuantizedKVLayer:
+    if kv_cache_dtype in QUANTIZED_KV_DTYPES:
+        return QuantizedKVLayer(kv_cache_dtype, num_slots, num_kv_heads, head_dim, model_dtype)
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"
+        )
+    return PlainKVLayer(
+        num_slots, num_kv_heads, head_dim, plain_dtype(kv_cache_dtype, model_dtype), model_dtype
+    )
