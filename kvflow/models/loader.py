@@ -17,11 +17,19 @@ from safetensors import safe_open
 
 from kvflow.config import QuantConfig
 from kvflow.errors import ModelLoadError
+from kvflow.layers.linear import Linear
 from kvflow.layers.rotary import RotaryEmbedding
-from kvflow.models.arch_config import ArchConfig
+from kvflow.models.arch_config import ArchConfig, load_hf_config
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.registry import MODEL_REGISTRY
 from kvflow.quant.apply import quantize_model
+from kvflow.quant.checkpoint_formats import (
+    TENSOR_SUFFIXES,
+    UnpackedInt4,
+    UnpackedInt8,
+    parse_quantization_config,
+)
+from kvflow.quant.prequantized import build_linear, is_prequantized, unpack_source
 
 logger = logging.getLogger(__name__)
 
@@ -107,11 +115,38 @@ def load_model(
     reader = _ShardReader(files)
     used: set[str] = set()
     available = set(files)
+    checkpoint_quant = parse_quantization_config(load_hf_config(model_dir))
+    packed: dict[str, list[UnpackedInt4 | UnpackedInt8]] = {}  # module path -> its unpacked parts
     with torch.no_grad():
         for name, param in model.named_parameters():
             sources = _sources(name, cfg, available)
+            bases = [s.removesuffix(".weight") for s in sources]
+            if checkpoint_quant is not None and all(
+                is_prequantized(b, available, checkpoint_quant) for b in bases
+            ):
+                packed[name.removesuffix(".weight")] = [
+                    unpack_source(b, checkpoint_quant, reader.read, available) for b in bases
+                ]
+                used.update(
+                    f"{b}.{suffix}" for b in bases for suffix in TENSOR_SUFFIXES[checkpoint_quant.method]
+                )
+                continue
             _load_param(name, param, sources, reader)
             used.update(sources)
+        for path, parts in packed.items():
+            parent_path, _, attr = path.rpartition(".")
+            linear = model.get_submodule(path)
+            bias = linear.bias.data if isinstance(linear, Linear) and linear.bias is not None else None
+            setattr(model.get_submodule(parent_path), attr, build_linear(parts, bias, dtype))
+    if packed and checkpoint_quant is not None:
+        logger.info(
+            "%s checkpoint (%d-bit, group %d%s): %d projections loaded packed",
+            checkpoint_quant.method,
+            checkpoint_quant.bits,
+            checkpoint_quant.group_size,
+            ", act-order" if checkpoint_quant.desc_act else "",
+            len(packed),
+        )
     unused = [
         n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"
     ]

@@ -44,9 +44,17 @@ class Int4Linear(nn.Module):
     qweight: torch.Tensor  # [out, in / 2] uint8, the kernel's packed layout
     scales_and_zeros: torch.Tensor  # [in / group, out, 2] bf16
     bias: torch.Tensor | None
+    perm: torch.Tensor | None  # [in]: act-order checkpoints' input order (groups contiguous after it)
 
-    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        weight: Int4Weight,
+        bias: torch.Tensor | None,
+        dtype: torch.dtype,
+        perm: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
+        self.register_buffer("perm", perm)
         self.out_features, self.in_features = weight.qweight.shape
         self.group_size = weight.group_size
         self.dtype = dtype
@@ -61,6 +69,8 @@ class Int4Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.qweight, self.group_size, self.scales_and_zeros
         ).to(self.dtype)
@@ -68,3 +78,15 @@ class Int4Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 group {self.group_size}"
+
+
+class ConcatLinear(nn.Module):
+    """Several linear layers over the same input, outputs concatenated: a merged projection (qkv,
+    gate/up) whose parts cannot share one packed matrix (act-order parts with different orders)."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum of outs]
+        return torch.cat([part(x) for part in self.parts], dim=-1)

@@ -1,0 +1,68 @@
+"""Build kvflow's quantized layers from a pre-quantized checkpoint's tensors (GPTQ, AWQ,
+compressed-tensors), merging q/k/v and gate/up the way the dense loader concatenates them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from kvflow.errors import ModelLoadError
+from kvflow.quant.checkpoint_formats import (
+    TENSOR_SUFFIXES,
+    UNPACKERS,
+    CheckpointQuant,
+    UnpackedInt4,
+    UnpackedInt8,
+)
+from kvflow.quant.linear import ConcatLinear, Int4Linear, Int8Linear
+from kvflow.quant.weights import Int4Weight, Int8Weight
+
+
+def is_prequantized(source: str, available: set[str], quant: CheckpointQuant) -> bool:
+    """Does the checkpoint hold `source` (e.g. model.layers.0.self_attn.q_proj) in packed form?"""
+    return f"{source}.{TENSOR_SUFFIXES[quant.method][0]}" in available
+
+
+def unpack_source(
+    source: str, quant: CheckpointQuant, read: Callable[[str], torch.Tensor], available: set[str]
+) -> UnpackedInt4 | UnpackedInt8:
+    tensors = {
+        s: read(f"{source}.{s}") for s in TENSOR_SUFFIXES[quant.method] if f"{source}.{s}" in available
+    }
+    try:
+        return UNPACKERS[quant.method](tensors, quant)
+    except KeyError as exc:
+        raise ModelLoadError(f"{source}: missing tensor {exc} of the {quant.method} format") from exc
+
+
+def build_linear(
+    parts: list[UnpackedInt4 | UnpackedInt8], bias: torch.Tensor | None, dtype: torch.dtype
+) -> nn.Module:
+    """One module for a (possibly merged) projection; the bias is the merged bias."""
+    if all(isinstance(p, UnpackedInt8) for p in parts):
+        q = torch.cat([p.q for p in parts])
+        scale = torch.cat([p.scale for p in parts])
+        return Int8Linear(Int8Weight(q, scale), bias, dtype)
+    if not all(isinstance(p, UnpackedInt4) for p in parts):
+        raise ModelLoadError("a merged projection mixes 4-bit and 8-bit parts")
+    int4 = [p for p in parts if isinstance(p, UnpackedInt4)]
+    same_order = all(p.perm is None for p in int4) or all(
+        p.perm is not None and int4[0].perm is not None and torch.equal(p.perm, int4[0].perm) for p in int4
+    )
+    if same_order and len({p.group_size for p in int4}) == 1:
+        weight = Int4Weight(
+            torch.cat([p.q for p in int4]),
+            torch.cat([p.scale for p in int4]),
+            torch.cat([p.min for p in int4]),
+            int4[0].group_size,
+        )
+        return Int4Linear(weight, bias, dtype, int4[0].perm)
+    biases = [None] * len(int4) if bias is None else list(torch.split(bias, [p.q.shape[0] for p in int4]))
+    return ConcatLinear(
+        [
+            Int4Linear(Int4Weight(p.q, p.scale, p.min, p.group_size), b, dtype, p.perm)
+            for p, b in zip(int4, biases, strict=True)
+        ]
+    )
