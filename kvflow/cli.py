@@ -199,16 +199,17 @@ def _cmd_quant_eval(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         quantization_group_size=args.quantization_group_size,
         quantize_lm_head=args.quantize_lm_head,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     ids = reference.get_tokenizer().encode(text)[: args.max_tokens]
-    report = compare(reference, candidate, ids, args.window)
+    report = compare(reference, candidate, ids, args.window, args.kv_cache_dtype)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(
         f"quant-eval {model}: {args.quantization} weights (group {args.quantization_group_size}, "
-        f"LM head {'quantized' if args.quantize_lm_head else 'kept'}) vs {args.dtype}, "
-        f"{report['positions']} positions"
+        f"LM head {'quantized' if args.quantize_lm_head else 'kept'}), {args.kv_cache_dtype} KV vs "
+        f"{args.dtype}, {report['positions']} positions"
     )
     print(f"  mean KL {report['mean_kl']:.5f} nats, top-1 agreement {report['top1_agreement']:.2%}")
     for p in report["paths"]:
@@ -224,7 +225,8 @@ def _add_quant_eval_parser(sub: Any) -> None:
         "quant-eval", help="quality and speed of quantized weights against the unquantized model"
     )
     qe.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
-    qe.add_argument("--quantization", choices=("int8", "int4"), default="int8")
+    qe.add_argument("--quantization", choices=("none", "int8", "int4"), default="int8")
+    qe.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "int8", "int4"), default="auto")
     qe.add_argument("--quantization-group-size", type=int, default=128)
     qe.add_argument("--quantize-lm-head", action="store_true")
     qe.add_argument("--dtype", default="bfloat16")

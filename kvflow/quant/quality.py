@@ -49,7 +49,10 @@ def decode_rate(llm: LLM, prompt_ids: list[int]) -> float:
     return (len(t.token_times) - 1) / t.decode_time if t.decode_time else 0.0
 
 
-def compare(reference: LLM, candidate: LLM, token_ids: list[int], window: int) -> dict[str, Any]:
+def compare(
+    reference: LLM, candidate: LLM, token_ids: list[int], window: int, kv_cache_dtype: str = "auto"
+) -> dict[str, Any]:
+    """The candidate runs with its own weights and, if given, a quantized KV cache."""
     ref_model = reference.llm_engine.model_runner.model
     cand_model = candidate.llm_engine.model_runner.model
     kl_sum = agree = nll_ref = nll_cand = 0.0
@@ -58,7 +61,8 @@ def compare(reference: LLM, candidate: LLM, token_ids: list[int], window: int) -
         if len(chunk) < 2:
             continue
         inputs, targets = chunk[:-1], torch.tensor(chunk[1:])
-        ref, cand = window_log_probs(ref_model, inputs), window_log_probs(cand_model, inputs)
+        ref = window_log_probs(ref_model, inputs)
+        cand = window_log_probs(cand_model, inputs, kv_cache_dtype)
         kl_sum += float((ref.exp() * (ref - cand)).sum())
         agree += float((ref.argmax(-1) == cand.argmax(-1)).sum())
         nll_ref -= float(ref.gather(1, targets[:, None]).sum())

@@ -47,3 +47,18 @@ def test_quant_eval_command(
     reference, quantized = report["paths"]
     assert reference["perplexity"] > 1 and quantized["perplexity"] > 1
     assert quantized["weight_bytes"] < reference["weight_bytes"]
+
+
+def test_quant_eval_reads_kv_back_from_the_quantized_pool(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    from kvflow.quant.quality import compare
+
+    path = str(tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16))
+    reference = LLM(path, max_model_len=64)
+    ids = reference.get_tokenizer().encode("def main():\n    return [x * 2 for x in range(10)]\n" * 4)
+    kl = {}
+    for kv in ("int8", "int4"):
+        candidate = LLM(path, max_model_len=64, kv_cache_dtype=kv)
+        kl[kv] = compare(reference, candidate, ids, 63, kv)["mean_kl"]
+    assert 0.0 < kl["int8"] < kl["int4"]  # coarser KV, larger divergence (and never exactly zero)
