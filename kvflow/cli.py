@@ -153,6 +153,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         max_waiting=args.max_waiting,
         shutdown_grace_s=args.shutdown_grace_seconds,
         log_level=args.log_level,
+        quality_probe_rate=args.quality_probe_rate,
     )
     return run_server(_model_dir(args), config, engine_kwargs(args))
 
@@ -177,6 +178,12 @@ def _add_serve_parser(sub: Any) -> None:
         type=float,
         default=5.0,
         help="on SIGINT/SIGTERM, time in-flight requests get",
+    )
+    serve.add_argument(
+        "--quality-probe-rate",
+        type=float,
+        default=0.0,
+        help="score this share of finished requests against unquantized weights (Prometheus gauges)",
     )
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)

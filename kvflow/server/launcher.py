@@ -11,13 +11,19 @@ import logging
 import signal
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from kvflow.engine.async_engine import AsyncLLMEngine
+from kvflow.config import ConfigError
+from kvflow.engine.async_engine import AsyncLLMEngine, StepObserver
 from kvflow.engine.engine import LLMEngine
+from kvflow.engine.stats import StepStats
+from kvflow.models.loader import load_model
+from kvflow.outputs import RequestOutput
+from kvflow.quant.probe import QualityProbe
 from kvflow.server.api import build_app
 from kvflow.server.metrics import EngineMetrics
 from kvflow.server.serving import ServingContext
@@ -34,6 +40,7 @@ class ServerConfig:
     max_waiting: int | None = None  # None: unbounded queue (vLLM's behaviour)
     shutdown_grace_s: float = 5.0
     log_level: str = "info"
+    quality_probe_rate: float = 0.0  # share of finished requests scored against unquantized weights
 
 
 def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> ServingContext:
@@ -41,7 +48,17 @@ def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any
     engine = LLMEngine.from_kwargs(model=model, **engine_kwargs)
     name = config.served_model_name or model
     metrics = EngineMetrics(name, engine.max_model_len, engine_info(engine))
-    async_engine = AsyncLLMEngine(engine, config.max_waiting, metrics.observe_step)
+    observer: StepObserver = metrics.observe_step
+    if config.quality_probe_rate > 0:
+        probe = start_quality_probe(engine, config.quality_probe_rate, metrics)
+
+        def observe(stats: StepStats, outputs: list[RequestOutput]) -> None:
+            metrics.observe_step(stats, outputs)
+            for output in outputs:
+                probe.offer(output)
+
+        observer = observe
+    async_engine = AsyncLLMEngine(engine, config.max_waiting, observer)
     return ServingContext(
         engine=async_engine,
         served_model_name=name,
@@ -50,6 +67,22 @@ def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any
         tokenizer=engine.tokenizer,
         metrics=metrics,
         api_key=config.api_key,
+    )
+
+
+def start_quality_probe(engine: LLMEngine, rate: float, metrics: EngineMetrics) -> QualityProbe:
+    """Load the unquantized weights beside the served ones and start the probe thread."""
+    quant, cache = engine.config.quant_config, engine.config.cache_config
+    kv_dtype = cache.kv_cache_dtype
+    if not quant.enabled and kv_dtype in ("auto", "bfloat16", "float16"):
+        raise ConfigError(
+            "--quality-probe-rate needs --quantization or a quantized --kv-cache-dtype to probe"
+        )
+    model_dir = Path(engine.config.model_config.model).expanduser()
+    reference = load_model(model_dir, engine.arch, engine.dtype, engine.max_model_len)
+    logger.info("quality probe: scoring %.0f%% of finished requests against unquantized weights", 100 * rate)
+    return QualityProbe(
+        engine.model_runner.model, reference, kv_dtype, rate, metrics.enable_quality_probe(), seed=0
     )
 
 

@@ -8,6 +8,8 @@ Each server owns its `CollectorRegistry`: no process-global metric state.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from kvflow.engine.stats import RequestTimeline, StepStats
@@ -114,6 +116,26 @@ class EngineMetrics:
             self.request_success.labels(model_name, reason)
         for kind in STEP_KINDS:
             self.step_time.labels(model_name, kind)
+
+    def enable_quality_probe(self) -> Callable[[dict[str, float]], None]:
+        """Gauges of the online quality probe (kvflow/quant/probe.py); returns their updater."""
+        m, r = self._model, self.registry
+        docs = {
+            "mean_kl": ("quality_probe_kl_divergence", "mean KL(reference || served) per position, nats"),
+            "top1_agreement": ("quality_probe_top1_agreement", "share of positions with the same argmax"),
+            "perplexity_reference": ("quality_probe_perplexity_reference", "unquantized model's perplexity"),
+            "perplexity_served": ("quality_probe_perplexity_served", "served (quantized) model's perplexity"),
+            "positions": ("quality_probe_positions", "token positions scored so far"),
+        }
+        gauges = {
+            key: Gauge(PREFIX + name, doc, ["model_name"], registry=r) for key, (name, doc) in docs.items()
+        }
+
+        def update(snapshot: dict[str, float]) -> None:
+            for key, gauge in gauges.items():
+                gauge.labels(m).set(snapshot[key])
+
+        return update
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import openai
@@ -88,3 +90,18 @@ def test_concurrent_streams_complete_and_metrics_agree(server: LiveServer, serve
     )
     assert metric_value(after, "num_requests_running") == 0 == metric_value(after, "num_requests_waiting")
     assert metric_value(after, "kv_cache_usage_perc") == 0.0
+
+
+def test_quality_probe_exports_quant_eval_gauges(start_server: Callable[..., LiveServer]) -> None:
+    server = start_server(quality_probe_rate=1.0, engine={"quantization": "int8", "dtype": "bfloat16"})
+    with server.client() as http:
+        for i in range(3):
+            body = {"prompt": f"def f{i}(x):", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+            assert http.post("/v1/completions", json=body).status_code == 200
+    deadline = time.monotonic() + 60
+    while server.metric("quality_probe_positions") < 3 * 8 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.metric("quality_probe_positions") >= 3 * 8
+    assert 0.0 <= server.metric("quality_probe_kl_divergence") < 0.5
+    assert 0.5 <= server.metric("quality_probe_top1_agreement") <= 1.0
+    assert server.metric("quality_probe_perplexity_served") > 1.0
