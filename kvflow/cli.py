@@ -96,6 +96,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if final is not None:
         print(timing_summary(final.metrics, final.outputs[0].finish_reason), file=sys.stderr)
+    spec = engine.spec_stats
+    if spec.num_drafts:
+        print(
+            f"[kvflow] speculation: {spec.num_accepted_tokens}/{spec.num_draft_tokens} drafts accepted "
+            f"({spec.acceptance_rate:.0%}), {spec.mean_accepted_length:.2f} tokens per verification step, "
+            f"per position {spec.accepted_per_pos}",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -126,11 +126,40 @@ class QuantConfig:
         return self.quantization != "none"
 
 
+SpeculativeMethod = Literal["none", "ngram"]
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    speculative_method: SpeculativeMethod = field(
+        default="none", metadata={"help": "speculative decoding: ngram (prompt lookup, no extra model)"}
+    )
+    num_speculative_tokens: int = field(default=3, metadata={"help": "draft tokens verified per step"})
+    prompt_lookup_min: int = field(default=1, metadata={"help": "ngram: shortest suffix n-gram to match"})
+    prompt_lookup_max: int = field(default=4, metadata={"help": "ngram: longest suffix n-gram to match"})
+
+    def __post_init__(self) -> None:
+        if self.speculative_method not in ("none", "ngram"):
+            raise ConfigError(f"speculative_method must be none|ngram, got {self.speculative_method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ConfigError(
+                f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got {self.prompt_lookup_min}, "
+                f"{self.prompt_lookup_max}"
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_method != "none"
+
+
 _SECTIONS: tuple[tuple[str, type], ...] = (
     ("model_config", ModelConfig),
     ("cache_config", CacheConfig),
     ("scheduler_config", SchedulerConfig),
     ("quant_config", QuantConfig),
+    ("speculative_config", SpeculativeConfig),
 )
 
 
@@ -140,6 +169,7 @@ class EngineConfig:
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     quant_config: QuantConfig = field(default_factory=QuantConfig)
+    speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:

@@ -23,10 +23,11 @@ from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.request import Request, RequestStatus
 from kvflow.engine.scheduler import RequestUpdate, Scheduler
 from kvflow.engine.scheduler_output import SchedulerOutput
-from kvflow.engine.stats import StepStats
+from kvflow.engine.stats import SpecDecodeStats, StepStats
 from kvflow.errors import InvalidRequestError, PromptTooLongError
 from kvflow.outputs import RequestOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
+from kvflow.spec_decode.proposer import NgramProposer
 from kvflow.worker.kv_store import KVStore
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.runner_output import ModelRunnerOutput
@@ -73,6 +74,9 @@ class LLMEngine:
             loaded.model, kv_store, self.tokenizer.eos_token_ids, config.model_config.seed
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec.enabled else None
+        self.spec_stats = SpecDecodeStats()  # cumulative since start (kvflow generate prints it)
         self._pending_outputs: list[RequestOutput] = []
         self._request_counter = itertools.count()
         self.last_step_stats: StepStats | None = None
@@ -173,6 +177,8 @@ class LLMEngine:
             runner_output = self._fail_step(scheduler_output, exc)
         for update in self.scheduler.update_from_output(scheduler_output, runner_output):
             self._process_update(update, runner_output.logprobs.get(update.request.request_id))
+        if self.proposer is not None:
+            self.proposer.propose(self.scheduler.running)
         outputs, self._pending_outputs = self._pending_outputs, []
         self.last_step_stats = self._step_stats(scheduler_output, start)
         return outputs
@@ -204,6 +210,8 @@ class LLMEngine:
 
     def _step_stats(self, scheduler_output: SchedulerOutput, start: float) -> StepStats:
         num_decode = sum(s.num_tokens for s in scheduler_output.scheduled if s.is_decode)
+        spec, self.scheduler.spec_stats = self.scheduler.spec_stats, SpecDecodeStats()
+        self.spec_stats.merge(spec)
         return StepStats(
             start_time=start,
             duration=time.monotonic() - start,
@@ -213,6 +221,7 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.scheduler.kv_cache_usage,
             num_preemptions=len(scheduler_output.preempted_request_ids),
+            spec=spec if spec.num_drafts else None,
         )
 
     def has_unfinished_requests(self) -> bool:

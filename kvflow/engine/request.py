@@ -59,6 +59,8 @@ class Request:
         self.timeline = RequestTimeline(arrival_time if arrival_time is not None else time.monotonic())
         # Chained hashes of the full blocks of `all_token_ids`, filled in by the KV cache manager.
         self.block_hashes: list[bytes] = []
+        # Draft tokens proposed for the next step (speculative decoding); consumed when scheduled.
+        self.spec_token_ids: list[int] = []
 
     @property
     def num_tokens(self) -> int:

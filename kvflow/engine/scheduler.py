@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine.request import Request, RequestStatus
 from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvflow.engine.stats import SpecDecodeStats
 from kvflow.errors import InvalidRequestError, KVFlowError, PromptTooLongError
 from kvflow.kv_cache.block_pool import IntegrityError
 from kvflow.kv_cache.manager import KVCacheManager, cdiv
@@ -66,6 +67,8 @@ class Scheduler:
         self._finished_request_ids: list[str] = []
         # Finished inside schedule() (kv_cache_full): reported by the next update_from_output().
         self._finished_in_schedule: list[Request] = []
+        # Speculative decoding acceptance since the engine last read it.
+        self.spec_stats = SpecDecodeStats()
 
     # ----------------------------------------------------------------------------------- admission
 
@@ -130,12 +133,23 @@ class Scheduler:
             if num_new <= 0:  # nothing to compute until the previous step's token arrives
                 i += 1
                 continue
-            if self._allocate_or_preempt(request, num_new, preempted_ids):
-                scheduled.append(self._make_scheduled(request, num_new, now))
-                budget -= num_new
+            num_spec = self._num_spec_tokens(request, budget)
+            if self._allocate_or_preempt(request, num_new + num_spec, preempted_ids):
+                scheduled.append(self._make_scheduled(request, num_new, now, num_spec))
+                budget -= num_new + num_spec
                 i += 1
             # else `request` left `running` (preempted or capped): index i now names the next one.
         return budget
+
+    def _num_spec_tokens(self, request: Request, budget: int) -> int:
+        """Drafts to verify with this decode step: only for a request one token behind, within the
+        token budget and the context length (a draft past max_model_len could never be kept)."""
+        if not request.spec_token_ids or request.num_computed_tokens != request.num_tokens - 1:
+            request.spec_token_ids = []
+            return 0
+        room = min(budget - 1, self.max_model_len - request.num_tokens - 1)
+        request.spec_token_ids = request.spec_token_ids[: max(room, 0)]
+        return len(request.spec_token_ids)
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted_ids: list[str]) -> bool:
         """Allocate for `request`, preempting from the end of `running` until it fits.
@@ -189,16 +203,19 @@ class Scheduler:
             scheduled.append(self._make_scheduled(request, num_new, now))
             budget -= num_new
 
-    def _make_scheduled(self, request: Request, num_new: int, now: float) -> ScheduledRequest:
+    def _make_scheduled(
+        self, request: Request, num_new: int, now: float, num_spec: int = 0
+    ) -> ScheduledRequest:
         start = request.num_computed_tokens
         end = start + num_new
-        # A decode step feeds only the last sampled token; anything else (prompt chunks, recompute
-        # after preemption) is prefill, even a 1-token final prompt chunk.
+        # A decode step feeds only the last sampled token (plus drafts to verify); anything else
+        # (prompt chunks, recompute after preemption) is prefill, even a 1-token final prompt chunk.
         is_decode = request.num_output_tokens > 0 and start == request.num_tokens - 1
         request.timeline.record_scheduled(now, num_new, start, is_prefill=not is_decode)
+        spec, request.spec_token_ids = request.spec_token_ids[:num_spec], []
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            token_ids=request.all_token_ids[start:end] + spec,
             num_computed_tokens=start,
             block_ids=self.kv_cache_manager.block_table(request.request_id),
             do_sample=end == request.num_tokens,
@@ -206,6 +223,7 @@ class Scheduler:
             sampling_params=request.sampling_params,
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
+            num_spec_tokens=len(spec),
         )
 
     # -------------------------------------------------------------------------------------- update
@@ -220,9 +238,17 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted since schedule()
-            request.num_computed_tokens += scheduled.num_tokens
+            token_ids = runner_output.sampled_token_ids.get(request.request_id)
+            if scheduled.num_spec_tokens:
+                # The last token and the accepted drafts now have K/V; rejected drafts' slots are
+                # rolled back (overwritten by later steps) and blocks only they needed are freed.
+                num_accepted = len(token_ids or [1]) - 1
+                self.spec_stats.record(scheduled.num_spec_tokens, num_accepted)
+                request.num_computed_tokens = scheduled.num_computed_tokens + 1 + num_accepted
+                self.kv_cache_manager.trim(request, request.num_computed_tokens + 1)
+            else:
+                request.num_computed_tokens += scheduled.num_tokens
             if scheduled.do_sample:
-                token_ids = runner_output.sampled_token_ids.get(request.request_id)
                 updates.append(RequestUpdate(request, self._append_tokens(request, token_ids)))
         return updates
 

@@ -27,6 +27,9 @@ class ScheduledRequest:
     # References to the request's live lists (penalties read them when sampling).
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    # Speculative decoding: the last `num_spec_tokens` of `token_ids` are draft tokens to verify;
+    # the runner then returns the accepted drafts plus one token (at least one, at most k + 1).
+    num_spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -107,6 +107,7 @@ class StepStats:
     num_waiting: int  # after the step (preempted requests included)
     kv_cache_usage: float  # used blocks / usable blocks, after the step
     num_preemptions: int  # requests preempted while scheduling this step
+    spec: SpecDecodeStats | None = None  # speculative decoding in this step (None: none ran)
 
     @property
     def num_tokens(self) -> int:
@@ -119,3 +120,40 @@ class StepStats:
         if self.num_prefill_tokens:
             return "prefill_only"
         return "decode_only" if self.num_decode_tokens else "idle"
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding acceptance over some steps (vLLM's spec_decode counters)."""
+
+    num_drafts: int = 0  # verification steps that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        while len(self.accepted_per_pos) < num_draft_tokens:
+            self.accepted_per_pos.append(0)
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    def merge(self, other: SpecDecodeStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        while len(self.accepted_per_pos) < len(other.accepted_per_pos):
+            self.accepted_per_pos.append(0)
+        for i, n in enumerate(other.accepted_per_pos):
+            self.accepted_per_pos[i] += n
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step: accepted drafts + the one always emitted."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0

@@ -162,6 +162,19 @@ class KVCacheManager:
             self.block_pool.cache_full_block(blocks[i], hashes[i])  # skips null and already-cached
         self._num_cached_blocks[request.request_id] = max(start, num_full)
 
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the blocks past the ones `num_tokens` positions need (speculative decoding: blocks
+        allocated only for rejected drafts). They hold no real token's K/V, so no cached hash."""
+        rid = request.request_id
+        blocks = self.req_to_blocks.get(rid)
+        needed = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= needed:
+            return
+        extra = blocks[needed:]
+        del blocks[needed:]
+        self._num_cached_blocks[rid] = min(self._num_cached_blocks.get(rid, 0), needed)
+        self.block_pool.free_blocks(reversed(extra))
+
     def free(self, request: Request) -> None:
         """Release all of a request's blocks, tail first (see BlockPool.free_blocks)."""
         rid = request.request_id

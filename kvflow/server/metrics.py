@@ -97,6 +97,15 @@ class EngineMetrics:
         self.preemptions = counter("num_preemptions", "requests preempted (KV recomputed later)")
         self.prefix_queries = counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache")
         self.prefix_hits = counter("prefix_cache_hits", "prompt tokens served from the prefix cache")
+        self.spec_num_drafts = counter("spec_decode_num_drafts", "verification steps that carried drafts")
+        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "draft tokens proposed")
+        self.spec_num_accepted = counter("spec_decode_num_accepted_tokens", "draft tokens accepted")
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "draft tokens accepted at each draft position",
+            [*labels, "position"],
+            registry=r,
+        )
         self.request_success = Counter(
             PREFIX + "request_success",
             "finished requests by finish reason",
@@ -151,6 +160,12 @@ class EngineMetrics:
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
         if stats.num_preemptions:
             self.preemptions.labels(m).inc(stats.num_preemptions)
+        if stats.spec is not None:
+            self.spec_num_drafts.labels(m).inc(stats.spec.num_drafts)
+            self.spec_num_draft_tokens.labels(m).inc(stats.spec.num_draft_tokens)
+            self.spec_num_accepted.labels(m).inc(stats.spec.num_accepted_tokens)
+            for position, count in enumerate(stats.spec.accepted_per_pos):
+                self.spec_accepted_per_pos.labels(m, str(position)).inc(count)
         for output in outputs:
             self._observe_tokens(output)
             if output.finished:

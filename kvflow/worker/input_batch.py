@@ -96,8 +96,8 @@ def build_input_batch(
         slot_mapping.extend(_slots(req.block_ids, start, end, block_size))
         if req.num_tokens > 1:
             prefills.append(_prefill_metadata(req, token_start, block_size, sliding_window))
-        if req.do_sample:
-            logits_indices.append(len(input_ids) - 1)
+        if req.do_sample:  # the last position; with drafts, the k + 1 positions that verify them
+            logits_indices.extend(range(len(input_ids) - 1 - req.num_spec_tokens, len(input_ids)))
     decode_slots, decode_attend, decode_num_keys = (
         _decode_metadata(decodes, block_size, sliding_window) if decodes else (None, None, None)
     )

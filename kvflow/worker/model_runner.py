@@ -11,7 +11,8 @@ import torch
 
 from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvflow.models.llama import LlamaFamilyForCausalLM
-from kvflow.sample.sampler import Sampler, SamplingBatch
+from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
+from kvflow.spec_decode.rejection_sampler import sample_one
 from kvflow.worker.input_batch import build_input_batch
 from kvflow.worker.kv_store import KVStore
 from kvflow.worker.runner_output import ModelRunnerOutput
@@ -65,10 +66,41 @@ class ModelRunner:
         if not batch.sampling_requests:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [N, V]
-        sampled = self.sampler(logits, self._sampling_batch(batch.sampling_requests))
+        # Rows: one per plain request, 1 + k per request verifying k drafts (in batch order).
+        plain_rows, plain_requests, spec = [], [], []
+        row = 0
+        for req in batch.sampling_requests:
+            if req.num_spec_tokens:
+                spec.append((req, row))
+            else:
+                plain_rows.append(row)
+                plain_requests.append(req)
+            row += 1 + req.num_spec_tokens
         output = ModelRunnerOutput()
-        for i, req in enumerate(batch.sampling_requests):
-            output.sampled_token_ids[req.request_id] = [sampled.token_ids[i]]
-            if sampled.logprobs is not None and req.sampling_params.logprobs is not None:
-                output.logprobs[req.request_id] = [sampled.logprobs[i]]
+        if plain_requests:
+            rows = torch.tensor(plain_rows, dtype=torch.int64)
+            sampled = self.sampler(logits.index_select(0, rows), self._sampling_batch(plain_requests))
+            for i, req in enumerate(plain_requests):
+                output.sampled_token_ids[req.request_id] = [sampled.token_ids[i]]
+                if sampled.logprobs is not None and req.sampling_params.logprobs is not None:
+                    output.logprobs[req.request_id] = [sampled.logprobs[i]]
+        for req, first in spec:
+            output.sampled_token_ids[req.request_id] = self._verify(
+                req, logits[first : first + 1 + req.num_spec_tokens]
+            )
         return output
+
+    def _verify(self, req: ScheduledRequest, logits: torch.Tensor) -> list[int]:
+        """Accept a prefix of the drafts by the exact rejection rule (spec_decode/rejection_sampler.py).
+        logits [k + 1, V]: row i scores draft i, the last row gives the token after all of them.
+        The proposer only drafts for requests without penalties, logprobs or banned tokens, so the
+        target distribution is exactly what the plain sampler would draw from."""
+        drafts = req.token_ids[-req.num_spec_tokens :]
+        params = req.sampling_params
+        if params.is_greedy:
+            emitted, _ = sample_one(logits.float(), drafts, None, greedy=True)
+            return emitted
+        probs = filtered_probs(logits.float(), [params] * logits.shape[0])
+        generator = self._generator(req) or self.sampler.default_generator
+        emitted, _ = sample_one(probs, drafts, None, greedy=False, generator=generator)
+        return emitted
