@@ -101,7 +101,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(
             f"[kvflow] speculation: {spec.num_accepted_tokens}/{spec.num_draft_tokens} drafts accepted "
             f"({spec.acceptance_rate:.0%}), {spec.mean_accepted_length:.2f} tokens per verification step, "
-            f"per position {spec.accepted_per_pos}",
+            f"per position {spec.accepted_per_pos}; estimated speedup "
+            f"{engine.spec_controller.speedup(1) or float('nan'):.2f}x",
             file=sys.stderr,
         )
     return 0

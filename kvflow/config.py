@@ -126,21 +126,33 @@ class QuantConfig:
         return self.quantization != "none"
 
 
-SpeculativeMethod = Literal["none", "ngram"]
+SpeculativeMethod = Literal["none", "ngram", "draft"]
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     speculative_method: SpeculativeMethod = field(
-        default="none", metadata={"help": "speculative decoding: ngram (prompt lookup, no extra model)"}
+        default="none",
+        metadata={
+            "help": "speculative decoding: ngram (prompt lookup) or draft (a smaller model, --draft-model)"
+        },
+    )
+    draft_model: str | None = field(
+        default=None, metadata={"help": "draft checkpoint directory (same vocabulary as the model)"}
     )
     num_speculative_tokens: int = field(default=3, metadata={"help": "draft tokens verified per step"})
     prompt_lookup_min: int = field(default=1, metadata={"help": "ngram: shortest suffix n-gram to match"})
     prompt_lookup_max: int = field(default=4, metadata={"help": "ngram: longest suffix n-gram to match"})
+    speculative_auto_disable: bool = field(
+        default=False,
+        metadata={"help": "skip speculation in steps where the measured speedup estimate is below 1"},
+    )
 
     def __post_init__(self) -> None:
-        if self.speculative_method not in ("none", "ngram"):
-            raise ConfigError(f"speculative_method must be none|ngram, got {self.speculative_method!r}")
+        if self.speculative_method not in ("none", "ngram", "draft"):
+            raise ConfigError(f"speculative_method must be none|ngram|draft, got {self.speculative_method!r}")
+        if (self.speculative_method == "draft") != (self.draft_model is not None):
+            raise ConfigError("--draft-model is needed by, and only by, --speculative-method draft")
         if self.num_speculative_tokens < 1:
             raise ConfigError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

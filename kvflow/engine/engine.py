@@ -27,7 +27,8 @@ from kvflow.engine.stats import SpecDecodeStats, StepStats
 from kvflow.errors import InvalidRequestError, PromptTooLongError
 from kvflow.outputs import RequestOutput, TokenLogprobs
 from kvflow.sampling_params import SamplingParams
-from kvflow.spec_decode.proposer import NgramProposer
+from kvflow.spec_decode.controller import SpecController
+from kvflow.spec_decode.setup import build_proposer
 from kvflow.worker.kv_store import KVStore
 from kvflow.worker.model_runner import ModelRunner
 from kvflow.worker.runner_output import ModelRunnerOutput
@@ -74,9 +75,17 @@ class LLMEngine:
             loaded.model, kv_store, self.tokenizer.eos_token_ids, config.model_config.seed
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec.enabled else None
+        self.proposer = build_proposer(
+            config.speculative_config,
+            self.tokenizer,
+            loaded.dtype,
+            self.max_model_len,
+            num_blocks,
+            cache.block_size,
+        )
         self.spec_stats = SpecDecodeStats()  # cumulative since start (kvflow generate prints it)
+        self.spec_controller = SpecController(config.speculative_config.speculative_auto_disable)
+        self._propose_seconds = 0.0  # the proposal made for the next step
         self._pending_outputs: list[RequestOutput] = []
         self._request_counter = itertools.count()
         self.last_step_stats: StepStats | None = None
@@ -175,13 +184,37 @@ class LLMEngine:
             runner_output = self.model_runner.execute_model(scheduler_output)
         except Exception as exc:  # the whole batch failed: fail its requests, keep the engine serving
             runner_output = self._fail_step(scheduler_output, exc)
+        num_emitted = 0
         for update in self.scheduler.update_from_output(scheduler_output, runner_output):
+            num_emitted += len(update.new_token_ids)
             self._process_update(update, runner_output.logprobs.get(update.request.request_id))
         if self.proposer is not None:
-            self.proposer.propose(self.scheduler.running)
+            self._record_spec_step(scheduler_output, start, num_emitted)
+            self._propose()
         outputs, self._pending_outputs = self._pending_outputs, []
         self.last_step_stats = self._step_stats(scheduler_output, start)
         return outputs
+
+    def _record_spec_step(self, scheduler_output: SchedulerOutput, start: float, num_emitted: int) -> None:
+        """Decode-only steps feed the speculation controller (a prefill chunk would blur the timing)."""
+        scheduled = scheduler_output.scheduled
+        if scheduled and all(s.is_decode for s in scheduled):
+            speculative = any(s.num_spec_tokens for s in scheduled)
+            seconds = time.monotonic() - start + self._propose_seconds
+            self.spec_controller.record(len(scheduled), seconds, speculative, num_emitted)
+        self._propose_seconds = 0.0
+
+    def _propose(self) -> None:
+        assert self.proposer is not None
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_computed_tokens == r.num_tokens - 1]
+        if not self.spec_controller.should_propose(len(decoding)):
+            for request in running:
+                request.spec_token_ids, request.spec_draft_probs = [], None
+            return
+        started = time.monotonic()
+        self.proposer.propose(running)
+        self._propose_seconds = time.monotonic() - started
 
     def _process_update(self, update: RequestUpdate, logprobs: list[TokenLogprobs] | None) -> None:
         rid = update.request.request_id

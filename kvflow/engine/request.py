@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 from kvflow.engine.stats import RequestTimeline
 from kvflow.sampling_params import SamplingParams
@@ -61,6 +62,9 @@ class Request:
         self.block_hashes: list[bytes] = []
         # Draft tokens proposed for the next step (speculative decoding); consumed when scheduled.
         self.spec_token_ids: list[int] = []
+        # The draft model's distributions q [k, V] behind sampled drafts (a torch tensor; None for
+        # greedy or deterministic drafts): the verifier's rejection rule needs them.
+        self.spec_draft_probs: Any = None
 
     @property
     def num_tokens(self) -> int:

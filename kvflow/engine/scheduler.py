@@ -145,7 +145,7 @@ class Scheduler:
         """Drafts to verify with this decode step: only for a request one token behind, within the
         token budget and the context length (a draft past max_model_len could never be kept)."""
         if not request.spec_token_ids or request.num_computed_tokens != request.num_tokens - 1:
-            request.spec_token_ids = []
+            request.spec_token_ids, request.spec_draft_probs = [], None
             return 0
         room = min(budget - 1, self.max_model_len - request.num_tokens - 1)
         request.spec_token_ids = request.spec_token_ids[: max(room, 0)]
@@ -213,6 +213,9 @@ class Scheduler:
         is_decode = request.num_output_tokens > 0 and start == request.num_tokens - 1
         request.timeline.record_scheduled(now, num_new, start, is_prefill=not is_decode)
         spec, request.spec_token_ids = request.spec_token_ids[:num_spec], []
+        draft_probs, request.spec_draft_probs = request.spec_draft_probs, None
+        if draft_probs is not None and spec:
+            draft_probs = draft_probs[: len(spec)]
         return ScheduledRequest(
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end] + spec,
@@ -224,6 +227,7 @@ class Scheduler:
             prompt_token_ids=request.prompt_token_ids,
             output_token_ids=request.output_token_ids,
             num_spec_tokens=len(spec),
+            spec_draft_probs=draft_probs if spec else None,
         )
 
     # -------------------------------------------------------------------------------------- update

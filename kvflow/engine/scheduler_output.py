@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class ScheduledRequest:
     # Speculative decoding: the last `num_spec_tokens` of `token_ids` are draft tokens to verify;
     # the runner then returns the accepted drafts plus one token (at least one, at most k + 1).
     num_spec_tokens: int = 0
+    spec_draft_probs: Any = None  # [num_spec_tokens, V] draft distributions, or None (see Request)
 
     @property
     def num_tokens(self) -> int:

@@ -102,5 +102,5 @@ class ModelRunner:
             return emitted
         probs = filtered_probs(logits.float(), [params] * logits.shape[0])
         generator = self._generator(req) or self.sampler.default_generator
-        emitted, _ = sample_one(probs, drafts, None, greedy=False, generator=generator)
+        emitted, _ = sample_one(probs, drafts, req.spec_draft_probs, greedy=False, generator=generator)
         return emitted

@@ -168,3 +168,63 @@ def test_spec_counters_reach_prometheus() -> None:
     assert samples[("kvflow:spec_decode_num_accepted_tokens_total", None)] == 2
     assert samples[("kvflow:spec_decode_num_accepted_tokens_per_pos_total", "0")] == 1
     assert samples[("kvflow:spec_decode_num_accepted_tokens_per_pos_total", "1")] == 1
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_draft_model_that_is_the_target_accepts_everything(
+    tiny_checkpoint_factory: Callable[..., Path], arch: str
+) -> None:
+    """The target as its own draft always agrees (greedy): K + 1 tokens per step, same output."""
+    path = tiny_checkpoint_factory(arch)
+    plain, _ = run(path, PROMPTS)
+    spec, llm = run(
+        path, PROMPTS, speculative_method="draft", draft_model=str(path), num_speculative_tokens=3
+    )
+    assert spec == plain
+    stats = llm.llm_engine.spec_stats
+    assert stats.acceptance_rate == 1.0 and stats.mean_accepted_length > 3.5
+    llm.llm_engine.scheduler.check_integrity()
+
+
+def test_a_different_draft_model_gives_identical_greedy_output(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    path = tiny_checkpoint_factory("llama")
+    other = tiny_checkpoint_factory("llama", seed=7, num_hidden_layers=1)  # disagrees almost always
+    plain, _ = run(path, PROMPTS, num_kv_blocks=20, block_size=4)
+    spec, llm = run(
+        path, PROMPTS, speculative_method="draft", draft_model=str(other), num_kv_blocks=20, block_size=4
+    )
+    assert spec == plain
+    assert llm.llm_engine.spec_stats.num_drafts > 0
+
+
+def test_draft_model_with_another_vocabulary_is_refused(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    from fixtures.checkpoints import train_tokenizer
+
+    from kvflow.errors import ModelLoadError
+
+    path = tiny_checkpoint_factory("llama")
+    other = tmp_path / "other-vocab"
+    shutil.copytree(path, other)
+    train_tokenizer(other, vocab_size=300)  # same architecture, another BPE vocabulary
+    with pytest.raises(ModelLoadError, match="different vocabulary"):
+        LLM(str(path), speculative_method="draft", draft_model=str(other))
+
+
+def test_sampled_drafts_complete_with_their_distribution(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    path = tiny_checkpoint_factory("llama")
+    llm = LLM(
+        str(path), dtype="float32", max_model_len=128, speculative_method="draft", draft_model=str(path)
+    )
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, seed=5)
+    outs = llm.generate(PROMPTS, params)
+    assert all(len(o.outputs[0].token_ids) == 24 for o in outs)
+    # The target as its own draft: q == p, so every sampled draft is accepted (min(1, p/q) = 1).
+    assert llm.llm_engine.spec_stats.acceptance_rate > 0.95
