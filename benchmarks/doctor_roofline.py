@@ -13,44 +13,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from offline_throughput import REPO, build_checkpoint
 
-STARTUP_TIMEOUT_S = 600.0
+from kvflow.server.spawn import spawn_server, stop_server
+
 OUT_DIR = Path.home() / ".cache" / "kvflow-bench" / "doctor"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(model: Path, port: int) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "kvflow.cli", "serve", str(model), "--port", str(port)]
-    command += ["--dtype", "bfloat16", "--max-model-len", "2048"]
-    process = subprocess.Popen(command, cwd=REPO, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError("kvflow serve exited during start-up")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError("kvflow serve did not become healthy")
 
 
 def kvflow(*args: str) -> None:
@@ -68,9 +42,7 @@ def main() -> None:
     args = parser.parse_args()
     model = build_checkpoint(torch.bfloat16)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    server = start_server(model, port)
-    base = f"http://127.0.0.1:{port}"
+    server, base = spawn_server(model, ["--dtype", "bfloat16", "--max-model-len", "2048"], cwd=REPO)
     rows = []
     try:
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
@@ -84,8 +56,7 @@ def main() -> None:
                    base + "/metrics", "--output", str(doctor))  # fmt: skip
             rows.append((concurrency, json.loads(doctor.read_text())))
     finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(60)
+        stop_server(server)
     print(f"\n{'conc':>5} {'phase':<8} {'roofline':>12} {'measured':>12} {'measured/roofline':>18}  bound")
     for concurrency, doc in rows:
         roof, meas = doc["roofline"], doc["measured"]

@@ -24,14 +24,13 @@ import asyncio
 import json
 import os
 import random
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import torch
@@ -41,8 +40,8 @@ from offline_throughput import QWEN25_05B, REPO, build_checkpoint
 
 from kvflow.bench.metrics import percentile
 from kvflow.bench.server_metrics import Snapshot, histogram_quantile, scrape
+from kvflow.server.spawn import spawn_server, stop_server
 
-STARTUP_TIMEOUT_S = 600.0  # first start builds the native kernels (about a minute) and the checkpoint
 NUM_WARMUP = 2
 
 
@@ -63,29 +62,10 @@ class RequestRecord:
         return gaps
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_server(model: Path, port: int, args: argparse.Namespace) -> subprocess.Popen[bytes]:
-    command = [sys.executable, "-m", "kvflow.cli", "serve", str(model), "--port", str(port)]
-    command += ["--served-model-name", "bench", "--dtype", args.dtype, "--max-model-len", "2048"]
+def start_server(model: Path, args: argparse.Namespace) -> tuple[subprocess.Popen[Any], str]:
+    flags = ["--served-model-name", "bench", "--dtype", args.dtype, "--max-model-len", "2048"]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.server_threads)}
-    process = subprocess.Popen(command, cwd=REPO, env=env, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if process.poll() is not None:
-            raise RuntimeError("kvflow serve exited during start-up (run it by hand to see why)")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return process
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError("kvflow serve did not become healthy")
-        time.sleep(0.5)
+    return spawn_server(model, flags, env=env, cwd=REPO)
 
 
 async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int) -> RequestRecord:
@@ -181,9 +161,7 @@ def main() -> None:
     prompts = [
         [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)] for _ in range(args.num_requests)
     ]
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    server = start_server(model, port, args)
+    server, base = start_server(model, args)
     try:
         warmup = [
             [rng.randrange(1000, vocab - 1000) for _ in range(args.input_len)] for _ in range(NUM_WARMUP)
@@ -195,8 +173,7 @@ def main() -> None:
         wall = time.perf_counter() - start
         after = scrape(base + "/metrics")
     finally:
-        server.send_signal(signal.SIGINT)
-        server.wait(60)
+        stop_server(server)
     assert before is not None and after is not None, "kvflow serve exports /metrics"
     report(records, before, after, wall, args)
 

@@ -9,25 +9,17 @@ original run) keeps machine drift out of the measured effect.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.load import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.doctor.evidence import EngineSettings
 from kvflow.doctor.findings import Finding, WhatIf
+from kvflow.server.spawn import spawn_server, stop_server
 
-STARTUP_TIMEOUT_S = 600.0
 # The bar: a measured improvement within 30% of the predicted one counts as confirmed.
 AGREEMENT_TOLERANCE = 0.3
 # Predicted metric name -> how to read the measured value from a bench result.
@@ -105,38 +97,13 @@ def engine_args(settings: EngineSettings, change: dict[str, Any]) -> list[str]:
     return flags
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run_against_fresh_server(model_dir: str, flags: list[str], bench: BenchConfig) -> dict[str, Any]:
-    port = _free_port()
-    command = [sys.executable, "-m", "kvflow.cli", "serve", model_dir, "--port", str(port), *flags]
-    server = subprocess.Popen(command, stderr=subprocess.DEVNULL, env=dict(os.environ))
-    base = f"http://127.0.0.1:{port}"
+    server, base = spawn_server(model_dir, flags)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            if server.poll() is not None:
-                raise RuntimeError(f"kvflow serve {' '.join(flags)} exited during start-up")
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("kvflow serve did not become healthy")
-            time.sleep(0.2)
         config = BenchConfig(**{**bench.__dict__, "base_url": base + "/v1", "model": None, "progress": False})
         return run_benchmark(config)
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(30)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)
 
 
 def bench_config_from_result(result: dict[str, Any]) -> BenchConfig:

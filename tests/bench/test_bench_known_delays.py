@@ -15,11 +15,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
-from fixtures.live_server import free_port
 
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.load import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
+from kvflow.server.spawn import free_port
 
 TTFT_S = 0.200
 GAP_S = 0.050

@@ -7,33 +7,19 @@ import json
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
-from fixtures.live_server import free_port
 
-STARTUP_TIMEOUT_S = 120.0
+from kvflow.server.spawn import spawn_server
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_serve_prints_its_url_serves_and_drains_on_sigint(server_model_dir: Path) -> None:
-    port = free_port()
-    command = [sys.executable, "-m", "kvflow.cli", "serve", str(server_model_dir), "--port", str(port)]
-    command += ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256"]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, cwd=REPO_ROOT)
-    base = f"http://127.0.0.1:{port}"
+    flags = ["--served-model-name", "tiny", "--dtype", "float32", "--max-model-len", "256"]
+    process, base = spawn_server(server_model_dir, flags, cwd=REPO_ROOT, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while True:
-            assert process.poll() is None, process.communicate()[1]
-            try:
-                if httpx.get(base + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "kvflow serve did not become healthy"
-            time.sleep(0.2)
         body = {"model": "tiny", "prompt": "x = ", "max_tokens": 150, "ignore_eos": True, "stream": True}
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
@@ -48,7 +34,7 @@ def test_serve_prints_its_url_serves_and_drains_on_sigint(server_model_dir: Path
         if process.poll() is None:
             process.kill()
     assert process.returncode == 0, stderr
-    assert f"tiny at http://127.0.0.1:{port}/v1" in stderr
+    assert f"tiny at {base}/v1" in stderr
     assert "KV cache pool:" in stderr and "[kvflow serve] stopped" in stderr
 
 
