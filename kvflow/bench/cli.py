@@ -55,6 +55,7 @@ def add_bench_parser(sub: Any) -> None:
     bench.add_argument(
         "--no-continuous-usage", action="store_true", help="for servers that reject stream_options extensions"
     )
+    bench.add_argument("--no-usage", action="store_true", help="send no stream_options at all")
     bench.add_argument("--output", default=None, help="write the JSON result here")
     bench.add_argument("--html", default=None, help="write the HTML report here")
     bench.add_argument(
@@ -94,6 +95,7 @@ def _config(args: argparse.Namespace, load: LoadSpec) -> BenchConfig:
         api_key=args.api_key,
         ignore_eos=not args.no_ignore_eos,
         continuous_usage_stats=not args.no_continuous_usage,
+        include_usage=not args.no_usage,
         temperature=args.temperature,
         progress=not args.quiet,
     )

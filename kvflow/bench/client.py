@@ -32,6 +32,7 @@ class ClientConfig:
     api_key: str | None = None
     ignore_eos: bool = True  # output lengths exact (vLLM/kvflow extension; others ignore it)
     continuous_usage_stats: bool = True  # per-chunk token counts (vLLM/kvflow extension)
+    include_usage: bool = True  # ask for the final usage chunk (OpenAI's stream_options)
     temperature: float = 0.0
     extra_body: dict[str, Any] = field(default_factory=dict)
 
@@ -57,11 +58,12 @@ def request_body(config: ClientConfig, prompt: Prompt) -> dict[str, Any]:
         "max_tokens": prompt.max_tokens,
         "temperature": config.temperature,
         "stream": True,
-        "stream_options": {"include_usage": True},
         **config.extra_body,
     }
-    if config.continuous_usage_stats:
-        body["stream_options"]["continuous_usage_stats"] = True
+    if config.include_usage:
+        body["stream_options"] = {"include_usage": True}
+        if config.continuous_usage_stats:
+            body["stream_options"]["continuous_usage_stats"] = True
     if config.ignore_eos:
         body["ignore_eos"] = True
     if config.endpoint == "chat":

@@ -43,6 +43,7 @@ class BenchConfig:
     api_key: str | None = None
     ignore_eos: bool = True
     continuous_usage_stats: bool = True
+    include_usage: bool = True
     temperature: float = 0.0
     progress: bool = True
 
@@ -149,6 +150,7 @@ class Runner:
             api_key=config.api_key,
             ignore_eos=config.ignore_eos,
             continuous_usage_stats=config.continuous_usage_stats,
+            include_usage=config.include_usage,
             temperature=config.temperature,
         )
         self.records: list[RequestRecord] = []
@@ -254,6 +256,25 @@ def check_input_lengths(config: BenchConfig, workload: Workload, warnings: list[
         )
 
 
+def count_with_server_tokenizer(config: BenchConfig, records: list[RequestRecord]) -> None:
+    """Requests without server usage: count their output with the server's /tokenize when it has one
+    (kvflow, vLLM), which beats the local tokenizer (the second fallback) and one-per-chunk."""
+    pending = [r for r in records if r.succeeded and r.token_count_source == "local" and r.output_text]
+    if not pending:
+        return
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    for record in pending:
+        body = {"prompt": record.output_text, "add_special_tokens": False}
+        try:
+            response = httpx.post(config.server_root + "/tokenize", json=body, headers=headers, timeout=30)
+        except httpx.HTTPError:
+            return
+        if response.status_code != 200 or "count" not in response.json():
+            return  # no /tokenize here: keep the local counts
+        record.output_tokens = int(response.json()["count"])
+        record.token_count_source = "tokenize"
+
+
 def check_output_counts(
     records: list[RequestRecord], tokenizer: BenchTokenizer | None, warnings: list[str]
 ) -> None:
@@ -321,6 +342,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         check_input_lengths(config, workload, runner.warnings)
     duration = asyncio.run(runner.run(workload))
     measured = [r for r in runner.records if not r.is_warmup]
+    count_with_server_tokenizer(config, measured)
     check_output_counts(measured, tokenizer, runner.warnings)
     result: dict[str, Any] = {"config": _config_dict(config, info)}
     result.update(aggregate(measured, duration, config.slo))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -94,3 +95,14 @@ def test_failed_requests_are_reported_with_their_error(server: LiveServer) -> No
     assert (result["completed"], result["failed"]) == (0, 3)
     [(message, count)] = result["errors"].items()
     assert count == 3 and message.startswith("HTTP 400") and "maximum context length" in message
+
+
+def test_without_usage_the_servers_tokenize_counts_the_output(server: LiveServer) -> None:
+    spec = DatasetSpec("random", 2, input_len=INPUT_LEN, output_len=OUTPUT_LEN)
+    result = run_benchmark(replace(config(server, spec), continuous_usage_stats=False, include_usage=False))
+    assert result["failed"] == 0
+    assert {r["token_count_source"] for r in result["requests"]} == {"tokenize"}
+    # Re-tokenizing generated text need not give the generated ids back: a random model emits
+    # partial UTF-8 byte tokens, decoded as U+FFFD, which re-encode as 3 bytes each. Hence usage
+    # first, and the warning when the local count disagrees with it.
+    assert all(r["output_tokens"] > 0 for r in result["requests"])
