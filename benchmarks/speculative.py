@@ -64,7 +64,8 @@ def workloads(n: int) -> dict[str, list[str]]:
 
 
 def run(model: Path, prompts: list[str], max_tokens: int, **engine: Any) -> dict[str, Any]:
-    llm = LLM(str(model), dtype="bfloat16", max_model_len=2048, **engine)
+    max_len = min(2048, json.loads((model / "config.json").read_text())["max_position_embeddings"])
+    llm = LLM(str(model), dtype="bfloat16", max_model_len=max_len, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     llm.llm_engine.spec_stats = type(llm.llm_engine.spec_stats)()

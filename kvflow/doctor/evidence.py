@@ -57,7 +57,9 @@ class EngineSettings:
             dtype=labels.get("dtype"),
             max_model_len=num("max_model_len"),
             continuous_batching=True if server in ("kvflow", "vllm") else None,
-            speculative_decoding=False if server == "kvflow" else None,
+            speculative_decoding=(labels.get("speculative_method", "none") != "none")
+            if server == "kvflow"
+            else None,
         )
 
     @classmethod

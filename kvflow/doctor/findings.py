@@ -85,9 +85,17 @@ class Diagnosis:
         return float(decode_step if decode_step is not None else self.run.tpot_p50_ms or 0.0)
 
     def measured_prefill_ms_per_token(self) -> float | None:
-        """(prefill time - one step's fixed cost) / uncached prompt tokens: the marginal cost of a
-        prompt token, which is what caching or cutting tokens saves. The server's prefill time
-        excludes queueing; without it, TTFT minus the server's queue time stands in."""
+        """The marginal cost of a prompt token, which is what caching or cutting tokens saves.
+
+        Preferred (kvflow servers): from the server's step times by kind over the run,
+            (prefill_only steps' time + mixed steps' time beyond a decode-only step) / prefill tokens,
+        with prefill tokens = prompt tokens - prefix-cache hits; this holds under concurrency, where
+        one request's prefill spans steps shared with others. Otherwise per request:
+            (prefill time - one step's fixed cost) / uncached prompt tokens,
+        with the server's prefill time (no queueing) or TTFT - queue time."""
+        from_steps = self._prefill_ms_per_token_from_steps()
+        if from_steps is not None:
+            return from_steps
         run = self.run
         prefill = run.prefill_ms
         if prefill is None and run.ttft_p50_ms is not None:
@@ -96,6 +104,21 @@ class Diagnosis:
             return None
         uncached = run.prompt_p50 * (1.0 - (run.prefix_hit_rate or 0.0))
         return max(prefill - self.step_fixed_cost_ms(), 0.0) / max(uncached, 1.0)
+
+    def _prefill_ms_per_token_from_steps(self) -> float | None:
+        server = self.run.server
+        steps = server.get("step_time_ms") or {}
+        prompt, hits = server.get("prompt_tokens"), server.get("prefix_cache_hits") or 0.0
+        prefill_tokens = (prompt or 0.0) - hits
+        decode_step = (steps.get("decode_only") or {}).get("mean")
+        if not steps or prefill_tokens <= 0 or ("mixed" in steps and decode_step is None):
+            return None
+        total = 0.0
+        for kind, base in (("prefill_only", 0.0), ("mixed", decode_step or 0.0)):
+            s = steps.get(kind) or {}
+            if s.get("count"):
+                total += s["count"] * max(s["mean"] - base, 0.0)
+        return total / prefill_tokens if total > 0 else None
 
     def kv_pool_bytes(self) -> float:
         tokens = self.settings.kv_pool_tokens
@@ -453,7 +476,8 @@ def step_framework(d: Diagnosis) -> Finding:
             WhatIf(
                 "speculative decoding",
                 "not predicted: the gain is (1 - a^(k+1)) / (1 - a) tokens per step at acceptance a, which "
-                "must be measured on this workload (kvflow cannot run it yet)",
+                "must be measured on this workload: kvflow serve --speculative-method ngram|draft reports "
+                "it (kvflow:spec_decode_*) and --speculative-auto-disable turns it off where it costs time",
             )
         )
     if s.continuous_batching is False:

@@ -100,6 +100,8 @@ def engine_info(engine: LLMEngine) -> dict[str, str]:
         "max_num_seqs": str(sched.max_num_seqs),
         "max_num_batched_tokens": str(sched.max_num_batched_tokens),
         "max_model_len": str(engine.max_model_len),
+        "speculative_method": engine.config.speculative_config.speculative_method,
+        "quantization": engine.config.quant_config.quantization,
     }
 
 
