@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 from typing import Any
 
@@ -106,6 +107,7 @@ def _loads(text: str | None) -> list[float]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request drowns the table
     if args.concurrency is not None and args.request_rate is not None:
         raise ValueError("give --concurrency or --request-rate, not both")
     key: LoadKey = "request_rate" if args.request_rate is not None else "concurrency"
