@@ -37,12 +37,14 @@ K = 3
 
 def stdlib_functions(count: int) -> list[str]:
     """Sources of small stdlib functions (json, textwrap, shlex, ...): held-out-like code."""
+    import argparse as argparse_mod
+    import difflib
     import json as json_mod
     import shlex
     import textwrap
 
     sources: list[str] = []
-    for module in (textwrap, shlex, json_mod.decoder, json_mod.encoder):
+    for module in (textwrap, shlex, json_mod.decoder, json_mod.encoder, difflib, argparse_mod):
         for _, fn in inspect.getmembers(module, inspect.isfunction):
             try:
                 src = inspect.getsource(fn)
