@@ -33,8 +33,7 @@ import shutil
 import sys
 import sysconfig
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from kvflow.assets.hf_export import hf_progress_bars_disabled
 from kvflow.assets.tokenizer_recipe import tokenizer_config as recipe_tokenizer_config
 from kvflow.assets.tokenizer_recipe import train_byte_level_bpe
 
@@ -444,26 +444,13 @@ def export_checkpoint(out: Path, model: torch.nn.Module, tokenizer: Tokenizer) -
     export.generation_config = GenerationConfig(bos_token_id=endoftext, eos_token_id=[endoftext, im_end])
     staging = out / ".export.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    with _hf_progress_bars_disabled():  # a "Writing model shards" bar at every save would break ours
+    with hf_progress_bars_disabled():  # a "Writing model shards" bar at every save would break ours
         export.save_pretrained(staging, safe_serialization=True)
     tokenizer.save(str(staging / "tokenizer.json"))
     _write_json(staging / "tokenizer_config.json", tokenizer_config())
     for file in staging.iterdir():
         os.replace(file, out / file.name)
     staging.rmdir()
-
-
-@contextmanager
-def _hf_progress_bars_disabled() -> Iterator[None]:
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
 
 
 def _write_json(path: Path, value: Any) -> None:

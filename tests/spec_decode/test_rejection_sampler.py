@@ -43,7 +43,7 @@ def test_exact_marginal_equals_the_target(seed: int) -> None:
 
 def test_exact_two_position_sequence_distribution() -> None:
     """Two drafts: P(emitted prefix) for every outcome equals the target's sequence probability."""
-    p0, p1, p2 = dist(1), dist(2), dist(3)  # target at positions 1, 2 and the bonus position
+    p0, p1 = dist(1), dist(2)  # target at the two draft positions (the bonus token is not reached)
     q0, q1 = dist(11), dist(12)
     seq = torch.zeros(V, V, dtype=torch.float64)  # P(first two emitted tokens = x, y)
     first_only = torch.zeros(V, dtype=torch.float64)  # P(step emits only one token, x)
@@ -60,7 +60,6 @@ def test_exact_two_position_sequence_distribution() -> None:
     torch.testing.assert_close(first_only + seq.sum(1), p0, rtol=0, atol=1e-12)
     continued = seq.sum()
     torch.testing.assert_close(seq / continued, torch.outer(seq.sum(1) / continued, p1), rtol=0, atol=1e-12)
-    del p2
 
 
 def chi_square(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
