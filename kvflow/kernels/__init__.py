@@ -1,8 +1,10 @@
 """Optional native CPU kernels, compiled on first use with torch's JIT extension builder.
 
 - `skinny_linear_bf16()`: the AVX512-BF16 GEMV for few-row (decode) linears (gemv_bf16.cpp);
-- `paged_decode_attention_bf16()`: decode attention read in place from the paged KV pool
-  (paged_decode_attention.cpp).
+- `paged_decode_attention_bf16()` / `paged_decode_attention_quantized()`: decode attention read in
+  place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4 (paged_decode_attention.cpp);
+- `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs for decode and row-block
+  dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp).
 Each returns None when this CPU lacks AVX512-BF16, no compiler is available, or the build fails;
 callers then keep the generic torch path. The build (~1 min, once) is cached under
 ~/.cache/kvflow/kernels (KVFLOW_KERNEL_CACHE); KVFLOW_DISABLE_KERNELS=1 skips it.
@@ -26,8 +28,26 @@ SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
-_SOURCES = ("bindings.cpp", "gemv_bf16.cpp", "paged_decode_attention.cpp")
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16")
+# (x [M, K] bf16, qweight [N, K] int8, scales [N] fp32, bias) -> [M, N] bf16
+SkinnyLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (qweight [N, K] int8, scales [N] fp32, n_begin, n_end) -> [n_end - n_begin, K] bf16
+DequantizeInt8Rows = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+# (q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, slots, seq_lens, scale, kind) -> [B, Hq, D]
+PagedDecodeAttentionQuantized = Callable[
+    [
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+        torch.Tensor, torch.Tensor, float, str,
+    ],
+    torch.Tensor,
+]  # fmt: skip
+# (x [M, K] bf16, packed [N, K / 2] uint8, scales [N, K / g] bf16, mins, g, bias) -> [M, N] bf16
+SkinnyLinearInt4 = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor
+]
+# (packed, scales, mins, g, n_begin, n_end) -> [n_end - n_begin, K] bf16
+DequantizeInt4Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
+_SOURCES = ("bindings.cpp", "gemv_bf16.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "paged_decode_attention.cpp")
+_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "bmi2")
 
 
 def _cpu_flags() -> set[str]:
@@ -61,7 +81,16 @@ def _native_module() -> ModuleType | None:
         return load(
             name="kvflow_cpu_kernels",
             sources=[str(here / s) for s in _SOURCES],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+            extra_cflags=[
+                "-O3",
+                "-mavx512f",
+                "-mavx512bw",
+                "-mavx512vl",
+                "-mavx512bf16",
+                "-mf16c",
+                "-mbmi2",
+                "-fopenmp",
+            ],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             verbose=False,
@@ -79,3 +108,18 @@ def skinny_linear_bf16() -> SkinnyLinear | None:
 def paged_decode_attention_bf16() -> PagedDecodeAttention | None:
     module = _native_module()
     return None if module is None else module.paged_decode_attention_bf16
+
+
+def paged_decode_attention_quantized() -> PagedDecodeAttentionQuantized | None:
+    module = _native_module()
+    return None if module is None else module.paged_decode_attention_quantized
+
+
+def int8_weight_kernels() -> tuple[SkinnyLinearInt8, DequantizeInt8Rows] | None:
+    module = _native_module()
+    return None if module is None else (module.skinny_linear_int8, module.dequantize_int8_rows)
+
+
+def int4_weight_kernels() -> tuple[SkinnyLinearInt4, DequantizeInt4Rows] | None:
+    module = _native_module()
+    return None if module is None else (module.skinny_linear_int4, module.dequantize_int4_rows)

@@ -1,4 +1,6 @@
-// Decode attention read straight from the paged KV pool (bf16), one work item per (sequence, KV head).
+// Decode attention read straight from the paged KV pool, one work item per (sequence, KV head).
+// Pools: bf16, or quantized per token and KV head (kvflow/worker/kv_layer.py): int8 and fp8_e4m3
+// with one fp16 scale, int4 (two per byte, element 2i in the low nibble) with fp16 scale and zero.
 //
 // Why: the generic path gathers every sequence's keys and values into a padded [B, Hkv, L, D]
 // copy (index_select) and runs SDPA, whose CPU flash kernel is inefficient for a handful of query
@@ -9,7 +11,9 @@
 //   s[g, l] = scale * <q[b, h*G + g], K[slot(b, l), h]>          l < seq_len[b]
 //   p[g, l] = exp(s[g, l] - max_l s[g, :]) / sum_l exp(...)       (two-pass softmax, fp32)
 //   out[b, h*G + g] = sum_l p[g, l] * V[slot(b, l), h]
-// All arithmetic is fp32; inputs and output are bf16 (the output rounded to nearest even).
+// All arithmetic is fp32; q and the output are bf16 (the output rounded to nearest even). A
+// quantized key or value row is dequantized in registers as it is read (x = q * s [+ z]), so the
+// kernel streams the pool's 1 or 0.5 bytes per element instead of gathering a dequantized copy.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -71,10 +75,71 @@ inline float softmax_unnormalised(float* s, int64_t L) {
   return 1.0f / _mm512_reduce_add_ps(vsum);
 }
 
+inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
+
+// Row readers: elements [16c, 16c + 16) of the (slot, head) row as fp32, `mask` covering the valid
+// ones. One per pool format; the kernel below is written once against them.
+struct Bf16Rows {  // data [S, Hkv, D] bf16
+  const uint16_t* data;
+  int64_t Hkv, D;
+  inline __m512 load(int64_t slot, int64_t h, int64_t c, __mmask16 mask) const {
+    return load_bf16_as_f32(data + (slot * Hkv + h) * D + c * kLanes, mask);
+  }
+};
+
+struct Int8Rows {  // data [S, Hkv, D] int8, scale [S, Hkv] fp16: x = q * s
+  const int8_t* data;
+  const uint16_t* scale;
+  int64_t Hkv, D;
+  inline __m512 load(int64_t slot, int64_t h, int64_t c, __mmask16 mask) const {
+    const int64_t row = slot * Hkv + h;
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, data + row * D + c * kLanes)));
+    return _mm512_mul_ps(q, _mm512_set1_ps(half_to_float(scale[row])));
+  }
+};
+
+// fp8 e4m3 (1 sign, 4 exponent bits biased by 7, 3 mantissa bits) -> fp16 bits: the same fields
+// moved to fp16's positions (exponent biased by 15, so the value is 2^-8 of the fp8 one, subnormals
+// included), widened exactly by vcvtph2ps; the 2^8 is folded into the row scale.
+constexpr float kFp8ToFp16Rebias = 256.0f;
+struct Fp8Rows {  // data [S, Hkv, D] e4m3 bytes, scale [S, Hkv] fp16: x = fp8(q) * s
+  const uint8_t* data;
+  const uint16_t* scale;
+  int64_t Hkv, D;
+  inline __m512 load(int64_t slot, int64_t h, int64_t c, __mmask16 mask) const {
+    const int64_t row = slot * Hkv + h;
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(mask, data + row * D + c * kLanes));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    const __m512 f = _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
+    return _mm512_mul_ps(f, _mm512_set1_ps(half_to_float(scale[row]) * kFp8ToFp16Rebias));
+  }
+};
+
+struct Int4Rows {  // data [S, Hkv, D / 2] two per byte, scale and zero [S, Hkv] fp16: x = q * s + z
+  const uint8_t* data;
+  const uint16_t* scale;
+  const uint16_t* zero;
+  int64_t Hkv, D;
+  inline __m512 load(int64_t slot, int64_t h, int64_t c, __mmask16 mask) const {
+    const int64_t row = slot * Hkv + h;
+    // 16 elements = 8 bytes; `mask` has one bit per element, the load one per byte (D is even).
+    const __mmask16 byte_mask = __mmask16(_pext_u32(mask, 0x5555u));
+    const __m128i packed = _mm_cvtepu8_epi16(_mm_maskz_loadu_epi8(byte_mask, data + row * (D / 2) + c * (kLanes / 2)));
+    // u16 lane i holds byte i: low nibble (element 2i) stays in its low byte, the high nibble
+    // (element 2i + 1) moves to the high byte, so the 16 bytes are the elements in order.
+    const __m128i lo = _mm_and_si128(packed, _mm_set1_epi16(0x0f));
+    const __m128i hi = _mm_slli_epi16(_mm_srli_epi16(packed, 4), 8);
+    const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_or_si128(lo, hi)));
+    return _mm512_fmadd_ps(q, _mm512_set1_ps(half_to_float(scale[row])), _mm512_set1_ps(half_to_float(zero[row])));
+  }
+};
+
+template <typename Rows>
 struct Problem {
   const uint16_t* q;       // [B, Hq, D]
-  const uint16_t* k;       // [S, Hkv, D]
-  const uint16_t* v;       // [S, Hkv, D]
+  Rows k;                  // [S, Hkv, D] (as the format stores it)
+  Rows v;
   const int64_t* slots;    // [B, Lmax]
   const int64_t* seq_lens; // [B]
   uint16_t* out;           // [B, Hq, D]
@@ -87,13 +152,13 @@ constexpr int64_t kHeadGroup = 8;   // query heads accumulated together in the P
 
 // scores[g * L + l] = <qf[g], K[l]> for every key l; each key row is widened to fp32 once and
 // reused by all G query heads.
-void compute_scores(const Problem& P, const int64_t* slots, int64_t h, int64_t G, int64_t L, const float* qf,
+template <typename Rows>
+void compute_scores(const Problem<Rows>& P, const int64_t* slots, int64_t h, int64_t G, int64_t L, const float* qf,
                     float* scores) {
   const int64_t D = P.D, chunks = (D + kLanes - 1) / kLanes;
   __m512 krow[kMaxChunks];
   for (int64_t l = 0; l < L; ++l) {
-    const uint16_t* kp = P.k + (slots[l] * P.Hkv + h) * D;
-    for (int64_t c = 0; c < chunks; ++c) krow[c] = load_bf16_as_f32(kp + c * kLanes, tail_mask(D - c * kLanes));
+    for (int64_t c = 0; c < chunks; ++c) krow[c] = P.k.load(slots[l], h, c, tail_mask(D - c * kLanes));
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * chunks * kLanes;  // zero-padded to whole chunks
       __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), krow[0]);
@@ -105,7 +170,8 @@ void compute_scores(const Problem& P, const int64_t* slots, int64_t h, int64_t G
 
 // acc[g * chunks * 16 + ...] = sum_l p[g, l] V[l]: per 16-wide slice of the head dimension and
 // group of up to kHeadGroup heads, the accumulators stay in registers across all L values.
-void accumulate_values(const Problem& P, const int64_t* slots, int64_t h, int64_t G, int64_t L,
+template <typename Rows>
+void accumulate_values(const Problem<Rows>& P, const int64_t* slots, int64_t h, int64_t G, int64_t L,
                        const float* probs, float* acc) {
   const int64_t D = P.D, chunks = (D + kLanes - 1) / kLanes;
   for (int64_t c = 0; c < chunks; ++c) {
@@ -115,7 +181,7 @@ void accumulate_values(const Problem& P, const int64_t* slots, int64_t h, int64_
       __m512 a[kHeadGroup];
       for (int64_t j = 0; j < gn; ++j) a[j] = _mm512_setzero_ps();
       for (int64_t l = 0; l < L; ++l) {
-        const __m512 vv = load_bf16_as_f32(P.v + (slots[l] * P.Hkv + h) * D + c * kLanes, mask);
+        const __m512 vv = P.v.load(slots[l], h, c, mask);
         for (int64_t j = 0; j < gn; ++j) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(probs[(g0 + j) * L + l]), vv, a[j]);
       }
       for (int64_t j = 0; j < gn; ++j) _mm512_storeu_ps(acc + ((g0 + j) * chunks + c) * kLanes, a[j]);
@@ -124,7 +190,8 @@ void accumulate_values(const Problem& P, const int64_t* slots, int64_t h, int64_
 }
 
 // One (sequence b, KV head h); `scratch` is the calling thread's buffer.
-void attend_one(const Problem& P, int64_t b, int64_t h, std::vector<float>& scratch) {
+template <typename Rows>
+void attend_one(const Problem<Rows>& P, int64_t b, int64_t h, std::vector<float>& scratch) {
   const int64_t G = P.Hq / P.Hkv, D = P.D, L = P.seq_lens[b], chunks = (D + kLanes - 1) / kLanes;
   const int64_t padded = chunks * kLanes;
   const int64_t* slots = P.slots + b * P.Lmax;
@@ -148,30 +215,81 @@ void attend_one(const Problem& P, int64_t b, int64_t h, std::vector<float>& scra
       P.out[(b * P.Hq + h * G + g) * D + d] = kvflow::float_to_bf16(acc[g * padded + d] * inv_sum[g]);
 }
 
+template <typename Rows>
+void run_all(const Problem<Rows>& P, int64_t B) {
+  at::parallel_for(0, B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) attend_one(P, i / P.Hkv, i % P.Hkv, scratch);
+  });
+}
+
+void check_common(const torch::Tensor& q, const torch::Tensor& slots, const torch::Tensor& seq_lens, int64_t Hkv) {
+  TORCH_CHECK(q.dtype() == torch::kBFloat16, "bf16 queries expected");
+  TORCH_CHECK(slots.dtype() == torch::kInt64 && seq_lens.dtype() == torch::kInt64, "int64 slots/seq_lens expected");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(Hq % Hkv == 0 && slots.size(0) == B && seq_lens.size(0) == B, "shapes");
+  TORCH_CHECK(D <= kMaxChunks * kLanes && Hq / Hkv <= 64, "head_dim <= 256 and <= 64 query heads per KV head");
+}
+
+template <typename Rows>
+torch::Tensor launch(torch::Tensor q, Rows k, Rows v, torch::Tensor slots, torch::Tensor seq_lens, double scale) {
+  auto out = torch::empty_like(q);
+  const Problem<Rows> P{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), k, v,
+                        slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                        q.size(1), k.Hkv, q.size(2), slots.size(1), static_cast<float>(scale)};
+  run_all(P, q.size(0));
+  return out;
+}
+
 }  // namespace
 
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                           torch::Tensor slots, torch::Tensor seq_lens, double scale) {
-  TORCH_CHECK(q.dtype() == torch::kBFloat16 && key_cache.dtype() == torch::kBFloat16 &&
-                  value_cache.dtype() == torch::kBFloat16, "bf16 q/k/v expected");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && seq_lens.dtype() == torch::kInt64, "int64 slots/seq_lens expected");
+  TORCH_CHECK(key_cache.dtype() == torch::kBFloat16 && value_cache.dtype() == torch::kBFloat16, "bf16 k/v expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV pools must be contiguous");
   q = q.contiguous();
   slots = slots.contiguous();
   seq_lens = seq_lens.contiguous();
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = key_cache.size(1);
-  TORCH_CHECK(Hq % Hkv == 0 && key_cache.size(2) == D && slots.size(0) == B && seq_lens.size(0) == B, "shapes");
-  TORCH_CHECK(D <= kMaxChunks * kLanes && Hq / Hkv <= 64, "head_dim <= 256 and <= 64 query heads per KV head");
-  auto out = torch::empty_like(q);
-  Problem P{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
-            reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),
-            reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>()),
-            slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
-            reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-            Hq, Hkv, D, slots.size(1), static_cast<float>(scale)};
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch;
-    for (int64_t i = begin; i < end; ++i) attend_one(P, i / Hkv, i % Hkv, scratch);
-  });
-  return out;
+  const int64_t Hkv = key_cache.size(1), D = q.size(2);
+  check_common(q, slots, seq_lens, Hkv);
+  TORCH_CHECK(key_cache.size(2) == D, "head_dim mismatch");
+  const auto* kp = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>());
+  const auto* vp = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>());
+  return launch(q, Bf16Rows{kp, Hkv, D}, Bf16Rows{vp, Hkv, D}, slots, seq_lens, scale);
+}
+
+// kind: "int8" | "fp8_e4m3" | "int4". k_data/v_data: [S, Hkv, D] (int4: [S, Hkv, D / 2] uint8);
+// scales and zeros [S, Hkv] fp16 (zeros only for int4; pass the scales otherwise, unused).
+torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale,
+                                               torch::Tensor k_zero, torch::Tensor v_data, torch::Tensor v_scale,
+                                               torch::Tensor v_zero, torch::Tensor slots, torch::Tensor seq_lens,
+                                               double scale, const std::string& kind) {
+  for (const auto* t : {&k_data, &k_scale, &k_zero, &v_data, &v_scale, &v_zero})
+    TORCH_CHECK(t->is_contiguous(), "KV pools must be contiguous");
+  TORCH_CHECK(k_scale.dtype() == torch::kFloat16 && v_scale.dtype() == torch::kFloat16, "fp16 scales expected");
+  q = q.contiguous();
+  slots = slots.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const int64_t Hkv = k_data.size(1), D = q.size(2);
+  check_common(q, slots, seq_lens, Hkv);
+  const auto* ks = reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>());
+  const auto* vs = reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>());
+  if (kind == "int8") {
+    TORCH_CHECK(k_data.dtype() == torch::kInt8 && k_data.size(2) == D, "int8 [S, Hkv, D] pools expected");
+    return launch(q, Int8Rows{k_data.data_ptr<int8_t>(), ks, Hkv, D}, Int8Rows{v_data.data_ptr<int8_t>(), vs, Hkv, D},
+                  slots, seq_lens, scale);
+  }
+  if (kind == "fp8_e4m3") {
+    TORCH_CHECK(k_data.dtype() == torch::kUInt8 && k_data.size(2) == D, "fp8 bytes [S, Hkv, D] expected");
+    return launch(q, Fp8Rows{k_data.data_ptr<uint8_t>(), ks, Hkv, D}, Fp8Rows{v_data.data_ptr<uint8_t>(), vs, Hkv, D},
+                  slots, seq_lens, scale);
+  }
+  TORCH_CHECK(kind == "int4", "unknown KV format ", kind);
+  TORCH_CHECK(k_data.dtype() == torch::kUInt8 && D % 2 == 0 && k_data.size(2) == D / 2, "int4 [S, Hkv, D/2] expected");
+  TORCH_CHECK(k_zero.dtype() == torch::kFloat16 && v_zero.dtype() == torch::kFloat16, "fp16 zeros expected");
+  const auto* kz = reinterpret_cast<const uint16_t*>(k_zero.data_ptr<at::Half>());
+  const auto* vz = reinterpret_cast<const uint16_t*>(v_zero.data_ptr<at::Half>());
+  return launch(q, Int4Rows{k_data.data_ptr<uint8_t>(), ks, kz, Hkv, D},
+                Int4Rows{v_data.data_ptr<uint8_t>(), vs, vz, Hkv, D}, slots, seq_lens, scale);
 }

@@ -3,16 +3,18 @@
 Shapes: T flat tokens, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim.
 1. Every token's K/V is written into the pool through `slot_mapping` (all of a layer's writes
    precede its attention, so a chunk sees its own keys and a prefix cached in this same step).
-2. Decodes (single-token queries) are one batched call: in bf16 the native kernel reads each
-   sequence's K/V in place through its slots (kvflow/kernels/paged_decode_attention.cpp);
-   otherwise SDPA over gathered K/V. GQA without repeating K/V either way: the G query heads
-   sharing a KV head are folded into the query-length axis, q: [B, Hkv, G, D] against
-   k: [B, Hkv, L, D], so no [B, Hq, L, D] copy of K/V is ever made.
+2. Single-token query rows (decodes, and each token of a short chunk such as a speculative
+   step's verification tokens; kvflow/worker/input_batch.py) are one batched call: in bf16 the
+   native kernel reads each row's K/V in place through its slots, bf16 or quantized (dequantized
+   in registers; kvflow/kernels/paged_decode_attention.cpp); otherwise SDPA over gathered K/V.
+   GQA without repeating K/V either way: the G query heads sharing a KV head are folded into the
+   query-length axis, q: [B, Hkv, G, D] against k: [B, Hkv, L, D], so no [B, Hq, L, D] copy of
+   K/V is ever made.
 3. Each prefill chunk is one SDPA call over its keys: its own fresh K/V when it has no cached
    context (plain causal), else the gathered context plus itself under an explicit mask
    (bottom-right causal, sliding window).
-Quantized KV pools (kvflow/worker/kv_layer.py) are dequantized for the gathered slots only; the
-native decode kernel reads plain bf16 pools in place.
+Quantized KV pools (kvflow/worker/kv_layer.py) are otherwise dequantized for the gathered slots
+only.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kvflow.kernels import paged_decode_attention_bf16
+from kvflow.kernels import paged_decode_attention_bf16, paged_decode_attention_quantized
 from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
 from kvflow.worker.kv_layer import KVLayer
 
@@ -28,11 +30,18 @@ from kvflow.worker.kv_layer import KVLayer
 def _decode_attention(query: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
     assert meta.decode_kv_slots is not None and meta.decode_num_keys is not None
     num_decodes, num_heads, head_dim = query.shape
-    native = paged_decode_attention_bf16() if query.dtype == torch.bfloat16 else None
-    pools = kv.in_place()
-    if native is not None and pools is not None:  # reads K/V in place through the slots: no gather
-        scale = head_dim**-0.5
-        return native(query, pools[0], pools[1], meta.decode_kv_slots, meta.decode_num_keys, scale)
+    scale = head_dim**-0.5
+    if query.dtype == torch.bfloat16:  # native kernels read K/V in place through the slots: no gather
+        pools, native = kv.in_place(), paged_decode_attention_bf16()
+        if native is not None and pools is not None:
+            return native(query, pools[0], pools[1], meta.decode_kv_slots, meta.decode_num_keys, scale)
+        quantized, native_quantized = kv.quantized_pools(), paged_decode_attention_quantized()
+        if native_quantized is not None and quantized is not None:
+            p = quantized
+            return native_quantized(
+                query, p.key_data, p.key_scale, p.key_zero, p.value_data, p.value_scale, p.value_zero,
+                meta.decode_kv_slots, meta.decode_num_keys, scale, p.kind,
+            )  # fmt: skip
     slots = meta.decode_kv_slots  # [B, L]
     k_flat, v_flat = kv.gather(slots.view(-1))  # [B * L, Hkv, D] (dequantized if the pool is)
     num_kv_heads = k_flat.shape[1]

@@ -6,13 +6,15 @@ Formats (D = head_dim; scales and zero points in float16, one per token per KV h
     fp8_e4m3   s = max|x| / 448 (e4m3's largest normal), q = fp8(x / s);    D + 2 bytes
     int4       asymmetric: s = (max - min) / 15, z = min, q = round((x - z) / s), two per byte;
                D / 2 + 4 bytes
-Quantized pools are dequantized only for the slots a step gathers (never the whole pool), into the
-model dtype, and attention runs on those. Slot 0 (the null block's first slot) stays all zeros in
-every format, so padded gathers read finite values.
+Decode attention in bf16 reads quantized pools in place and dequantizes in registers
+(kvflow/kernels/paged_decode_attention.cpp, through `quantized_pools`); the other paths dequantize
+only the slots a step gathers (never the whole pool), into the model dtype, and attend on those.
+Slot 0 (the null block's first slot) stays all zeros in every format, so padded reads are finite.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -41,6 +43,19 @@ def plain_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     return {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(kv_cache_dtype, model_dtype)
 
 
+@dataclass(frozen=True)
+class QuantizedPools:
+    """A quantized layer's storage as the native decode kernel reads it (shapes in _QuantizedPool)."""
+
+    kind: str  # "int8" | "fp8_e4m3" | "int4"
+    key_data: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor  # int4 only; the scales stand in otherwise (unread)
+    value_data: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+
+
 class KVLayer(Protocol):
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """key/value [T, Hkv, D] -> pool rows `slot_mapping` [T]."""
@@ -50,6 +65,9 @@ class KVLayer(Protocol):
 
     def in_place(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The raw pools for kernels that read them in place (plain pools only)."""
+
+    def quantized_pools(self) -> QuantizedPools | None:
+        """The raw quantized pools for kernels that dequantize as they read (quantized pools only)."""
 
 
 class PlainKVLayer:
@@ -74,6 +92,9 @@ class PlainKVLayer:
         if self.key_cache.dtype != self.model_dtype:
             return None
         return self.key_cache, self.value_cache
+
+    def quantized_pools(self) -> QuantizedPools | None:
+        return None
 
     @property
     def tensors(self) -> list[torch.Tensor]:
@@ -148,6 +169,18 @@ class QuantizedKVLayer:
 
     def in_place(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         return None
+
+    def quantized_pools(self) -> QuantizedPools | None:
+        k, v = self.keys, self.values
+        return QuantizedPools(
+            k.kind,
+            k.data,
+            k.scale,
+            k.scale if k.zero is None else k.zero,
+            v.data,
+            v.scale,
+            v.scale if v.zero is None else v.zero,
+        )
 
     @property
     def tensors(self) -> list[torch.Tensor]:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.kernels import paged_decode_attention_quantized
 from kvflow.layers.attention import paged_attention
 from kvflow.worker.attn_metadata import AttentionMetadata
 from kvflow.worker.kv_layer import PlainKVLayer, QuantizedKVLayer, kv_bytes_per_token_head, make_kv_layer
@@ -77,6 +78,47 @@ def test_decode_attention_on_quantized_kv_is_close_to_plain(kind: str, tolerance
         outputs[name] = paged_attention(q, zeros, zeros, layer, meta)
     error = (outputs[kind] - outputs["auto"]).abs().max() / outputs["auto"].abs().max()
     assert float(error) < tolerance
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("head_dim", [64, 72])  # 72: a partial 16-wide chunk (4 int4 bytes)
+def test_native_decode_kernel_dequantizes_pools_like_the_gather_path(kind: str, head_dim: int) -> None:
+    """The bf16 decode kernel reads the quantized pool in place (GQA, ragged lengths, padded slot
+    lists); the reference is exact attention over the same pool dequantized in fp32."""
+    native = paged_decode_attention_quantized()
+    if native is None:
+        pytest.skip("kvflow's native kernels are unavailable on this CPU (no AVX512-BF16 or no compiler)")
+    gen = torch.Generator().manual_seed(4)
+    num_heads, lens = 6, [5, 40, 17]
+    total = sum(lens)
+    keys = torch.randn(total, HKV, head_dim, generator=gen).to(torch.bfloat16)
+    values = torch.randn(total, HKV, head_dim, generator=gen).to(torch.bfloat16)
+    keys[2, 0, 3] = 30.0  # an outlier channel
+    values[7] = 0.0  # an all-zero token
+    layer = QuantizedKVLayer(kind, 256, HKV, head_dim, torch.bfloat16)
+    twin = QuantizedKVLayer(kind, 256, HKV, head_dim, torch.float32)  # same bytes, fp32 gather
+    flat = torch.randperm(255, generator=gen)[:total] + 1  # scattered slots; 0 is the null slot
+    for target in (layer, twin):
+        target.write(keys, values, flat)
+    slots = torch.zeros(len(lens), max(lens), dtype=torch.int64)
+    for b, seq in enumerate(flat.split(lens)):
+        slots[b, : len(seq)] = seq
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    pools = layer.quantized_pools()
+    assert pools is not None
+    got = native(
+        q, pools.key_data, pools.key_scale, pools.key_zero, pools.value_data, pools.value_scale,
+        pools.value_zero, slots, torch.tensor(lens), scale, kind,
+    ).float()  # fmt: skip
+    group = num_heads // HKV
+    for b, seq in enumerate(flat.split(lens)):
+        k, v = twin.gather(seq)  # [L, Hkv, D] fp32
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [L, Hq, D]
+        weights = torch.softmax(torch.einsum("hd,lhd->hl", q[b].float(), k) * scale, dim=-1)
+        expected = torch.einsum("hl,lhd->hd", weights, v)
+        # fp32 arithmetic, then the output's bf16 rounding (2^-9 relative, twice for margin).
+        assert torch.allclose(got[b], expected, rtol=2**-8, atol=2**-8 * float(expected.abs().max()))
 
 
 @pytest.mark.parametrize(("kind", "floor"), [("int8", 0.9), ("fp8_e4m3", 0.75), ("int4", 0.5)])
