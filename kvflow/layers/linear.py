@@ -1,10 +1,13 @@
 """Dense linear layer with CPU fast paths for bfloat16, chosen per call by the number of rows.
 
 Measured on this 2-core AVX512-BF16 EPYC (benchmarks/NOTES.md), weights streamed per step:
-- M <= 2 rows (single-stream decode): kvflow's AVX512-BF16 GEMV (kvflow/kernels) reads the plain
-  [out, in] weight as one sequential stream: 1.05-1.4x oneDNN's M=1 path, which stalls near
-  26 GB/s whatever the machine's bandwidth.
-- M > 2 (batched decode, prefill chunks): oneDNN matmul on a weight reordered once into its
+- M <= 4 rows (single-stream decode, and its speculative verification of k <= 3 drafts): kvflow's
+  AVX512-BF16 GEMV (kvflow/kernels) reads the plain [out, in] weight as one sequential stream:
+  1.3x oneDNN's M=1 path, which stalls near 26 GB/s whatever the machine's bandwidth, equal at
+  M=3, 0.9x at M=4. The GEMV is batch-invariant (a row's sum does not depend on the other rows),
+  so verifying 4 tokens gives bit for bit the logits of decoding them one by one: that, not speed,
+  is why M=3-4 stay on it (measured on the 0.5B shapes, benchmarks/NOTES.md).
+- M > 4 (batched decode, prefill chunks): oneDNN matmul on a weight reordered once into its
   blocked layout (`torch.ops.mkldnn._reorder_linear_weight`): 2x `F.linear` at M=4..8, 1.3x at
   M=64, equal from M~256.
 With both paths the weight is held twice (plain + blocked); without the native kernel only the
@@ -19,8 +22,8 @@ from torch import nn
 
 from kvflow.kernels import SkinnyLinear, skinny_linear_bf16
 
-# Up to this many rows the native GEMV beats oneDNN (measured at M = 1, 2, 4, 8).
-SKINNY_MAX_ROWS = 2
+# Up to this many rows the native GEMV runs (module docstring: faster to M=2, batch-invariant to 4).
+SKINNY_MAX_ROWS = 4
 
 
 def _onednn_bf16_available() -> bool:

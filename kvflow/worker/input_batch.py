@@ -1,6 +1,11 @@
 """SchedulerOutput -> the flat token batch and its attention metadata.
 
-Order of the flat batch: single-token queries first (decodes), then each longer chunk as a run.
+Order of the flat batch: single-token query rows first, then each longer chunk as a run. The
+single-token rows are the decodes and every token of a short chunk (at most
+MAX_QUERY_ROWS_PER_CHUNK tokens: chiefly a speculative step's k + 1 verification tokens), each row
+a query at its own position attending to the keys up to it. So verification attends through the
+same batched decode path (in bf16 the native in-place kernel) as a plain decode of the same
+position does, with the same numbers, instead of a gather and a masked SDPA per request.
 Slot of position p of a request: block_table[p // block_size] * block_size + p % block_size.
 Sliding window W (HF semantics): query position q sees key positions k with q - W < k <= q, so a
 query never needs keys before q - W + 1 and blocks released by the KV manager are never read.
@@ -14,6 +19,17 @@ import torch
 
 from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
+
+# Chunks up to this many tokens are attended as single-token query rows (module docstring): a
+# speculative step's k + 1 tokens for any k used in practice; longer chunks are prefill, where
+# one SDPA call per chunk beats re-reading the context once per query row.
+MAX_QUERY_ROWS_PER_CHUNK = 8
+
+
+@dataclass(frozen=True)
+class _QueryRow:
+    block_ids: list[int]
+    position: int  # the query's position: it attends keys up to and including it
 
 
 @dataclass
@@ -35,19 +51,19 @@ def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[
 
 
 def _decode_metadata(
-    decodes: list[ScheduledRequest], block_size: int, sliding_window: int | None
+    rows: list[_QueryRow], block_size: int, sliding_window: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Padded key slots [B, L], the attend mask [B, 1, 1, L] and the number of valid keys [B] of
-    single-token queries (valid keys are each row's leading entries)."""
-    query_pos = torch.tensor([r.num_computed_tokens for r in decodes], dtype=torch.int64)  # [B]
+    single-token query rows (valid keys are each row's leading entries)."""
+    query_pos = torch.tensor([r.position for r in rows], dtype=torch.int64)  # [B]
     first_key = torch.tensor(
-        [_first_key_position(r.num_computed_tokens, sliding_window) for r in decodes], dtype=torch.int64
+        [_first_key_position(r.position, sliding_window) for r in rows], dtype=torch.int64
     )
     num_keys = query_pos - first_key + 1
     max_keys = int(num_keys.max())
-    max_blocks = max(len(r.block_ids) for r in decodes)
+    max_blocks = max(len(r.block_ids) for r in rows)
     block_tables = torch.tensor(
-        [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in decodes], dtype=torch.int64
+        [r.block_ids + [0] * (max_blocks - len(r.block_ids)) for r in rows], dtype=torch.int64
     )  # [B, max_blocks], padded with the null block
     key_pos = first_key[:, None] + torch.arange(max_keys)[None, :]  # [B, L]
     valid = key_pos <= query_pos[:, None]
@@ -80,9 +96,14 @@ def _prefill_metadata(
 def build_input_batch(
     scheduler_output: SchedulerOutput, block_size: int, sliding_window: int | None
 ) -> InputBatch:
-    decodes = [r for r in scheduler_output.scheduled if r.num_tokens == 1]
-    chunks = [r for r in scheduler_output.scheduled if r.num_tokens > 1]
-    ordered = decodes + chunks
+    as_rows = [r for r in scheduler_output.scheduled if r.num_tokens <= MAX_QUERY_ROWS_PER_CHUNK]
+    chunks = [r for r in scheduler_output.scheduled if r.num_tokens > MAX_QUERY_ROWS_PER_CHUNK]
+    ordered = as_rows + chunks
+    query_rows = [
+        _QueryRow(r.block_ids, p)
+        for r in as_rows
+        for p in range(r.num_computed_tokens, r.num_computed_tokens + r.num_tokens)
+    ]
     input_ids: list[int] = []
     positions: list[int] = []
     slot_mapping: list[int] = []
@@ -94,17 +115,17 @@ def build_input_batch(
         input_ids.extend(req.token_ids)
         positions.extend(range(start, end))
         slot_mapping.extend(_slots(req.block_ids, start, end, block_size))
-        if req.num_tokens > 1:
+        if req.num_tokens > MAX_QUERY_ROWS_PER_CHUNK:
             prefills.append(_prefill_metadata(req, token_start, block_size, sliding_window))
         if req.do_sample:  # the last position; with drafts, the k + 1 positions that verify them
             logits_indices.extend(range(len(input_ids) - 1 - req.num_spec_tokens, len(input_ids)))
     decode_slots, decode_attend, decode_num_keys = (
-        _decode_metadata(decodes, block_size, sliding_window) if decodes else (None, None, None)
+        _decode_metadata(query_rows, block_size, sliding_window) if query_rows else (None, None, None)
     )
     meta = AttentionMetadata(
         positions=torch.tensor(positions, dtype=torch.int64),
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
-        num_decode_tokens=len(decodes),
+        num_decode_tokens=len(query_rows),
         decode_kv_slots=decode_slots,
         decode_attend=decode_attend,
         decode_num_keys=decode_num_keys,

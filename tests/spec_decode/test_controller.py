@@ -1,11 +1,17 @@
-"""The auto-disable rule: speculate while the measured speedup estimate is >= 1; below it, run
-plain steps with a speculative probe every PROBE_INTERVAL steps (pure Python, no model)."""
+"""The auto-disable rule (kvflow/spec_decode/controller.py): explore, speculate while the measured
+speedup estimate is >= 1, below it run plain steps with probes at doubling intervals, and turn
+back on when a probe pays (pure Python, no model)."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvflow.spec_decode.controller import PROBE_INTERVAL, SpecController
+from kvflow.spec_decode.controller import (
+    MIN_SPEC_SAMPLES,
+    PROBE_INTERVAL_MAX,
+    PROBE_INTERVAL_MIN,
+    SpecController,
+)
 
 
 def test_measures_a_plain_step_first_then_speculates_when_it_pays() -> None:
@@ -18,20 +24,67 @@ def test_measures_a_plain_step_first_then_speculates_when_it_pays() -> None:
     assert all(c.should_propose(1) for _ in range(50))
 
 
-def test_disables_when_it_costs_time_and_probes_periodically() -> None:
+def test_a_cold_first_step_does_not_turn_speculation_off() -> None:
+    """Medians, not a moving average: one slow step (first use of a shape, a GC pause) among
+    good ones neither disables speculation nor lingers in the estimate."""
+    c = SpecController(auto_disable=True)
+    c.record(1, 0.010, speculative=False, tokens_emitted=1)
+    c.record(1, 0.200, speculative=True, tokens_emitted=3)  # cold: 20x a plain step
+    assert c.should_propose(1)  # still exploring
+    for _ in range(MIN_SPEC_SAMPLES):
+        c.record(1, 0.012, speculative=True, tokens_emitted=3)
+    assert c.speedup(1) == pytest.approx(3 * 0.010 / 0.012)
+    assert all(c.should_propose(1) for _ in range(20)) and c.num_disabled_steps == 0
+
+
+def test_disables_when_it_costs_time_and_probes_at_doubling_intervals() -> None:
     c = SpecController(auto_disable=True)
     c.record(8, 0.020, speculative=False, tokens_emitted=8)
-    c.record(8, 0.050, speculative=True, tokens_emitted=9)  # 1.125 tokens per request for 2.5x the time
+    for _ in range(MIN_SPEC_SAMPLES):  # 1.125 tokens per request for 2.5x the time
+        c.record(8, 0.050, speculative=True, tokens_emitted=9)
     speedup = c.speedup(8)
     assert speedup is not None and speedup < 1
-    decisions = [c.should_propose(8) for _ in range(3 * PROBE_INTERVAL)]
-    assert decisions.count(True) == 3 and c.num_disabled_steps == 3 * (PROBE_INTERVAL - 1)
+    gaps = []
+    for _ in range(4):  # each probe fails: the gap before the next one doubles
+        steps = 1
+        while not c.should_propose(8):
+            steps += 1
+        gaps.append(steps)
+        c.record(8, 0.050, speculative=True, tokens_emitted=9)
+    assert gaps == [PROBE_INTERVAL_MIN * 2**i for i in range(4)]
+    assert all(g <= PROBE_INTERVAL_MAX for g in gaps)
+    assert c.num_disabled_steps == sum(g - 1 for g in gaps)
     # Batch sizes are estimated apart: batch 1 knows nothing yet, so it measures plain first.
     assert not c.should_propose(1)
+
+
+def test_a_probe_that_pays_turns_speculation_back_on() -> None:
+    c = SpecController(auto_disable=True)
+    c.record(1, 0.010, speculative=False, tokens_emitted=1)
+    for _ in range(MIN_SPEC_SAMPLES):
+        c.record(1, 0.015, speculative=True, tokens_emitted=1)  # nothing accepted
+    assert not c.should_propose(1)
+    while not c.should_propose(1):
+        pass
+    c.record(1, 0.013, speculative=True, tokens_emitted=4)  # the workload turned repetitive
+    assert c.speedup(1) == pytest.approx(4 * 0.010 / 0.013)  # fresh estimates: old ones dropped
+    assert all(c.should_propose(1) for _ in range(20))
 
 
 def test_without_auto_disable_speculation_stays_on() -> None:
     c = SpecController(auto_disable=False)
     c.record(2, 0.010, speculative=False, tokens_emitted=2)
-    c.record(2, 0.100, speculative=True, tokens_emitted=2)
+    for _ in range(MIN_SPEC_SAMPLES):
+        c.record(2, 0.100, speculative=True, tokens_emitted=2)
     assert c.should_propose(2) and c.speedup(2) == pytest.approx(0.1)
+
+
+def test_a_burst_of_rejections_among_good_steps_keeps_speculation_on() -> None:
+    """Where an output stops copying its prompt, a few drafts in a row are rejected; the payoff is
+    the mean over recent steps, so a short burst does not turn speculation off."""
+    c = SpecController(auto_disable=True)
+    c.record(1, 0.010, speculative=False, tokens_emitted=1)
+    for tokens in [4, 4, 4, 4, 4, 1, 1, 1, 4, 4]:
+        c.record(1, 0.011, speculative=True, tokens_emitted=tokens)
+        assert c.should_propose(1)
+    assert c.num_disabled_steps == 0

@@ -122,3 +122,22 @@ def test_ngram_proposer() -> None:
     assert propose_ngram([5, 6, 7], 2) == []  # nothing recurs
     assert propose_ngram([1, 2, 1, 2, 1], 2, max_n=2) == [2, 1]  # the most recent occurrence
     assert propose_ngram(ids, 0) == []
+
+
+def _propose_ngram_by_definition(ids: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """The definition, slice by slice: for n from max_n down, the most recent earlier occurrence."""
+    for n in range(min(max_n, len(ids) - 1), min_n - 1, -1):
+        for start in range(len(ids) - n - 1, -1, -1):
+            if ids[start : start + n] == ids[len(ids) - n :]:
+                return ids[start + n : start + n + k]
+    return []
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_ngram_proposer_matches_its_definition_on_random_sequences(seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(200):
+        length = int(torch.randint(1, 40, (1,), generator=gen))
+        ids = torch.randint(0, 4, (length,), generator=gen).tolist()  # small alphabet: many repeats
+        for min_n, max_n in ((1, 4), (2, 3), (3, 3)):
+            assert propose_ngram(ids, 3, min_n, max_n) == _propose_ngram_by_definition(ids, 3, min_n, max_n)

@@ -9,8 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.kernels import paged_decode_attention_bf16, skinny_linear_bf16
+from kvflow.layers.linear import SKINNY_MAX_ROWS
 
 # Prompts that repeat themselves, so that n-gram lookup finds drafts (random tiny models also
 # tend to fall into loops, which the lookup then predicts).
@@ -24,8 +27,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 SPEC = {"speculative_method": "ngram", "num_speculative_tokens": 3}
 
 
-def run(path: Path, prompts: list[list[int]], **engine: Any) -> tuple[list[list[int]], LLM]:
-    llm = LLM(str(path), dtype="float32", max_model_len=128, **engine)
+def run(
+    path: Path, prompts: list[list[int]], dtype: str = "float32", **engine: Any
+) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(path), dtype=dtype, max_model_len=128, **engine)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)], llm
 
 
@@ -40,6 +45,28 @@ def test_greedy_identical_with_ngram_speculation(
     stats = llm.llm_engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens >= stats.num_accepted_tokens
     llm.llm_engine.scheduler.check_integrity()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_bf16_single_stream_greedy_identical_bit_for_bit(
+    tiny_checkpoint_factory: Callable[..., Path], arch: str
+) -> None:
+    """In bf16, verifying k + 1 = 4 tokens runs the same batch-invariant kernels as decoding one:
+    the native GEMVs (a row's sum does not depend on the other rows) and the native decode
+    attention, one query row per verified token (kvflow/worker/input_batch.py)."""
+    if skinny_linear_bf16() is None or paged_decode_attention_bf16() is None:
+        pytest.skip("kvflow's native kernels are unavailable on this CPU: bf16 identity is not promised")
+    assert SPEC["num_speculative_tokens"] + 1 <= SKINNY_MAX_ROWS
+    path = tiny_checkpoint_factory(arch, dtype=torch.bfloat16)
+    drafts = 0
+    for prompt in PROMPTS:  # one request at a time: single-stream
+        plain, _ = run(path, [prompt], dtype="bfloat16")
+        spec, llm = run(path, [prompt], dtype="bfloat16", **SPEC)
+        assert spec == plain
+        drafts += llm.llm_engine.spec_stats.num_drafts
+    # Verification really ran on multi-token rows (accepted or not, every emitted token comes
+    # from one of those rows' logits).
+    assert drafts > 0
 
 
 @pytest.mark.parametrize(
