@@ -24,7 +24,7 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include "bf16_utils.h"
+#include "gemv_common.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -33,8 +33,9 @@
 
 namespace {
 
-constexpr int64_t kMaxM = 4;             // activation rows per pass over a weight row
-constexpr int64_t kChunk = 32;           // weights per bf16 register
+using namespace kvflow::gemv;
+
+constexpr int64_t kChunk = kLanes;       // weights per bf16 register
 constexpr int64_t kBlock = 128;          // weights per packed 64-byte line (4 chunks)
 constexpr int64_t kPrefetchBytes = 512;  // packed weights prefetched ahead of the loads
 constexpr float kOffset = 128.0f;        // the value 0x4300 | v stands for, less v
@@ -53,8 +54,6 @@ inline __m512bh widen_chunk(__m512i lanes) {
   const __m512i shifted = C == 0 ? lanes : _mm512_srli_epi16(lanes, 4 * C);
   return (__m512bh)_mm512_ternarylogic_epi32(shifted, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);
 }
-
-inline __m512bh load_bf16(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
 
 struct Gemv {
   const uint8_t* w;       // [N, K / 2]
@@ -120,23 +119,12 @@ struct Gemv {
   }
 
   void rows(int64_t n_begin, int64_t n_end) const {
-    float out[kMaxM];
     const int64_t groups = K / g;
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const float b = bias ? bias[n] : 0.0f;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
-        const int64_t mb = std::min(kMaxM, M - m0);
-        const uint16_t* xm = x + m0 * K;
-        const float* xs = xsum + m0 * groups;
-        switch (mb) {
-          case 1: row_dot<1>(n, xm, xs, out); break;
-          case 2: row_dot<2>(n, xm, xs, out); break;
-          case 3: row_dot<3>(n, xm, xs, out); break;
-          default: row_dot<4>(n, xm, xs, out); break;
-        }
-        for (int64_t m = 0; m < mb; ++m) y[(m0 + m) * N + n] = kvflow::float_to_bf16(out[m] + b);
-      }
-    }
+    const auto dot = [&](int64_t n, auto mb, int64_t m0, float* out) {
+      row_dot<decltype(mb)::value>(n, x + m0 * K, xsum + m0 * groups, out);
+    };
+    const auto finish = [&](int64_t n, float d) { return bias ? d + bias[n] : d; };
+    gemv_rows(M, N, n_begin, n_end, dot, finish, y);
   }
 };
 

@@ -20,17 +20,16 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include "bf16_utils.h"
+#include "gemv_common.h"
 
 #include <algorithm>
 #include <cstdint>
 
 namespace {
 
-constexpr int64_t kMaxM = 4;             // activation rows per pass over a weight row
-constexpr int64_t kLanes = 32;           // bf16 lanes per 512-bit register
-constexpr int64_t kUnroll = 4;           // independent accumulators per activation row
-constexpr int64_t kPrefetchBytes = 1024; // int8 weights prefetched ahead of the loads
+using namespace kvflow::gemv;
+
+constexpr int64_t kPrefetchBytes = 1024;  // int8 weights prefetched ahead of the loads
 
 // 32 int8 weights at p (the first `n` of them, the rest read as 0) -> 32 bf16 in one register,
 // element order preserved: low half from weights 0..15, high half from 16..31.
@@ -43,76 +42,18 @@ inline __m512bh widen_int8_to_bf16(const int8_t* p, int64_t n) {
   return _mm512_cvtne2ps_pbh(hi, lo);
 }
 
-inline __m512bh widen_int8_to_bf16_full(const int8_t* p) {
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-  const __m512 hi =
-      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-inline __m512bh load_bf16(const uint16_t* p, __mmask32 mask) {
-  return (__m512bh)_mm512_maskz_loadu_epi16(mask, p);
-}
-
-// out[m] = dot(q_row, x[m]) for MB activation rows; q_row is streamed once, front to back, and each
-// widened chunk serves all MB rows. kUnroll independent accumulators per row hide the dot-product
-// latency. Batch invariance: a row's sum is accumulated in the same order whatever MB and M are,
-// so a token's result does not depend on what else is in the batch (speculative verification
-// reproduces plain decoding bit for bit; tests/spec_decode).
-template <int64_t MB>
-inline void row_dot(const int8_t* w, const uint16_t* x, int64_t K, float* out) {
-  __m512 acc[MB][kUnroll];
-  for (int64_t m = 0; m < MB; ++m)
-    for (int64_t u = 0; u < kUnroll; ++u) acc[m][u] = _mm512_setzero_ps();
-  const __mmask32 all = ~__mmask32(0);
-  int64_t k = 0;
-  for (; k + kLanes * kUnroll <= K; k += kLanes * kUnroll) {
+struct Int8Row {  // an int8 weight row, widened exactly to bf16 as it is read
+  const int8_t* w;
+  __m512bh chunk(int64_t k) const {
+    const __m128i* p = reinterpret_cast<const __m128i*>(w + k);
+    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
+    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+  }
+  __m512bh tail(int64_t k, int64_t left) const { return widen_int8_to_bf16(w + k, left); }
+  void prefetch(int64_t k) const {
     for (int64_t line = 0; line < kLanes * kUnroll; line += 64)  // one prefetch per 64-byte line
       _mm_prefetch(reinterpret_cast<const char*>(w + k + kPrefetchBytes + line), _MM_HINT_T0);
-    for (int64_t u = 0; u < kUnroll; ++u) {
-      const __m512bh wv = widen_int8_to_bf16_full(w + k + u * kLanes);
-      for (int64_t m = 0; m < MB; ++m)
-        acc[m][u] = _mm512_dpbf16_ps(acc[m][u], wv, load_bf16(x + m * K + k + u * kLanes, all));
-    }
-  }
-  for (; k < K; k += kLanes) {  // tail: whole or partial 32-element chunks
-    const int64_t left = K - k;
-    const __mmask32 mask = left >= kLanes ? all : (__mmask32(1) << left) - 1;
-    const __m512bh wv = widen_int8_to_bf16(w + k, left);
-    for (int64_t m = 0; m < MB; ++m) acc[m][0] = _mm512_dpbf16_ps(acc[m][0], wv, load_bf16(x + m * K + k, mask));
-  }
-  for (int64_t m = 0; m < MB; ++m) {
-    __m512 total = acc[m][0];
-    for (int64_t u = 1; u < kUnroll; ++u) total = _mm512_add_ps(total, acc[m][u]);
-    out[m] = _mm512_reduce_add_ps(total);
-  }
-}
-
-struct Gemv {
-  const int8_t* w;
-  const float* scales;
-  const uint16_t* x;
-  const float* bias;
-  uint16_t* y;
-  int64_t M, K, N;
-
-  void rows(int64_t n_begin, int64_t n_end) const {
-    float out[kMaxM];
-    for (int64_t n = n_begin; n < n_end; ++n) {
-      const int8_t* wn = w + n * K;
-      const float s = scales[n], b = bias ? bias[n] : 0.0f;
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxM) {
-        const int64_t mb = std::min(kMaxM, M - m0);
-        const uint16_t* xm = x + m0 * K;
-        switch (mb) {
-          case 1: row_dot<1>(wn, xm, K, out); break;
-          case 2: row_dot<2>(wn, xm, K, out); break;
-          case 3: row_dot<3>(wn, xm, K, out); break;
-          default: row_dot<4>(wn, xm, K, out); break;
-        }
-        for (int64_t m = 0; m < mb; ++m) y[(m0 + m) * N + n] = kvflow::float_to_bf16(out[m] * s + b);
-      }
-    }
   }
 };
 
@@ -131,13 +72,18 @@ torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
-  const Gemv g{qweight.data_ptr<int8_t>(), scales.data_ptr<float>(),
-               reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
-               bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
-               reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, K, N};
+  const int8_t* wp = qweight.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  const auto row_dot = [&](int64_t n, auto rows, int64_t m0, float* out) {
+    dot_rows<decltype(rows)::value>(Int8Row{wp + n * K}, xp + m0 * K, K, out);
+  };
+  const auto finish = [&](int64_t n, float dot) { return dot * sp[n] + (b ? b[n] : 0.0f); };
   // Grain: a thread streams >= ~64 KiB of weights between synchronisations.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / K);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { g.rows(begin, end); });
+  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { gemv_rows(M, N, begin, end, row_dot, finish, yp); });
   return y;
 }
 
