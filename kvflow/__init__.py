@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from kvflow.outputs import RequestOutput
     from kvflow.sampling_params import SamplingParams
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams"]
-__version__ = "0.1.0"
+from kvflow.version import __version__
+
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]
 
 _LOCATIONS = {
     "LLM": "kvflow.llm",

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.config import EngineConfig
-from kvflow.engine.stats import RequestTimeline
 from kvflow.errors import KVFlowError
 from kvflow.sampling_params import SamplingParams
+from kvflow.stats import RequestTimeline
 
 API_KEY_ENV = "KVFLOW_API_KEY"
 
@@ -203,7 +203,7 @@ def _cmd_quant_eval(args: argparse.Namespace) -> int:
     import textwrap
 
     from kvflow.llm import LLM
-    from kvflow.quant.quality import compare
+    from kvflow.quality.quant_eval import compare
 
     model = _model_dir(args)
     text = Path(args.text).read_text() if args.text else Path(textwrap.__file__).read_text()

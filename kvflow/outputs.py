@@ -1,10 +1,11 @@
-"""What the engine returns: typed dataclasses, never bare dicts (vLLM's `RequestOutput` shape)."""
+"""Typed results, never bare dicts: what the engine returns (vLLM's `RequestOutput` shape) and what the
+model runner hands back to the scheduler (`ModelRunnerOutput`, as in vLLM v1's outputs.py)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvflow.engine.stats import RequestTimeline
+from kvflow.stats import RequestTimeline
 
 
 @dataclass(frozen=True)
@@ -50,3 +51,14 @@ class RequestOutput:
     # Set (with finished=True, finish_reason "abort") when processing this request failed inside
     # the engine; the other requests of the batch are unaffected.
     error: str | None = None
+
+
+@dataclass
+class ModelRunnerOutput:
+    """The model runner's typed answer to a `SchedulerOutput` (the hand-off back to the scheduler)."""
+
+    # request id -> tokens sampled this step (one per request without speculation), only for
+    # requests whose ScheduledRequest had do_sample=True.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # request id -> per sampled token, the sampled token's logprob plus the top-n requested.
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)

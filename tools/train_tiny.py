@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from kvflow.assets.hf_export import hf_progress_bars_disabled
+from kvflow.assets.hf_progress import hf_progress_bars_disabled
 from kvflow.assets.tokenizer_recipe import tokenizer_config as recipe_tokenizer_config
 from kvflow.assets.tokenizer_recipe import train_byte_level_bpe
 

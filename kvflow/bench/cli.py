@@ -7,8 +7,8 @@ import logging
 import sys
 from typing import Any
 
+from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DATASETS, DatasetSpec
-from kvflow.bench.load import LoadSpec
 from kvflow.bench.metrics import parse_slo
 from kvflow.bench.report import console_table, write_outputs
 from kvflow.bench.runner import BenchConfig, run_benchmark

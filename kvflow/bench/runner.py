@@ -15,10 +15,10 @@ from typing import Any
 
 import httpx
 
+from kvflow.bench.arrivals import LoadSpec, run_load
 from kvflow.bench.client import ClientConfig, Endpoint, Prompt, send_request
 from kvflow.bench.datasets import BenchTokenizer, Conversation, DatasetSpec, Workload, build_workload
 from kvflow.bench.events import RequestRecord
-from kvflow.bench.load import LoadSpec, run_load
 from kvflow.bench.metrics import aggregate, request_metrics
 from kvflow.bench.server_metrics import Snapshot, scrape, server_section
 

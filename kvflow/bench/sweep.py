@@ -8,7 +8,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, Literal
 
-from kvflow.bench.load import LoadSpec
+from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 
 LoadKey = Literal["concurrency", "request_rate"]

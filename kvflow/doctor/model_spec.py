@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvflow.models.arch_config import ArchConfig, load_hf_config, parse_arch_config
+from kvflow.arch_config import ArchConfig, load_hf_config, parse_arch_config
 
 # Bytes per element of each storage format; int4 adds one 16-bit scale (and for asymmetric
 # quantization one zero point) per group: at group size 128, 0.5 + 4/128 bytes per weight.

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
-from kvflow.bench.load import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.doctor.evidence import EngineSettings
 from kvflow.doctor.findings import Finding, WhatIf

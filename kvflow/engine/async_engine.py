@@ -22,10 +22,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvflow.engine.engine import LLMEngine
-from kvflow.engine.request import Request
-from kvflow.engine.stats import StepStats
 from kvflow.errors import EngineOverloadedError, KVFlowError, RequestFailedError
 from kvflow.outputs import RequestOutput
+from kvflow.request import Request
+from kvflow.stats import StepStats
 
 logger = logging.getLogger(__name__)
 

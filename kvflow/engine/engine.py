@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from kvflow.attention.kv_store import KVStore
 from kvflow.config import EngineConfig
 from kvflow.engine.model_setup import (
     kv_pool_bytes_per_token,
@@ -20,18 +21,16 @@ from kvflow.engine.model_setup import (
     num_kv_blocks_for,
 )
 from kvflow.engine.output_processor import OutputProcessor
-from kvflow.engine.request import Request, RequestStatus
 from kvflow.engine.scheduler import RequestUpdate, Scheduler
-from kvflow.engine.scheduler_output import SchedulerOutput
-from kvflow.engine.stats import SpecDecodeStats, StepStats
 from kvflow.errors import InvalidRequestError, PromptTooLongError
-from kvflow.outputs import RequestOutput, TokenLogprobs
+from kvflow.outputs import ModelRunnerOutput, RequestOutput, TokenLogprobs
+from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
+from kvflow.scheduler_output import SchedulerOutput
 from kvflow.spec_decode.controller import SpecController
-from kvflow.spec_decode.setup import build_proposer
-from kvflow.worker.kv_store import KVStore
+from kvflow.spec_decode.factory import build_proposer
+from kvflow.stats import SpecDecodeStats, StepStats
 from kvflow.worker.model_runner import ModelRunner
-from kvflow.worker.runner_output import ModelRunnerOutput
 
 logger = logging.getLogger(__name__)
 

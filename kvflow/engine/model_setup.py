@@ -12,13 +12,13 @@ from pathlib import Path
 
 import torch
 
+from kvflow.arch_config import ArchConfig, load_hf_config, parse_arch_config
+from kvflow.attention.kv_store import kv_bytes_per_token
 from kvflow.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ConfigError, EngineConfig
 from kvflow.errors import ModelLoadError
-from kvflow.models.arch_config import ArchConfig, load_hf_config, parse_arch_config
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.loader import load_model
 from kvflow.tokenizer import Tokenizer
-from kvflow.worker.kv_store import kv_bytes_per_token
 
 logger = logging.getLogger("kvflow")
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvflow.engine.request import Request
 from kvflow.engine.scheduler import RequestUpdate
 from kvflow.outputs import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+from kvflow.request import Request
 from kvflow.tokenizer import IncrementalDetokenizer, Tokenizer
 
 

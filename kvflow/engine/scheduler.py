@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvflow.config import CacheConfig, SchedulerConfig
-from kvflow.engine.request import Request, RequestStatus
-from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from kvflow.engine.stats import SpecDecodeStats
 from kvflow.errors import InvalidRequestError, KVFlowError, PromptTooLongError
 from kvflow.kv_cache.block_pool import IntegrityError
 from kvflow.kv_cache.manager import KVCacheManager, cdiv
-from kvflow.worker.runner_output import ModelRunnerOutput
+from kvflow.outputs import ModelRunnerOutput
+from kvflow.request import Request, RequestStatus
+from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvflow.stats import SpecDecodeStats
 
 KV_CACHE_FULL = "kv_cache_full"  # stop_reason of a request that alone outgrew the KV pool
 

@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvflow.config import ConfigError
-from kvflow.engine.request import Request
 from kvflow.kv_cache.block_pool import BlockPool, IntegrityError, KVCacheBlock
+from kvflow.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

@@ -15,22 +15,12 @@ Supported `rope_type`s and their inverse frequencies (D = rotary dim, base = rop
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
+from kvflow.arch_config import RopeConfig
 from kvflow.errors import ModelLoadError
-
-
-@dataclass(frozen=True)
-class RopeConfig:
-    head_dim: int
-    rope_theta: float
-    max_position_embeddings: int
-    rope_type: str = "default"
-    params: dict[str, Any] = field(default_factory=dict)  # the rest of rope_parameters / rope_scaling
 
 
 def _default_inv_freq(cfg: RopeConfig) -> torch.Tensor:  # [D/2]

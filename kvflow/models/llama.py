@@ -11,15 +11,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvflow.arch_config import ArchConfig
+from kvflow.attention.kv_layer import KVLayer
+from kvflow.attention.kv_store import KVStore
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.paged_attention import paged_attention
 from kvflow.layers.activation import silu_and_mul
-from kvflow.layers.attention import paged_attention
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
-from kvflow.models.arch_config import ArchConfig
-from kvflow.worker.attn_metadata import AttentionMetadata
-from kvflow.worker.kv_layer import KVLayer
-from kvflow.worker.kv_store import KVStore
 
 
 class Attention(nn.Module):

@@ -15,11 +15,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from kvflow.arch_config import ArchConfig, load_hf_config
 from kvflow.config import QuantConfig
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import Linear
 from kvflow.layers.rotary import RotaryEmbedding
-from kvflow.models.arch_config import ArchConfig, load_hf_config
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.registry import MODEL_REGISTRY
 from kvflow.quant.apply import quantize_model

@@ -6,7 +6,7 @@ arch_config.py); a new family with a different block structure gets its own clas
 
 from __future__ import annotations
 
-from kvflow.models.arch_config import SUPPORTED_ARCHITECTURES
+from kvflow.arch_config import SUPPORTED_ARCHITECTURES
 from kvflow.models.llama import LlamaFamilyForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaFamilyForCausalLM]] = dict.fromkeys(

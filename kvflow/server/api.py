@@ -38,6 +38,7 @@ from kvflow.server.protocol import (
 from kvflow.server.serving import ClientDisconnectedError, ServingContext
 from kvflow.server.serving_chat import create_chat_completion, render_chat_prompt
 from kvflow.server.serving_completion import create_completion
+from kvflow.version import __version__
 
 REQUEST_ID_HEADER = "x-request-id"
 PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -152,8 +153,6 @@ def build_app(ctx: ServingContext) -> FastAPI:
 
     @app.get("/version")
     async def version() -> dict[str, str]:
-        from kvflow import __version__
-
         return {"version": __version__}
 
     @app.get("/metrics")

@@ -20,13 +20,13 @@ import uvicorn
 from kvflow.config import ConfigError
 from kvflow.engine.async_engine import AsyncLLMEngine, StepObserver
 from kvflow.engine.engine import LLMEngine
-from kvflow.engine.stats import StepStats
 from kvflow.models.loader import load_model
 from kvflow.outputs import RequestOutput
-from kvflow.quant.probe import QualityProbe
+from kvflow.quality.online_probe import QualityProbe
 from kvflow.server.api import build_app
 from kvflow.server.metrics import EngineMetrics
 from kvflow.server.serving import ServingContext
+from kvflow.stats import StepStats
 
 logger = logging.getLogger(__name__)
 

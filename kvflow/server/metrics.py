@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from kvflow.engine.stats import RequestTimeline, StepStats
 from kvflow.outputs import RequestOutput
+from kvflow.stats import RequestTimeline, StepStats
 
 PREFIX = "kvflow:"
 
@@ -127,7 +127,7 @@ class EngineMetrics:
             self.step_time.labels(model_name, kind)
 
     def enable_quality_probe(self) -> Callable[[dict[str, float]], None]:
-        """Gauges of the online quality probe (kvflow/quant/probe.py); returns their updater."""
+        """Gauges of the online quality probe (kvflow/quality/online_probe.py); returns their updater."""
         m, r = self._model, self.registry
         docs = {
             "mean_kl": ("quality_probe_kl_divergence", "mean KL(reference || served) per position, nats"),

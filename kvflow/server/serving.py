@@ -15,9 +15,9 @@ from fastapi import Request as HTTPRequest
 from pydantic import BaseModel
 
 from kvflow.engine.async_engine import AsyncLLMEngine, OutputStream
-from kvflow.engine.request import Request
 from kvflow.errors import PromptTooLongError
 from kvflow.outputs import RequestOutput
+from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.errors import APIError, sse_error, to_api_error
 from kvflow.server.metrics import EngineMetrics, timing_fields

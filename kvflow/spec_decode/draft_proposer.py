@@ -8,7 +8,7 @@ Per request the draft keeps the tokens it has fed (`fed`) and their K/V in its b
   2. k - 1 more single-token steps, feeding each guess back, all requests in one batch per step.
 Guesses are the draft's argmax for greedy requests, and draws from the draft's filtered
 distribution q otherwise; q is kept on the request so that the verifier can apply the exact
-rejection rule with it (kvflow/spec_decode/rejection_sampler.py).
+rejection rule with it (kvflow/sample/rejection_sampler.py).
 Blocks come from a private free list sized like the target's pool (in tokens); a request whose
 blocks cannot be had gets no drafts this round. State of requests no longer running is dropped.
 """
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvflow.engine.request import Request
-from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvflow.attention.kv_store import KVStore
 from kvflow.models.llama import LlamaFamilyForCausalLM
+from kvflow.request import Request
 from kvflow.sample.sampler import filtered_probs
+from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvflow.spec_decode.proposer import eligible
 from kvflow.worker.input_batch import build_input_batch
-from kvflow.worker.kv_store import KVStore
 
 
 @dataclass

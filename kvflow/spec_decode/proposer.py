@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from kvflow.config import SpeculativeConfig
-from kvflow.engine.request import Request
+from kvflow.request import Request
 from kvflow.spec_decode.ngram_proposer import propose_ngram
 
 

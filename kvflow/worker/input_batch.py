@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
-from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
+from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
+from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 
 # Chunks up to this many tokens are attended as single-token query rows (module docstring): a
 # speculative step's k + 1 tokens for any k used in practice; longer chunks are prefill, where

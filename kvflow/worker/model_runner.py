@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvflow.attention.kv_store import KVStore
 from kvflow.models.llama import LlamaFamilyForCausalLM
+from kvflow.outputs import ModelRunnerOutput
+from kvflow.sample.rejection_sampler import sample_one
 from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
-from kvflow.spec_decode.rejection_sampler import sample_one
+from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvflow.worker.input_batch import build_input_batch
-from kvflow.worker.kv_store import KVStore
-from kvflow.worker.runner_output import ModelRunnerOutput
 
 
 class ModelRunner:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from fixtures.live_server import LiveServer
 
+from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
-from kvflow.bench.load import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.cli import main
 

@@ -16,8 +16,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
-from kvflow.bench.load import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.server.spawn import free_port
 

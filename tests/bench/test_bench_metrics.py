@@ -7,9 +7,9 @@ import json
 
 import pytest
 
+from kvflow.bench.arrivals import LoadSpec, arrival_offsets
 from kvflow.bench.client import StreamParser
 from kvflow.bench.events import ChunkEvent, RequestRecord
-from kvflow.bench.load import LoadSpec, arrival_offsets
 from kvflow.bench.metrics import aggregate, meets_slo, parse_slo, percentile, request_metrics, summarize
 
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from fixtures.live_server import LiveServer
 
+from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
-from kvflow.bench.load import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.cli import main
 

@@ -22,12 +22,12 @@ from hypothesis import strategies as st
 
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.engine import scheduler as scheduler_module
-from kvflow.engine.request import Request, RequestStatus
 from kvflow.engine.scheduler import KV_CACHE_FULL, RequestUpdate, Scheduler
-from kvflow.engine.scheduler_output import SchedulerOutput
 from kvflow.errors import InvalidRequestError, KVFlowError, PromptTooLongError
+from kvflow.outputs import ModelRunnerOutput
+from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
-from kvflow.worker.runner_output import ModelRunnerOutput
+from kvflow.scheduler_output import SchedulerOutput
 
 VOCAB = 100
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvflow.config import ConfigError
-from kvflow.engine.request import Request
 from kvflow.kv_cache.block_pool import IntegrityError
 from kvflow.kv_cache.manager import KVCacheManager
+from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
 

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvflow.arch_config import RopeConfig
 from kvflow.errors import ModelLoadError
-from kvflow.layers.rotary import RopeConfig, RotaryEmbedding, apply_rotary, compute_inv_freq
+from kvflow.layers.rotary import RotaryEmbedding, apply_rotary, compute_inv_freq
 
 transformers = pytest.importorskip("transformers")
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402

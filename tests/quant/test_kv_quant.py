@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from kvflow import LLM, SamplingParams
+from kvflow.attention.kv_layer import PlainKVLayer, QuantizedKVLayer, kv_bytes_per_token_head, make_kv_layer
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.paged_attention import paged_attention
 from kvflow.kernels import paged_decode_attention_quantized
-from kvflow.layers.attention import paged_attention
-from kvflow.worker.attn_metadata import AttentionMetadata
-from kvflow.worker.kv_layer import PlainKVLayer, QuantizedKVLayer, kv_bytes_per_token_head, make_kv_layer
 
 HKV, D, SLOTS = 2, 64, 64
 

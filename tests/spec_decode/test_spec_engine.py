@@ -177,8 +177,8 @@ def test_oracle_drafts_emit_k_plus_one_tokens_per_step(
 def test_spec_counters_reach_prometheus() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from kvflow.engine.stats import SpecDecodeStats, StepStats
     from kvflow.server.metrics import EngineMetrics
+    from kvflow.stats import SpecDecodeStats, StepStats
 
     spec = SpecDecodeStats()
     spec.record(3, 2)

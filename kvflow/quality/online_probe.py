@@ -12,42 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import queue
 import random
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.outputs import RequestOutput
-from kvflow.quant.scoring import window_log_probs
+from kvflow.quality.teacher_forcing import QualityTotals, window_log_probs
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_PROBE_TOKENS = 256
 MAX_QUEUED_PROBES = 8  # beyond this, samples are dropped: the probe must never grow memory
-
-
-@dataclass
-class ProbeTotals:
-    positions: int = 0
-    kl_sum: float = 0.0
-    agree: int = 0
-    nll_reference: float = 0.0
-    nll_served: float = 0.0
-
-    def snapshot(self) -> dict[str, float]:
-        n = max(self.positions, 1)
-        return {
-            "positions": float(self.positions),
-            "mean_kl": self.kl_sum / n,
-            "top1_agreement": self.agree / n,
-            "perplexity_reference": math.exp(self.nll_reference / n),
-            "perplexity_served": math.exp(self.nll_served / n),
-        }
 
 
 class QualityProbe:
@@ -68,7 +47,7 @@ class QualityProbe:
         self.rate = rate
         self.max_tokens = max_tokens
         self.on_update = on_update
-        self.totals = ProbeTotals()
+        self.totals = QualityTotals()
         self._rng = random.Random(seed)
         self._queue: queue.Queue[list[int] | None] = queue.Queue(MAX_QUEUED_PROBES)
         self._thread = threading.Thread(target=self._run, name="kvflow-quality-probe", daemon=True)
@@ -97,12 +76,7 @@ class QualityProbe:
 
     def _score(self, ids: list[int]) -> None:
         inputs, targets = ids[:-1], torch.tensor(ids[1:])
-        ref = window_log_probs(self.reference, inputs)
+        reference = window_log_probs(self.reference, inputs)
         served = window_log_probs(self.served, inputs, self.kv_cache_dtype)
-        t = self.totals
-        t.positions += len(inputs)
-        t.kl_sum += float((ref.exp() * (ref - served)).sum())
-        t.agree += int((ref.argmax(-1) == served.argmax(-1)).sum())
-        t.nll_reference -= float(ref.gather(1, targets[:, None]).sum())
-        t.nll_served -= float(served.gather(1, targets[:, None]).sum())
-        self.on_update(t.snapshot())
+        self.totals.add(reference, served, targets)
+        self.on_update(self.totals.snapshot())

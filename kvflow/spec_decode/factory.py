@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
+from kvflow.arch_config import load_hf_config, parse_arch_config
 from kvflow.config import SpeculativeConfig
 from kvflow.errors import ModelLoadError
-from kvflow.models.arch_config import load_hf_config, parse_arch_config
 from kvflow.models.loader import load_model
 from kvflow.spec_decode.draft_proposer import DraftModelProposer
 from kvflow.spec_decode.proposer import NgramProposer

@@ -13,7 +13,7 @@ Shapes: T flat tokens, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim.
 3. Each prefill chunk is one SDPA call over its keys: its own fresh K/V when it has no cached
    context (plain causal), else the gathered context plus itself under an explicit mask
    (bottom-right causal, sliding window).
-Quantized KV pools (kvflow/worker/kv_layer.py) are otherwise dequantized for the gathered slots
+Quantized KV pools (kvflow/attention/kv_layer.py) are otherwise dequantized for the gathered slots
 only.
 """
 
@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvflow.attention.kv_layer import KVLayer
+from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
 from kvflow.kernels import paged_decode_attention_bf16, paged_decode_attention_quantized
-from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
-from kvflow.worker.kv_layer import KVLayer
 
 
 def _decode_attention(query: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:

@@ -12,12 +12,11 @@ and transformers 5's `rope_parameters`.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvflow.errors import ModelLoadError
-from kvflow.layers.rotary import RopeConfig
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -26,6 +25,17 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
 )
 DEFAULT_ROPE_THETA = 10000.0  # the RoPE paper's base, HF's default when a config omits it
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """RoPE as the checkpoint asks for it; kvflow/layers/rotary.py turns it into frequencies."""
+
+    head_dim: int
+    rope_theta: float
+    max_position_embeddings: int
+    rope_type: str = "default"
+    params: dict[str, Any] = field(default_factory=dict)  # the rest of rope_parameters / rope_scaling
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ import itertools
 import pytest
 import torch
 
-from kvflow.spec_decode.ngram_proposer import propose_ngram
-from kvflow.spec_decode.rejection_sampler import (
+from kvflow.sample.rejection_sampler import (
     acceptance_probs,
     one_hot_probs,
     residual_distribution,
     sample_one,
 )
+from kvflow.spec_decode.ngram_proposer import propose_ngram
 
 V = 5
 

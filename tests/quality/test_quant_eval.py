@@ -12,7 +12,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.cli import main
-from kvflow.quant.scoring import window_log_probs, windows
+from kvflow.quality.teacher_forcing import window_log_probs, windows
 
 
 def test_windows_predict_every_token_once() -> None:
@@ -52,7 +52,7 @@ def test_quant_eval_command(
 def test_quant_eval_reads_kv_back_from_the_quantized_pool(
     tiny_checkpoint_factory: Callable[..., Path],
 ) -> None:
-    from kvflow.quant.quality import compare
+    from kvflow.quality.quant_eval import compare
 
     path = str(tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16))
     reference = LLM(path, max_model_len=64)

@@ -11,8 +11,8 @@ import enum
 import time
 from typing import Any
 
-from kvflow.engine.stats import RequestTimeline
 from kvflow.sampling_params import SamplingParams
+from kvflow.stats import RequestTimeline
 
 
 class RequestStatus(enum.Enum):

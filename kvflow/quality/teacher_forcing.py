@@ -1,4 +1,8 @@
-"""Teacher-forced next-token distributions of a loaded model over a token sequence (quant-eval).
+"""Teacher-forced next-token distributions of a loaded model over a token sequence, and the running
+totals both quality measurements keep (`kvflow quant-eval` offline, the serving probe online):
+    KL          mean over positions of KL(p_ref || p_served) of the next-token distributions (nats)
+    top-1       share of positions where both put the highest probability on the same token
+    perplexity  exp(mean negative log-likelihood of the actual next token), for each path
 
 The sequence is cut into windows of at most `window` tokens; each window is one prefill chunk over
 a private KV store (no cached context), so every position's logits come from the same forward the
@@ -7,12 +11,15 @@ engine runs for a prompt.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 
+from kvflow.attention.kv_layer import QUANTIZED_KV_DTYPES
+from kvflow.attention.kv_store import KVStore
+from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
 from kvflow.models.llama import LlamaFamilyForCausalLM
-from kvflow.worker.attn_metadata import AttentionMetadata, PrefillChunkMetadata
-from kvflow.worker.kv_layer import QUANTIZED_KV_DTYPES
-from kvflow.worker.kv_store import KVStore
 
 SCORING_BLOCK_SIZE = 16
 
@@ -59,3 +66,32 @@ def windows(token_ids: list[int], window: int) -> list[list[int]]:
     """Chunks of `window` + 1 tokens overlapping by one: every token after the first is predicted
     exactly once, from up to `window` tokens of context."""
     return [token_ids[i : i + window + 1] for i in range(0, len(token_ids) - 1, window)]
+
+
+@dataclass
+class QualityTotals:
+    """Running sums over scored positions of a reference path against a served (quantized) one."""
+
+    positions: int = 0
+    kl_sum: float = 0.0
+    agree: int = 0
+    nll_reference: float = 0.0
+    nll_served: float = 0.0
+
+    def add(self, reference: torch.Tensor, served: torch.Tensor, targets: torch.Tensor) -> None:
+        """reference, served: [N, V] log-probabilities at the same N positions; targets: [N] next tokens."""
+        self.positions += len(targets)
+        self.kl_sum += float((reference.exp() * (reference - served)).sum())
+        self.agree += int((reference.argmax(-1) == served.argmax(-1)).sum())
+        self.nll_reference -= float(reference.gather(1, targets[:, None]).sum())
+        self.nll_served -= float(served.gather(1, targets[:, None]).sum())
+
+    def snapshot(self) -> dict[str, float]:
+        n = max(self.positions, 1)
+        return {
+            "positions": float(self.positions),
+            "mean_kl": self.kl_sum / n,
+            "top1_agreement": self.agree / n,
+            "perplexity_reference": math.exp(self.nll_reference / n),
+            "perplexity_served": math.exp(self.nll_served / n),
+        }

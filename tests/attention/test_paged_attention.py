@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvflow.attention.kv_layer import PlainKVLayer
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.paged_attention import paged_attention
 from kvflow.kernels import paged_decode_attention_bf16
-from kvflow.layers.attention import paged_attention
-from kvflow.worker.attn_metadata import AttentionMetadata
-from kvflow.worker.kv_layer import PlainKVLayer
 
 CASES = [  # (num_kv_heads, queries per kv head, head_dim)
     (2, 7, 64),

@@ -1,15 +1,11 @@
 """`kvflow quant-eval`: the quality and speed cost of a quantized path against the unquantized one.
 
-Over the same text (teacher forcing):
-    KL          mean over positions of KL(p_ref || p_quant) of the next-token distributions (nats)
-    top-1       share of positions where both put the highest probability on the same token
-    perplexity  exp(mean negative log-likelihood of the actual next token), for each path
-Plus decode tokens/s of a single stream and the bytes of each model's weights.
+Over the same text, teacher-forced: KL, top-1 agreement and each path's perplexity (defined in
+kvflow/quality/teacher_forcing.py); plus each path's single-stream decode tokens/s and weight bytes.
 """
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +13,7 @@ from typing import Any
 import torch
 
 from kvflow.llm import LLM
-from kvflow.quant.scoring import window_log_probs, windows
+from kvflow.quality.teacher_forcing import QualityTotals, window_log_probs, windows
 from kvflow.sampling_params import SamplingParams
 
 DEFAULT_WINDOW = 512
@@ -55,35 +51,30 @@ def compare(
     """The candidate runs with its own weights and, if given, a quantized KV cache."""
     ref_model = reference.llm_engine.model_runner.model
     cand_model = candidate.llm_engine.model_runner.model
-    kl_sum = agree = nll_ref = nll_cand = 0.0
-    count = 0
+    totals = QualityTotals()
     for chunk in windows(token_ids, window):
         if len(chunk) < 2:
             continue
         inputs, targets = chunk[:-1], torch.tensor(chunk[1:])
-        ref = window_log_probs(ref_model, inputs)
-        cand = window_log_probs(cand_model, inputs, kv_cache_dtype)
-        kl_sum += float((ref.exp() * (ref - cand)).sum())
-        agree += float((ref.argmax(-1) == cand.argmax(-1)).sum())
-        nll_ref -= float(ref.gather(1, targets[:, None]).sum())
-        nll_cand -= float(cand.gather(1, targets[:, None]).sum())
-        count += len(inputs)
-    if count == 0:
+        totals.add(
+            window_log_probs(ref_model, inputs), window_log_probs(cand_model, inputs, kv_cache_dtype), targets
+        )
+    if totals.positions == 0:
         raise ValueError("the text is too short to evaluate (needs at least 2 tokens)")
+    figures = totals.snapshot()
     probe = token_ids[:DECODE_PROBE_PROMPT]
     started = time.perf_counter()
     paths = [
-        PathStats(
-            "reference", math.exp(nll_ref / count), decode_rate(reference, probe), model_bytes(reference)
-        ),
-        PathStats(
-            "quantized", math.exp(nll_cand / count), decode_rate(candidate, probe), model_bytes(candidate)
-        ),
+        PathStats(label, figures[key], decode_rate(llm, probe), model_bytes(llm))
+        for label, key, llm in (
+            ("reference", "perplexity_reference", reference),
+            ("quantized", "perplexity_served", candidate),
+        )
     ]
     return {
-        "positions": count,
-        "mean_kl": kl_sum / count,
-        "top1_agreement": agree / count,
+        "positions": totals.positions,
+        "mean_kl": figures["mean_kl"],
+        "top1_agreement": figures["top1_agreement"],
         "paths": [p.__dict__ for p in paths],
         "elapsed_s": time.perf_counter() - started,
     }

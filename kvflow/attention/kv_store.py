@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kvflow.worker.kv_layer import PlainKVLayer, QuantizedKVLayer, kv_bytes_per_token_head, make_kv_layer
+from kvflow.attention.kv_layer import PlainKVLayer, QuantizedKVLayer, kv_bytes_per_token_head, make_kv_layer
 
 
 def kv_bytes_per_token(
