@@ -1,6 +1,7 @@
 """Quality figures of a trained target/draft pair (tools/train_tiny.py), for kvflow/assets/README.md.
 
     python tools/eval_tiny.py --target DIR --draft DIR [--windows 64] [--seq-len 256] [--json OUT]
+                              [--cache-dir DIR]
 
 Reports, on held-out text (standard-library files and pydoc topics never trained on):
 - perplexity of the target, of the draft, and of a unigram baseline with the same tokenizer
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,12 +83,18 @@ def continuations(target_dir: Path, prompts: list[str]) -> list[str]:
     return [o.outputs[0].text for o in llm.generate([p + "\n" for p in prompts], params)]
 
 
-def evaluate(target: Path, draft: Path, num_windows: int, seq_len: int) -> dict[str, Any]:
+def default_cache_dir() -> Path:
+    """The tokenized corpus is a cache (about 33 MB, keyed by tokenizer and Python), not an asset:
+    it lives in the user's cache directory, never in the package or in git."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "kvflow" / "eval-cache"
+
+
+def evaluate(target: Path, draft: Path, num_windows: int, seq_len: int, cache: Path) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
-    cache = target.parent / "eval-cache"
-    cache.mkdir(exist_ok=True)
+    cache.mkdir(parents=True, exist_ok=True)
     train_stream, heldout_stream = train_tiny.load_or_build_streams(
         cache, tokenizer, None, train_tiny.collect_corpus
     )
@@ -114,8 +122,10 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--cache-dir", type=Path, default=None, help="default: ~/.cache/kvflow/eval-cache")
     args = ap.parse_args()
-    result = evaluate(args.target, args.draft, args.windows, args.seq_len)
+    cache = args.cache_dir or default_cache_dir()
+    result = evaluate(args.target, args.draft, args.windows, args.seq_len, cache)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json is not None:
