@@ -1,5 +1,6 @@
-"""`kvflow` command line. Engine flags are generated from the config dataclasses' fields, so names,
-defaults and help text live in one place (kvflow/config.py)."""
+"""`kvflow` command line. Engine and server flags are generated from the config dataclasses' fields
+(kvflow/arg_utils.py), so names, choices, defaults and help text live in one place (kvflow/config.py).
+Boolean flags come in pairs, `--flag / --no-flag`, as in vLLM."""
 
 from __future__ import annotations
 
@@ -10,51 +11,57 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvflow.config import EngineConfig
+from kvflow.arg_utils import FlagParser, add_dataclass_args, dataclass_kwargs, literal_choices
+from kvflow.config import (
+    API_KEY_ENV,
+    DType,
+    EngineConfig,
+    ModelConfig,
+    QuantConfig,
+    QuantizedKVDType,
+    QuantMethod,
+    ServerConfig,
+)
 from kvflow.errors import KVFlowError
 from kvflow.sampling_params import SamplingParams
 from kvflow.stats import RequestTimeline
 
-API_KEY_ENV = "KVFLOW_API_KEY"
+# ServerConfig fields that are flags of the top-level parser, not of `serve`: they apply to every command.
+GLOBAL_SERVER_FIELDS = ("log_level",)
 
 
-def _parse_bool(text: str) -> bool:
-    if text.lower() in ("1", "true", "yes", "on"):
-        return True
-    if text.lower() in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected true/false, got {text!r}")
+def _engine_exclude(section: type) -> tuple[str, ...]:
+    """The model is the positional MODEL (demo: --model), not a generated flag."""
+    return ("model",) if section is ModelConfig else ()
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine")
-    for spec in EngineConfig.arg_specs():
-        if spec.name == "model":
-            continue
-        group.add_argument(
-            "--" + spec.name.replace("_", "-"),
-            dest=spec.name,
-            type=_parse_bool if spec.type is bool else spec.type,
-            default=spec.default,
-            help=f"{spec.help} (default: {spec.default})",
-        )
+    """One flag per engine field, in one help group per config section."""
+    for section in EngineConfig.section_types():
+        group = parser.add_argument_group(section.__name__)
+        add_dataclass_args(group, section, exclude=_engine_exclude(section))
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    return {s.name: getattr(args, s.name) for s in EngineConfig.arg_specs() if s.name != "model"}
+    kwargs: dict[str, Any] = {}
+    for section in EngineConfig.section_types():
+        kwargs.update(dataclass_kwargs(args, section, exclude=_engine_exclude(section)))
+    return kwargs
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    # Not SamplingParams' defaults on purpose: the API's are OpenAI's (16 tokens, temperature 1), a
+    # command-line try-out wants a longer, greedy completion.
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=128)
-    group.add_argument("--temperature", type=float, default=0.0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
+    group.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling; 1: off")
+    group.add_argument("--top-k", type=int, default=0, help="0: off")
+    group.add_argument("--min-p", type=float, default=0.0, help="0: off")
+    group.add_argument("--repetition-penalty", type=float, default=1.0, help="1: off")
     group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
     group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--ignore-eos", action="store_true", help="generate --max-tokens even past EOS")
 
 
 def _model_dir(args: argparse.Namespace) -> str:
@@ -152,48 +159,18 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
-    from kvflow.server.launcher import ServerConfig, run_server
+    from kvflow.server.launcher import run_server
 
-    config = ServerConfig(
-        host=args.host,
-        port=args.port,
-        served_model_name=args.served_model_name,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_waiting=args.max_waiting,
-        shutdown_grace_s=args.shutdown_grace_seconds,
-        log_level=args.log_level,
-        quality_probe_rate=args.quality_probe_rate,
-    )
-    return run_server(_model_dir(args), config, engine_kwargs(args))
+    server = dataclass_kwargs(args, ServerConfig)  # log_level included: the top-level flag sets it
+    server["api_key"] = args.api_key or os.environ.get(API_KEY_ENV) or None
+    return run_server(_model_dir(args), ServerConfig(**server), engine_kwargs(args))
 
 
 def _add_serve_parser(sub: Any) -> None:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and /metrics")
     serve.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", default=None, help="model name clients use (default: MODEL)")
-    serve.add_argument(
-        "--api-key", default=None, help=f"require 'Authorization: Bearer KEY' (or ${API_KEY_ENV})"
-    )
-    serve.add_argument(
-        "--max-waiting",
-        type=int,
-        default=None,
-        help="queued requests beyond this get HTTP 429 (default: no limit)",
-    )
-    serve.add_argument(
-        "--shutdown-grace-seconds",
-        type=float,
-        default=5.0,
-        help="on SIGINT/SIGTERM, time in-flight requests get",
-    )
-    serve.add_argument(
-        "--quality-probe-rate",
-        type=float,
-        default=0.0,
-        help="score this share of finished requests against unquantized weights (Prometheus gauges)",
-    )
+    group = serve.add_argument_group(ServerConfig.__name__)
+    add_dataclass_args(group, ServerConfig, exclude=GLOBAL_SERVER_FIELDS)
     add_engine_args(serve)
     serve.set_defaults(func=_cmd_serve)
 
@@ -241,32 +218,40 @@ def _add_quant_eval_parser(sub: Any) -> None:
         "quant-eval", help="quality and speed of quantized weights against the unquantized model"
     )
     qe.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
-    qe.add_argument("--quantization", choices=("none", "int8", "int4"), default="int8")
-    qe.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "int8", "int4"), default="auto")
-    qe.add_argument("--quantization-group-size", type=int, default=128)
-    qe.add_argument("--quantize-lm-head", action="store_true")
-    qe.add_argument("--dtype", default="bfloat16")
+    # quant-eval measures a quantized path against bfloat16, so its defaults are not the engine's
+    # (no quantization, the checkpoint's dtype); the choices are the engine's Literal types.
+    qe.add_argument(
+        "--quantization", choices=literal_choices(QuantMethod), default="int8", help="the candidate's weights"
+    )
+    qe.add_argument(
+        "--kv-cache-dtype",
+        choices=("auto", *literal_choices(QuantizedKVDType)),
+        default="auto",
+        help="the candidate's KV storage (auto: the model dtype, unquantized)",
+    )
+    add_dataclass_args(qe, QuantConfig, include=("quantization_group_size", "quantize_lm_head"))
+    qe.add_argument("--dtype", choices=literal_choices(DType), default="bfloat16", help="both paths' dtype")
     qe.add_argument("--text", default=None, help="text file to score (default: the stdlib's textwrap.py)")
     qe.add_argument("--window", type=int, default=512, help="tokens of context per scored window")
     qe.add_argument("--max-tokens", type=int, default=4096, help="score at most this many tokens")
-    qe.add_argument("--json", action="store_true")
+    qe.add_argument("--json", action="store_true", help="print the report as JSON")
     qe.set_defaults(func=_cmd_quant_eval)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvflow", description=__doc__)
-    parser.add_argument("--log-level", default="INFO")
+    parser = FlagParser(prog="kvflow", description=__doc__)
+    add_dataclass_args(parser, ServerConfig, include=GLOBAL_SERVER_FIELDS)
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate a completion for one prompt, streamed")
     gen.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the prompt text")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     _add_sampling_args(gen)
     add_engine_args(gen)
     gen.set_defaults(func=_cmd_generate)
     demo = sub.add_parser("demo", help="generate from a few prompts with timing (bundled model by default)")
     demo.add_argument("--model", default=None, help="checkpoint directory (default: the bundled model)")
-    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--max-tokens", type=int, default=48, help="tokens per completion")
     add_engine_args(demo)
     demo.set_defaults(func=_cmd_demo)
     _add_serve_parser(sub)

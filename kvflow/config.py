@@ -1,8 +1,10 @@
-"""Engine configuration: frozen dataclasses split by concern, validated with clear errors.
+"""Engine and server configuration: frozen dataclasses split by concern, validated with clear errors.
 
 Each component takes only its own config. `EngineConfig.from_kwargs` maps the flat keyword
-arguments users pass to `LLM(...)` (and the CLI flags generated from the same fields) onto them.
-Pure Python: no torch import, so the scheduler and its tests stay torch-free.
+arguments users pass to `LLM(...)` (and the CLI flags generated from the same fields by
+kvflow/arg_utils.py) onto them. A field's metadata holds its flag's help text (and, rarely, a flag
+name other than the field's). Pure Python: no torch import, so the scheduler and its tests, and the
+CLI's parser, stay torch-free.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from typing import Any, Literal
 from kvflow.errors import InvalidRequestError
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
-KVCacheDType = Literal["auto", "bfloat16", "float16", "fp8_e4m3", "int8", "int4"]
+QuantizedKVDType = Literal["fp8_e4m3", "int8", "int4"]
+KVCacheDType = Literal["auto", "bfloat16", "float16", QuantizedKVDType]
 
 # Default KV pool budget when neither `kv_cache_memory_bytes` nor `num_kv_blocks` is given:
 # vLLM's CPU backend defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE); the pool is also capped at what
@@ -25,6 +28,12 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 4 * 1024**3
 
 class ConfigError(InvalidRequestError):
     """An engine argument is out of range or inconsistent with another one."""
+
+
+def _check_choice(name: str, value: object, choices: Any) -> None:
+    """`value` must be one of the Literal type `choices` (a config built in Python skips argparse)."""
+    if value not in typing.get_args(choices):
+        raise ConfigError(f"{name} must be {'|'.join(typing.get_args(choices))}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -42,8 +51,7 @@ class ModelConfig:
     seed: int = field(default=0, metadata={"help": "seed of the engine's random generator"})
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ConfigError(f"dtype must be auto|float32|bfloat16|float16, got {self.dtype!r}")
+        _check_choice("dtype", self.dtype, DType)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
@@ -73,9 +81,7 @@ class CacheConfig:
             raise ConfigError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
-        if self.kv_cache_dtype not in typing.get_args(KVCacheDType):
-            choices = "|".join(typing.get_args(KVCacheDType))
-            raise ConfigError(f"kv_cache_dtype must be {choices}, got {self.kv_cache_dtype!r}")
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KVCacheDType)
 
 
 @dataclass(frozen=True)
@@ -115,8 +121,7 @@ class QuantConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.quantization not in ("none", "int8", "int4"):
-            raise ConfigError(f"quantization must be none|int8|int4, got {self.quantization!r}")
+        _check_choice("quantization", self.quantization, QuantMethod)
         if self.quantization_group_size not in INT4_GROUP_SIZES:
             size = self.quantization_group_size
             raise ConfigError(f"quantization_group_size must be one of {INT4_GROUP_SIZES}, got {size}")
@@ -149,8 +154,7 @@ class SpeculativeConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.speculative_method not in ("none", "ngram", "draft"):
-            raise ConfigError(f"speculative_method must be none|ngram|draft, got {self.speculative_method!r}")
+        _check_choice("speculative_method", self.speculative_method, SpeculativeMethod)
         if (self.speculative_method == "draft") != (self.draft_model is not None):
             raise ConfigError("--draft-model is needed by, and only by, --speculative-method draft")
         if self.num_speculative_tokens < 1:
@@ -196,31 +200,47 @@ class EngineConfig:
         return cls(**built)
 
     @staticmethod
-    def arg_specs() -> list[EngineArgSpec]:
-        """Every engine argument: the CLI builds its flags from this list."""
-        specs = []
-        for _, klass in _SECTIONS:
-            hints = typing.get_type_hints(klass)
-            for f in dataclasses.fields(klass):
-                specs.append(
-                    EngineArgSpec(f.name, _base_type(hints[f.name]), f.default, f.metadata.get("help", ""))
-                )
-        return specs
+    def section_types() -> tuple[type, ...]:
+        """The sections' dataclasses: every engine argument is a field of one (the CLI's flags too)."""
+        return tuple(klass for _, klass in _SECTIONS)
+
+
+# The environment variable `kvflow serve` reads the API key from when --api-key is not given.
+API_KEY_ENV = "KVFLOW_API_KEY"
 
 
 @dataclass(frozen=True)
-class EngineArgSpec:
-    name: str
-    type: type  # int, float, str or bool (Optional and Literal unwrapped)
-    default: Any
-    help: str
+class ServerConfig:
+    """`kvflow serve`'s own settings (the engine's are EngineConfig's). Plain like the engine's
+    sections, so the CLI builds its flags without importing the server (uvicorn, torch)."""
 
-
-def _base_type(hint: Any) -> type:
-    """`int | None` -> int, `Literal["a", "b"]` -> str, `bool` -> bool."""
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) is Literal:
-        return type(args[0])
-    if args:
-        return _base_type(args[0])
-    return hint if isinstance(hint, type) else str
+    host: str = field(default="127.0.0.1", metadata={"help": "address to listen on"})
+    port: int = field(default=8000, metadata={"help": "port to listen on"})
+    served_model_name: str | None = field(
+        default=None,
+        metadata={"help": "the model name clients send; unset: the MODEL path as given (vLLM's default)"},
+    )
+    api_key: str | None = field(
+        default=None,
+        metadata={"help": f"require 'Authorization: Bearer KEY'; unset: ${API_KEY_ENV} if set, else none"},
+    )
+    max_waiting: int | None = field(
+        default=None,
+        metadata={"help": "queued requests beyond this get HTTP 429; unset: no limit (vLLM's behaviour)"},
+    )
+    shutdown_grace_s: float = field(
+        default=5.0,
+        metadata={
+            "flag": "--shutdown-grace-seconds",  # the flag's name since the first release
+            "help": "on SIGINT/SIGTERM, seconds in-flight requests get to finish",
+        },
+    )
+    log_level: str = field(
+        default="info", metadata={"help": "logging level (the server's and uvicorn's for serve)"}
+    )
+    quality_probe_rate: float = field(
+        default=0.0,
+        metadata={
+            "help": "score this share of finished requests against unquantized weights (Prometheus gauges)"
+        },
+    )

@@ -48,6 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "arch_config",
         "tokenizer",
         "assets",
+        "arg_utils",
     ),
 )
 PLAIN = LAYERS[-1]

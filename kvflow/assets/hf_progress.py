@@ -1,4 +1,4 @@
-"""Writing Hugging Face checkpoints with `transformers` (tools/train_tiny.py and the test fixtures)."""
+"""Transformers' progress bars, silenced while tools/train_tiny.py and the test fixtures write checkpoints."""
 
 from __future__ import annotations
 

@@ -14,13 +14,16 @@ Slot 0 (the null block's first slot) stays all zeros in every format, so padded 
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "fp8_e4m3", "int8", "int4")
-QUANTIZED_KV_DTYPES = ("fp8_e4m3", "int8", "int4")
+from kvflow.config import KVCacheDType, QuantizedKVDType
+
+KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDType)  # one source: kvflow/config.py
+QUANTIZED_KV_DTYPES: tuple[str, ...] = typing.get_args(QuantizedKVDType)
 SCALE_DTYPE = torch.float16
 SCALE_BYTES = 2
 INT8_MAX = 127.0

@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Any
 
+from kvflow.arg_utils import FieldOverrides, add_dataclass_args, dataclass_kwargs
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DATASETS, DatasetSpec
 from kvflow.bench.metrics import parse_slo
@@ -17,6 +18,28 @@ from kvflow.bench.sweep import LoadKey, find_capacity, sweep
 DEFAULT_CONCURRENCY = 4
 DEFAULT_CAPACITY_PERCENTILE = 90.0
 
+# The flags are BenchConfig's, DatasetSpec's and LoadSpec's fields (kvflow/arg_utils.py). Below: what
+# those dataclasses cannot say themselves: CLI defaults for the fields they require in Python, and
+# flag names and help for DatasetSpec's and LoadSpec's fields, which carry no metadata.
+BENCH_FLAGS: FieldOverrides = {"base_url": {"default": "http://127.0.0.1:8000/v1"}}
+BENCH_NOT_FLAGS = ("dataset", "load", "slo", "progress")  # their own flags: the groups below, --slo, --quiet
+DATASET_FLAGS: FieldOverrides = {
+    "name": {"flag": "--dataset", "default": "random", "help": f"{', '.join(DATASETS)}, or jsonl:PATH"},
+    "num_requests": {"default": 32, "help": "requests measured"},
+    "input_len": {"help": "prompt tokens"},
+    "output_len": {"help": "output tokens (max_tokens)"},
+    "range_ratio": {"help": "lengths uniform in [L * (1 - r), L * (1 + r)]"},
+    "prefix_len": {"help": "shared-prefix: shared system prompt tokens"},
+    "num_turns": {"help": "multi-turn: user turns per conversation"},
+    "seed": {"help": "seed of the workload and of open-loop arrivals"},
+}
+DATASET_NOT_FLAGS = ("max_model_len",)  # long-context: the server's, from /v1/models
+# --concurrency and --request-rate are hand-written: sweep takes a list of each (1,2,4,8).
+LOAD_FLAGS: FieldOverrides = {
+    "burstiness": {"help": "open loop gamma shape; 1 = Poisson"},
+    "max_concurrency": {"help": "open loop: cap on requests in flight"},
+}
+
 
 def add_bench_parser(sub: Any) -> None:
     bench = sub.add_parser(
@@ -24,81 +47,47 @@ def add_bench_parser(sub: Any) -> None:
         help="load generator: TTFT / ITL / TPOT against any OpenAI-compatible server",
         description="Measure an OpenAI-compatible server. `kvflow bench sweep ...` runs several loads.",
     )
-    bench.add_argument("mode", nargs="?", choices=("run", "sweep"), default="run")
-    bench.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    bench.add_argument("--model", default=None, help="default: the first model the server lists")
-    bench.add_argument("--api-key", default=None)
-    bench.add_argument("--endpoint", choices=("chat", "completions"), default="completions")
-    bench.add_argument("--num-requests", type=int, default=32)
     bench.add_argument(
-        "--concurrency", default=None, help="closed loop: requests in flight (sweep: a list, e.g. 1,2,4,8)"
+        "mode", nargs="?", choices=("run", "sweep"), default="run", help="sweep: several loads"
     )
-    bench.add_argument("--request-rate", default=None, help="open loop: requests/s, 'inf' (sweep: a list)")
-    bench.add_argument("--burstiness", type=float, default=1.0, help="open loop gamma shape; 1 = Poisson")
-    bench.add_argument(
-        "--max-concurrency", type=int, default=None, help="open loop: cap on requests in flight"
+    requests = bench.add_argument_group(BenchConfig.__name__)
+    add_dataclass_args(requests, BenchConfig, exclude=BENCH_NOT_FLAGS, overrides=BENCH_FLAGS)
+    requests.add_argument("--slo", default=None, help="e.g. ttft_ms=500,tpot_ms=50 (also itl_p99_ms, e2e_ms)")
+    workload = bench.add_argument_group(DatasetSpec.__name__)
+    add_dataclass_args(workload, DatasetSpec, exclude=DATASET_NOT_FLAGS, overrides=DATASET_FLAGS)
+    load = bench.add_argument_group(LoadSpec.__name__)
+    load.add_argument(
+        "--concurrency",
+        default=None,
+        help=f"closed loop: requests in flight (sweep: a list, e.g. 1,2,4,8); unset: {DEFAULT_CONCURRENCY}",
     )
-    datasets = ", ".join(DATASETS)
-    bench.add_argument("--dataset", default="random", help=f"{datasets}, or jsonl:PATH")
-    bench.add_argument("--input-len", type=int, default=256)
-    bench.add_argument("--output-len", type=int, default=128)
-    bench.add_argument("--range-ratio", type=float, default=0.0)
-    bench.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: shared system prompt tokens")
-    bench.add_argument("--num-turns", type=int, default=3, help="multi-turn: user turns per conversation")
-    bench.add_argument(
-        "--tokenizer", default=None, help="model dir (default: the server's model dir if local)"
-    )
-    bench.add_argument("--slo", default=None, help="e.g. ttft_ms=500,tpot_ms=50 (also itl_p99_ms, e2e_ms)")
-    bench.add_argument("--warmup", type=int, default=2, help="requests sent first and excluded")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--temperature", type=float, default=0.0)
-    bench.add_argument("--no-ignore-eos", action="store_true", help="let outputs stop at EOS")
-    bench.add_argument(
-        "--no-continuous-usage", action="store_true", help="for servers that reject stream_options extensions"
-    )
-    bench.add_argument("--no-usage", action="store_true", help="send no stream_options at all")
-    bench.add_argument("--output", default=None, help="write the JSON result here")
-    bench.add_argument("--html", default=None, help="write the HTML report here")
-    bench.add_argument(
+    load.add_argument("--request-rate", default=None, help="open loop: requests/s, 'inf' (sweep: a list)")
+    add_dataclass_args(load, LoadSpec, include=LOAD_FLAGS, overrides=LOAD_FLAGS)
+    capacity = bench.add_argument_group("capacity search (sweep)")
+    capacity.add_argument(
         "--find-capacity", action="store_true", help="sweep: search the highest load meeting --slo"
     )
-    bench.add_argument(
+    capacity.add_argument(
         "--slo-percentile",
         type=float,
         default=DEFAULT_CAPACITY_PERCENTILE,
         help="capacity: %% of requests meeting it",
     )
-    bench.add_argument("--max-load", type=float, default=256, help="capacity: the highest load tried")
-    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    capacity.add_argument("--max-load", type=float, default=256, help="capacity: the highest load tried")
+    output = bench.add_argument_group("output")
+    output.add_argument("--output", default=None, help="write the JSON result here")
+    output.add_argument("--html", default=None, help="write the HTML report here")
+    output.add_argument("--quiet", action="store_true", help="no progress bar")
     bench.set_defaults(func=cmd_bench)
 
 
 def _config(args: argparse.Namespace, load: LoadSpec) -> BenchConfig:
-    dataset = DatasetSpec(
-        name=args.dataset,
-        num_requests=args.num_requests,
-        input_len=args.input_len,
-        output_len=args.output_len,
-        range_ratio=args.range_ratio,
-        prefix_len=args.prefix_len,
-        num_turns=args.num_turns,
-        seed=args.seed,
-    )
     return BenchConfig(
-        base_url=args.base_url,
-        dataset=dataset,
+        dataset=DatasetSpec(**dataclass_kwargs(args, DatasetSpec, exclude=DATASET_NOT_FLAGS)),
         load=load,
-        model=args.model,
-        endpoint=args.endpoint,
-        tokenizer=args.tokenizer,
         slo=parse_slo(args.slo),
-        warmup=args.warmup,
-        api_key=args.api_key,
-        ignore_eos=not args.no_ignore_eos,
-        continuous_usage_stats=not args.no_continuous_usage,
-        include_usage=not args.no_usage,
-        temperature=args.temperature,
         progress=not args.quiet,
+        **dataclass_kwargs(args, BenchConfig, exclude=BENCH_NOT_FLAGS),
     )
 
 
@@ -115,10 +104,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     seeded = LoadSpec(concurrency=1, seed=args.seed)
     if key == "request_rate":
         seeded = LoadSpec(
-            request_rate=loads[0],
-            burstiness=args.burstiness,
-            max_concurrency=args.max_concurrency,
-            seed=args.seed,
+            request_rate=loads[0], seed=args.seed, **dataclass_kwargs(args, LoadSpec, include=LOAD_FLAGS)
         )
     config = _config(args, seeded)
     if args.mode == "run":

@@ -9,7 +9,6 @@ next to the JSON it came from. The page, its tables and the escaping rules: kvfl
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -34,6 +33,7 @@ from kvflow.bench.html_page import (
     warnings_html,
 )
 from kvflow.bench.html_sweep import render_sweep_html
+from kvflow.bench.metrics import percentile
 from kvflow.bench.svg import (
     Box,
     GanttBar,
@@ -59,17 +59,6 @@ TIMELINE_CAP = 200
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _percentile(values: Sequence[float], q: float) -> float | None:
-    """Linear interpolation between order statistics (as kvflow/bench/metrics.py); None when empty."""
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    k = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
 def _successful(requests: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
     """The requests the summary statistics cover (metrics.aggregate only counts successful ones)."""
     return [r for r in requests if r.get("error") is None]
@@ -79,8 +68,10 @@ def _percentile_markers(summary: Mapping[str, Any], values: Sequence[float]) -> 
     """p50 and p99 from the run's summary, else computed from the per-request values."""
     markers: list[Marker] = []
     for name, q, color in (("p50", 50, P50_COLOR), ("p99", 99, P99_COLOR)):
-        given = num(summary.get(name))
-        markers.append((name, given if given is not None else _percentile(values, q), color))
+        value = num(summary.get(name))
+        if value is None and values:
+            value = percentile(values, q)
+        markers.append((name, value, color))
     return markers
 
 

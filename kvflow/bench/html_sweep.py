@@ -153,6 +153,29 @@ def _run_details(load: Any, result: Mapping[str, Any], load_key: str) -> str:
     return f"<details>\n<summary>{esc(load_key)} {esc(fmt_short(load))}</summary>\n{body}\n</details>"
 
 
+def _sweep_charts(runs: _Runs, x_label: str, capacity: float | None, slo: Mapping[str, Any]) -> list[str]:
+    """TTFT, TPOT and output throughput against load, each a figure with its caption."""
+    # TTFT and TPOT are drawn on separate charts: TTFT is often seconds while TPOT is tens of ms, and one
+    # shared axis would flatten TPOT into the floor. Each marks its SLO bound (when given) and the capacity:
+    # the load where p99 crosses the SLO line is where the server stops keeping its promise.
+    ttft_chart = _latency_chart(runs, "ttft_ms", "TTFT", x_label, capacity, slo)
+    tpot_chart = _latency_chart(runs, "tpot_ms", "TPOT", x_label, capacity, slo)
+    # Output throughput against load: it rises while the server has spare capacity and flattens at
+    # saturation; past that point more load only adds queueing (TTFT) without adding tokens per second.
+    throughput_chart = series_svg(
+        "Output throughput against load",
+        x_label,
+        "output tokens per second",
+        [Series("output tok/s", DECODE_COLOR, _sweep_points(runs, "output_throughput"))],
+        vlines=_capacity_lines(capacity),
+    )
+    return [
+        figure(ttft_chart, "p50 (solid) and p99 (dashed) TTFT of each run; red dashed: the TTFT SLO."),
+        figure(tpot_chart, "p50 (solid) and p99 (dashed) TPOT of each run; red dashed: the TPOT SLO."),
+        figure(throughput_chart, "Output tokens per second of each run; grey dashed: the capacity found."),
+    ]
+
+
 def render_sweep_html(sweep: dict[str, Any]) -> str:
     """A sweep over load as a self-contained HTML page: latency and throughput against load, and tables."""
     load_key = str(sweep.get("load_key") or "load")
@@ -165,27 +188,7 @@ def render_sweep_html(sweep: dict[str, Any]) -> str:
     plotted = [(load, result) for raw, result in entries if (load := num(raw)) is not None]
     capacity_info = mapping(sweep.get("capacity"))
     capacity = num(capacity_info.get("load"))
-    slo = mapping(capacity_info.get("slo"))
-
-    # TTFT and TPOT are drawn on separate charts: TTFT is often seconds while TPOT is tens of ms, and one
-    # shared axis would flatten TPOT into the floor. Each marks its SLO bound (when given) and the capacity:
-    # the load where p99 crosses the SLO line is where the server stops keeping its promise.
-    ttft_chart = _latency_chart(plotted, "ttft_ms", "TTFT", x_label, capacity, slo)
-    tpot_chart = _latency_chart(plotted, "tpot_ms", "TPOT", x_label, capacity, slo)
-    # Output throughput against load: it rises while the server has spare capacity and flattens at
-    # saturation; past that point more load only adds queueing (TTFT) without adding tokens per second.
-    throughput_chart = series_svg(
-        "Output throughput against load",
-        x_label,
-        "output tokens per second",
-        [Series("output tok/s", DECODE_COLOR, _sweep_points(plotted, "output_throughput"))],
-        vlines=_capacity_lines(capacity),
-    )
-    charts = [
-        figure(ttft_chart, "p50 (solid) and p99 (dashed) TTFT of each run; red dashed: the TTFT SLO."),
-        figure(tpot_chart, "p50 (solid) and p99 (dashed) TPOT of each run; red dashed: the TPOT SLO."),
-        figure(throughput_chart, "Output tokens per second of each run; grey dashed: the capacity found."),
-    ]
+    charts = _sweep_charts(plotted, x_label, capacity, mapping(capacity_info.get("slo")))
     capacity_html = f"<p>{esc(_capacity_text(capacity_info, load_key))}</p>" if capacity_info else ""
     first_config = mapping(entries[0][1].get("config")) if entries else {}
     sections = [

@@ -32,19 +32,43 @@ HTTP_TIMEOUT_S = 3600.0  # a long-context request on a CPU can take minutes; the
 
 @dataclass(frozen=True)
 class BenchConfig:
-    base_url: str  # the OpenAI base, e.g. http://127.0.0.1:8000/v1
+    """One benchmark run. The metadata's help texts are `kvflow bench`'s (kvflow/arg_utils.py); fields
+    without help (dataset, load, slo, progress) have hand-written flags in kvflow/bench/cli.py."""
+
+    base_url: str = field(metadata={"help": "the server's OpenAI base URL"})
     dataset: DatasetSpec
     load: LoadSpec
-    model: str | None = None  # default: the first model the server lists
-    endpoint: Endpoint = "completions"
-    tokenizer: str | None = None  # model dir with tokenizer.json (default: the server's model root if local)
+    model: str | None = field(
+        default=None, metadata={"help": "model name to request; unset: the first model the server lists"}
+    )
+    endpoint: Endpoint = field(default="completions", metadata={"help": "the OpenAI endpoint to load"})
+    tokenizer: str | None = field(
+        default=None,
+        metadata={"help": "model dir with tokenizer.json; unset: the server's model dir if local"},
+    )
     slo: dict[str, float] = field(default_factory=dict)
-    warmup: int = 2
-    api_key: str | None = None
-    ignore_eos: bool = True
-    continuous_usage_stats: bool = True
-    include_usage: bool = True
-    temperature: float = 0.0
+    warmup: int = field(default=2, metadata={"help": "requests sent first and excluded"})
+    api_key: str | None = field(default=None, metadata={"help": "sent as 'Authorization: Bearer KEY'"})
+    ignore_eos: bool = field(
+        default=True,
+        metadata={"help": "ask the server to ignore EOS (--no-ignore-eos: let outputs stop at EOS)"},
+    )
+    continuous_usage_stats: bool = field(
+        default=True,
+        metadata={
+            "flag": "--continuous-usage",  # --no-continuous-usage, the flag's name since the first release
+            "help": "ask for token usage in every chunk (--no-continuous-usage: for servers that reject "
+            "stream_options extensions)",
+        },
+    )
+    include_usage: bool = field(
+        default=True,
+        metadata={
+            "flag": "--usage",  # --no-usage, the flag's name since the first release
+            "help": "ask for the final usage chunk (--no-usage: send no stream_options at all)",
+        },
+    )
+    temperature: float = field(default=0.0, metadata={"help": "sampling temperature of every request"})
     progress: bool = True
 
     @property

@@ -1,40 +1,60 @@
 """The server's own view of a run: `/metrics` scraped before and after, reported as deltas.
 
-Reads kvflow's names (`kvflow:`) and vLLM's (`vllm:`), which kvflow mirrors; other servers simply
-yield an empty section. Histogram quantiles are interpolated from bucket deltas as Prometheus'
-`histogram_quantile` does, so they cover exactly the requests of the run.
+The one Prometheus reader of kvflow (bench, doctor and the tests scrape through it): `parse_metrics`
+turns the text exposition format into samples keyed by name and labels, `scrape` fetches and parses.
+It keeps every sample as written, whatever the server: names with colons (`kvflow:`, `vllm:`,
+`sglang:`, `llamacpp:`), counters with their `_total`, histograms as `_bucket` (label `le`), `_sum`
+and `_count` series, `NaN` and `+Inf` as floats. The deltas below read kvflow's names (`kvflow:`)
+and vLLM's (`vllm:`), which kvflow mirrors; other servers simply yield an empty section. Histogram
+quantiles are interpolated from bucket deltas as Prometheus' `histogram_quantile` does, so they cover
+exactly the requests of the run.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 PREFIXES = ("kvflow:", "vllm:")
-# name -> {labels-without-model_name (sorted tuple) -> value}
-Snapshot = dict[str, dict[tuple[tuple[str, str], ...], float]]
+LabelKey = tuple[tuple[str, str], ...]  # a sample's labels, sorted by name
+# metric name -> {labels without model_name -> value}
+Snapshot = dict[str, dict[LabelKey, float]]
+
+
+def label_key(labels: Mapping[str, str]) -> LabelKey:
+    """How a sample's labels key a Snapshot: sorted (name, value) pairs, `model_name` left out."""
+    # One server serves one model: the label only repeats its name, and leaving it out spares every
+    # lookup from spelling the model.
+    return tuple(sorted((k, v) for k, v in labels.items() if k != "model_name"))
+
+
+def parse_metrics(text: str) -> Snapshot:
+    """The Prometheus text exposition format -> {name: {label_key(labels): value}} (ValueError when
+    the text is not in that format)."""
+    snapshot: Snapshot = defaultdict(dict)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            snapshot[sample.name][label_key(sample.labels)] = sample.value
+    return dict(snapshot)
 
 
 def scrape(metrics_url: str, headers: dict[str, str] | None = None) -> Snapshot | None:
-    """Parse `/metrics`; None when the server has none (not an error: not every server exports it)."""
+    """Fetch and parse `/metrics`; None when the server has none (not an error: not every server
+    exports it)."""
     try:
         response = httpx.get(metrics_url, headers=headers, timeout=10)
     except httpx.HTTPError:
         return None
     if response.status_code != 200:
         return None
-    snapshot: Snapshot = defaultdict(dict)
-    for family in text_string_to_metric_families(response.text):
-        for sample in family.samples:
-            labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
-            snapshot[sample.name][labels] = sample.value
-    return dict(snapshot)
+    return parse_metrics(response.text)
 
 
-def _find(snapshot: Snapshot, name: str) -> tuple[str, dict[tuple[tuple[str, str], ...], float]] | None:
+def _find(snapshot: Snapshot, name: str) -> tuple[str, dict[LabelKey, float]] | None:
     for prefix in PREFIXES:
         if prefix + name in snapshot:
             return prefix, snapshot[prefix + name]

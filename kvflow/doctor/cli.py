@@ -16,7 +16,7 @@ from kvflow.doctor.evidence import (
     settings_from_metrics,
 )
 from kvflow.doctor.findings import Diagnosis, diagnose
-from kvflow.doctor.hardware import named_hardware
+from kvflow.doctor.hardware import NAMED, named_hardware
 from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec
 from kvflow.doctor.report import doctor_json, html_report, text_report
 from kvflow.doctor.roofline import Roofline
@@ -32,17 +32,42 @@ def add_doctor_parser(sub: Any) -> None:
         description="The six-step latency diagnosis from a kvflow bench result and a model's config.json.",
     )
     doctor.add_argument("model", help="checkpoint directory (config.json alone is enough without --verify)")
-    doctor.add_argument("--hardware", default="auto", help="auto|cpu|h100|h200|a100-80g|l40s|rtx4090|mi300x")
+    doctor.add_argument(
+        "--hardware",
+        type=str.lower,  # named_hardware's names are case-insensitive: H100 is h100
+        choices=("auto", "cpu", *sorted(NAMED)),
+        default="auto",
+        help="the roofline's hardware: a datasheet entry, or auto/cpu to measure this machine",
+    )
     doctor.add_argument("--bench", default=None, help="a kvflow bench JSON result to diagnose")
     doctor.add_argument("--engine-config", default=None, help="JSON of the server's settings")
     doctor.add_argument(
         "--metrics-url", default=None, help="the server's /metrics (kvflow: settings from it)"
     )
-    doctor.add_argument("--context", type=int, default=None, help="calculator mode: prompt tokens")
-    doctor.add_argument("--output-len", type=int, default=None, help="calculator mode: output tokens")
-    doctor.add_argument("--concurrency", type=int, default=None, help="calculator mode: requests in flight")
-    doctor.add_argument("--kv-cache-dtype", default=None, choices=sorted(DTYPE_BYTES))
-    doctor.add_argument("--weight-dtype", default=None, choices=sorted(DTYPE_BYTES))
+    doctor.add_argument(
+        "--context", type=int, default=None, help=f"calculator mode: prompt tokens; unset: {DEFAULT_CONTEXT}"
+    )
+    doctor.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help=f"calculator mode: output tokens; unset: {DEFAULT_OUTPUT_LEN}",
+    )
+    doctor.add_argument(
+        "--concurrency", type=int, default=None, help="calculator mode: requests in flight; unset: 1"
+    )
+    doctor.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=sorted(DTYPE_BYTES),
+        help="KV storage; unset: the server's setting, else the weight dtype",
+    )
+    doctor.add_argument(
+        "--weight-dtype",
+        default=None,
+        choices=sorted(DTYPE_BYTES),
+        help="weight storage; unset: the server's dtype, else config.json's",
+    )
     doctor.add_argument("--json", action="store_true", help="print the JSON document instead of text")
     doctor.add_argument("--output", default=None, help="also write the JSON document here")
     doctor.add_argument("--html", default=None, help="write an HTML report here")

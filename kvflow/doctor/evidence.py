@@ -9,10 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
-from prometheus_client.parser import text_string_to_metric_families
-
 from kvflow.bench.metrics import percentile
+from kvflow.bench.server_metrics import scrape
 
 ENGINE_INFO_METRICS = ("kvflow:cache_config_info", "vllm:cache_config_info")
 
@@ -69,13 +67,12 @@ class EngineSettings:
 
 
 def settings_from_metrics(metrics_url: str) -> EngineSettings:
-    """Read the engine configuration a kvflow (or vLLM) server exports on /metrics."""
-    text = httpx.get(metrics_url, timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in ENGINE_INFO_METRICS:
-                server = sample.name.split(":")[0]
-                return EngineSettings.from_labels(dict(sample.labels), server)
+    """Read the engine configuration a kvflow (or vLLM) server exports on /metrics: the labels of its
+    `cache_config_info` sample; unknown settings when the server has no /metrics or no such sample."""
+    snapshot = scrape(metrics_url) or {}
+    for name in ENGINE_INFO_METRICS:
+        for labels in snapshot.get(name, {}):
+            return EngineSettings.from_labels(dict(labels), server=name.split(":")[0])
     return EngineSettings()
 
 
@@ -118,6 +115,11 @@ class RunEvidence:
     @property
     def prefill_ms(self) -> float | None:
         return (self.server.get("prefill_time_ms") or {}).get("mean")
+
+    def step_time_ms(self, kind: str) -> float | None:
+        """The server's mean engine step time over the run, for one kind of step (decode_only, mixed,
+        prefill_only); None when the server does not export it (only kvflow does)."""
+        return ((self.server.get("step_time_ms") or {}).get(kind) or {}).get("mean")
 
     @property
     def preemptions(self) -> float | None:

@@ -1,5 +1,7 @@
-"""The six steps of the diagnosis, in the troubleshooting order; each returns one Finding with its
-evidence, the cause, and what-ifs with predicted effects (docs/doctor.md has every formula).
+"""The six checks of the diagnosis (the "steps" of docs/doctor.md), in the troubleshooting order; each
+`check_<id>` returns one Finding with its evidence, the cause, and what-ifs with predicted effects
+(docs/doctor.md has every formula). They are checks, not "steps", in the code: kvflow's engine has
+steps too (`step()`, step times), and a `step_ttft` would read as one of them.
 
 Severity: `ok` (fine, and why), `info` (headroom worth knowing), `warning` (a cause of latency
 with an actionable fix). Distance from the roofline alone is `info`: small models on CPUs are
@@ -9,6 +11,7 @@ dominated by per-step overhead, and that is not something a setting fixes.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -27,6 +30,7 @@ STALL_RATIO = 2.0  # mixed (prefill chunk + decodes) steps this much slower than
 NON_ENGLISH_TOKEN_RATIO = 1.5  # tokens per character relative to English worth mentioning
 KV_DTYPES = ("fp8", "int8", "int4")
 WEIGHT_DTYPES = ("int8", "int4")
+SLIDING_WINDOW_WHAT_IF = 4096  # the window of the what-if for long contexts (Mistral-7B's)
 
 
 @dataclass
@@ -39,13 +43,41 @@ class WhatIf:
 
 @dataclass
 class Finding:
-    step: int
+    step: int  # the place in the troubleshooting order (1-6), as the text report numbers it
+    id: str  # stable name of the check, e.g. "ttft": what tests and tools select a finding by
     title: str
     severity: Severity
     summary: str
     cause: str
     evidence: dict[str, Any] = field(default_factory=dict)
     what_ifs: list[WhatIf] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Question:
+    """One check: its place in the order, its id, and the question its finding answers."""
+
+    step: int
+    id: str
+    title: str
+
+    def answer(
+        self,
+        severity: Severity,
+        summary: str,
+        cause: str,
+        evidence: dict[str, Any],
+        what_ifs: Sequence[WhatIf] = (),
+    ) -> Finding:
+        return Finding(self.step, self.id, self.title, severity, summary, cause, evidence, list(what_ifs))
+
+
+INPUT_LENGTH = Question(1, "input_length", "Is the input too long?")
+TTFT = Question(2, "ttft", "Is TTFT high?")
+ITL = Question(3, "itl", "Is ITL high?")
+KV_MEMORY = Question(4, "kv_memory", "Does the KV cache take too much memory?")
+QUANTIZATION = Question(5, "quantization", "Is there quantization headroom?")
+SERVING_FEATURES = Question(6, "serving_features", "Is the serving framework doing its part?")
 
 
 @dataclass(frozen=True)
@@ -80,8 +112,7 @@ class Diagnosis:
     def step_fixed_cost_ms(self) -> float:
         """The cost of a step that computes almost nothing: the server's decode-only step time when
         it exports one (kvflow), else the client's TPOT (which adds HTTP delivery per token)."""
-        steps = self.run.server.get("step_time_ms") or {}
-        decode_step = (steps.get("decode_only") or {}).get("mean")
+        decode_step = self.run.step_time_ms("decode_only")
         return float(decode_step if decode_step is not None else self.run.tpot_p50_ms or 0.0)
 
     def measured_prefill_ms_per_token(self) -> float | None:
@@ -110,7 +141,7 @@ class Diagnosis:
         steps = server.get("step_time_ms") or {}
         prompt, hits = server.get("prompt_tokens"), server.get("prefix_cache_hits") or 0.0
         prefill_tokens = (prompt or 0.0) - hits
-        decode_step = (steps.get("decode_only") or {}).get("mean")
+        decode_step = self.run.step_time_ms("decode_only")
         if not steps or prefill_tokens <= 0 or ("mixed" in steps and decode_step is None):
             return None
         total = 0.0
@@ -163,10 +194,10 @@ class Diagnosis:
         )
 
 
-# ---------------------------------------------------------------------------------- the steps
+# ---------------------------------------------------------------------------------- the checks
 
 
-def step_input(d: Diagnosis) -> Finding:
+def check_input_length(d: Diagnosis) -> Finding:
     run = d.run
     evidence: dict[str, Any] = {
         "prompt_tokens_p50": run.prompt_p50,
@@ -175,35 +206,13 @@ def step_input(d: Diagnosis) -> Finding:
         "repeated_prefix_share": run.shared_prefix_share,
         "repeated_prefix_tokens_p50": run.shared_prefix_p50,
     }
-    what_ifs = []
-    cache = d.prefix_caching_what_if()
-    if cache is not None:
-        what_ifs.append(cache)
-    slope = d.measured_prefill_ms_per_token() or d.roofline_prefill_ms_per_token()
-    cut = round(run.prompt_p50 / 4)
-    if cut > 0 and run.ttft_p50_ms is not None:
-        predicted = max(run.ttft_p50_ms - slope * cut, 0.0)
-        what_ifs.append(
-            WhatIf(
-                f"cut {cut:,} tokens (a quarter) from the median prompt",
-                f"p50 TTFT {run.ttft_p50_ms:,.1f} ms -> {predicted:,.1f} ms, and {cut:,} fewer KV tokens "
-                "per request",
-                {"ttft_p50_ms": predicted},
-            )
-        )
-    english = run.languages.get("en", {}).get("tokens_per_char")
-    costly = {
-        lang: row["tokens_per_char"] / english
-        for lang, row in run.languages.items()
-        if english and row["tokens_per_char"] / english >= NON_ENGLISH_TOKEN_RATIO
-    }
+    what_ifs = [w for w in (d.prefix_caching_what_if(), _cut_prompt_what_if(d)) if w is not None]
+    costly = _costly_languages(run)
     if costly:
         evidence["tokens_per_char_vs_english"] = costly
     share = run.shared_prefix_share or 0.0
     if share >= REPEAT_SHARE_WORTH_CACHING and not d.prefix_cache_effective():
-        return Finding(
-            1,
-            "Is the input too long?",
+        return INPUT_LENGTH.answer(
             "warning",
             f"{share:.0%} of prompt tokens repeat an earlier request's prefix and are computed again",
             "a shared system prompt or context is re-prefilled for every request",
@@ -213,22 +222,73 @@ def step_input(d: Diagnosis) -> Finding:
     summary = f"prompts p50 {run.prompt_p50:,.0f} / p95 {run.prompt_p95:,.0f} tokens"
     if costly:
         langs = ", ".join(f"{k} {v:.1f}x" for k, v in sorted(costly.items(), key=lambda kv: -kv[1]))
-        return Finding(
-            1, "Is the input too long?", "info", summary + f"; non-English text costs more tokens: {langs}",
+        return INPUT_LENGTH.answer(
+            "info", summary + f"; non-English text costs more tokens: {langs}",
             "the tokenizer spends more tokens per character on these scripts (longer prefill, more KV)",
             evidence, what_ifs,
         )  # fmt: skip
-    return Finding(
-        1, "Is the input too long?", "ok", summary + "; no large repeated prefix left uncached",
+    return INPUT_LENGTH.answer(
+        "ok", summary + "; no large repeated prefix left uncached",
         "input lengths are what the workload needs", evidence, what_ifs,
     )  # fmt: skip
 
 
-def step_ttft(d: Diagnosis) -> Finding:
+def _cut_prompt_what_if(d: Diagnosis) -> WhatIf | None:
+    """Cut a quarter of the median prompt: TTFT falls by the prefill of the tokens cut."""
+    run = d.run
+    slope = d.measured_prefill_ms_per_token() or d.roofline_prefill_ms_per_token()
+    cut = round(run.prompt_p50 / 4)
+    if cut <= 0 or run.ttft_p50_ms is None:
+        return None
+    predicted = max(run.ttft_p50_ms - slope * cut, 0.0)
+    return WhatIf(
+        f"cut {cut:,} tokens (a quarter) from the median prompt",
+        f"p50 TTFT {run.ttft_p50_ms:,.1f} ms -> {predicted:,.1f} ms, and {cut:,} fewer KV tokens per request",
+        {"ttft_p50_ms": predicted},
+    )
+
+
+def _costly_languages(run: RunEvidence) -> dict[str, float]:
+    """Languages whose tokens per character are at least NON_ENGLISH_TOKEN_RATIO x English's."""
+    english = run.languages.get("en", {}).get("tokens_per_char")
+    if not english:
+        return {}
+    ratios = {lang: row["tokens_per_char"] / english for lang, row in run.languages.items()}
+    return {lang: ratio for lang, ratio in ratios.items() if ratio >= NON_ENGLISH_TOKEN_RATIO}
+
+
+def check_ttft(d: Diagnosis) -> Finding:
+    run = d.run
+    evidence = _ttft_evidence(d)
+    cache = d.prefix_caching_what_if()
+    what_ifs = [w for w in (cache, _double_chunk_what_if(d)) if w is not None]
+    queue = run.queue_ms
+    if queue is not None and run.ttft_p50_ms and queue >= QUEUE_DOMINANT_SHARE * run.ttft_p50_ms:
+        return _queueing_finding(run.ttft_p50_ms, queue, evidence, what_ifs)
+    if cache is not None and (run.shared_prefix_share or 0.0) >= REPEAT_SHARE_WORTH_CACHING:
+        return TTFT.answer(
+            "warning", f"prefill of repeated tokens dominates TTFT: {cache.effect}",
+            "prefix caching is off or not hitting, so the shared prefix is prefilled again",
+            evidence, what_ifs,
+        )  # fmt: skip
+    if run.ttft_p50_ms is None:
+        ttft = 1e3 * d.roofline.prefill(max(1, round(run.prompt_p50))).seconds
+        summary = f"roofline prefill of a {run.prompt_p50:,.0f}-token prompt: {ttft:,.1f} ms"
+        return TTFT.answer("info", summary, "calculator mode: no measurement", evidence, what_ifs)
+    ratio = evidence["prefill_roofline_ratio"]
+    note = f"; prefill runs at {ratio:.1f}x the roofline's ms/token" if ratio else ""
+    return TTFT.answer(
+        "ok" if not ratio or ratio < 10 else "info",
+        f"TTFT p50 {run.ttft_p50_ms:,.1f} ms, mostly prefill, no queueing to speak of{note}",
+        "TTFT is the prefill work itself", evidence, what_ifs,
+    )  # fmt: skip
+
+
+def _ttft_evidence(d: Diagnosis) -> dict[str, Any]:
     run = d.run
     roof_slope = d.roofline_prefill_ms_per_token()
     slope = d.measured_prefill_ms_per_token()
-    evidence: dict[str, Any] = {
+    return {
         "ttft_p50_ms": run.ttft_p50_ms,
         "ttft_p95_ms": run.ttft_p95_ms,
         "queue_ms_mean": run.queue_ms,
@@ -237,66 +297,75 @@ def step_ttft(d: Diagnosis) -> Finding:
         "prefill_ms_per_token_roofline": roof_slope,
         "prefill_roofline_ratio": (slope / roof_slope) if slope is not None and roof_slope else None,
     }
-    what_ifs = []
-    cache = d.prefix_caching_what_if()
-    if cache is not None:
-        what_ifs.append(cache)
-    chunk = d.settings.max_num_batched_tokens
-    if chunk is not None and run.prompt_p95 > chunk and run.tpot_p50_ms is not None:
-        steps_now = math.ceil(run.prompt_p95 / chunk)
-        steps_new = math.ceil(run.prompt_p95 / (2 * chunk))
-        saved = (steps_now - steps_new) * run.tpot_p50_ms  # each step's fixed cost
-        what_ifs.append(
-            WhatIf(
-                f"double the prefill chunk (max_num_batched_tokens {chunk} -> {2 * chunk})",
-                f"p95-length prompts take {steps_new} steps instead of {steps_now}: about {saved:,.1f} ms "
-                "less TTFT, but decodes sharing a step with a chunk stall longer (see step 3)",
-                {"ttft_p95_ms": max((run.ttft_p95_ms or 0.0) - saved, 0.0)},
-                {"max_num_batched_tokens": 2 * chunk} if d.settings.server == "kvflow" else None,
-            )
-        )
-    queue = run.queue_ms
-    if queue is not None and run.ttft_p50_ms and queue >= QUEUE_DOMINANT_SHARE * run.ttft_p50_ms:
-        predicted = run.ttft_p50_ms - queue
-        what_ifs.append(
-            WhatIf(
-                "fewer concurrent prefills (lower concurrency, or more capacity behind the load balancer)",
-                f"p50 TTFT {run.ttft_p50_ms:,.1f} ms -> about {predicted:,.1f} ms without the queueing",
-                {"ttft_p50_ms": predicted},
-            )
-        )
-        return Finding(
-            2, "Is TTFT high?", "warning",
-            f"queueing is {queue / run.ttft_p50_ms:.0%} of TTFT ({queue:,.1f} of {run.ttft_p50_ms:,.1f} ms)",
-            "requests wait for a running slot or for the step token budget: the server is at capacity",
-            evidence, what_ifs,
+
+
+def _double_chunk_what_if(d: Diagnosis) -> WhatIf | None:
+    """When p95 prompts need several chunks: a chunk twice as large saves steps, each a fixed cost."""
+    run, chunk = d.run, d.settings.max_num_batched_tokens
+    if chunk is None or run.prompt_p95 <= chunk or run.tpot_p50_ms is None:
+        return None
+    steps_now = math.ceil(run.prompt_p95 / chunk)
+    steps_new = math.ceil(run.prompt_p95 / (2 * chunk))
+    saved = (steps_now - steps_new) * run.tpot_p50_ms  # each step's fixed cost
+    return WhatIf(
+        f"double the prefill chunk (max_num_batched_tokens {chunk} -> {2 * chunk})",
+        f"p95-length prompts take {steps_new} steps instead of {steps_now}: about {saved:,.1f} ms "
+        "less TTFT, but decodes sharing a step with a chunk stall longer (see step 3)",
+        {"ttft_p95_ms": max((run.ttft_p95_ms or 0.0) - saved, 0.0)},
+        {"max_num_batched_tokens": 2 * chunk} if d.settings.server == "kvflow" else None,
+    )
+
+
+def _queueing_finding(
+    ttft_ms: float, queue_ms: float, evidence: dict[str, Any], what_ifs: list[WhatIf]
+) -> Finding:
+    """Queueing is most of TTFT: the server is at capacity; without the queue TTFT is the rest."""
+    predicted = ttft_ms - queue_ms
+    fewer_prefills = WhatIf(
+        "fewer concurrent prefills (lower concurrency, or more capacity behind the load balancer)",
+        f"p50 TTFT {ttft_ms:,.1f} ms -> about {predicted:,.1f} ms without the queueing",
+        {"ttft_p50_ms": predicted},
+    )
+    return TTFT.answer(
+        "warning",
+        f"queueing is {queue_ms / ttft_ms:.0%} of TTFT ({queue_ms:,.1f} of {ttft_ms:,.1f} ms)",
+        "requests wait for a running slot or for the step token budget: the server is at capacity",
+        evidence,
+        [*what_ifs, fewer_prefills],
+    )
+
+
+def check_itl(d: Diagnosis) -> Finding:
+    run = d.run
+    roof_ms = d.roofline_decode_ms()
+    evidence = _itl_evidence(d, roof_ms)
+    decode_step, mixed_step = run.step_time_ms("decode_only"), run.step_time_ms("mixed")
+    tail = (run.itl_p99_ms / run.itl_p50_ms) if run.itl_p50_ms and run.itl_p99_ms else None
+    if (
+        tail
+        and tail >= ITL_TAIL_RATIO
+        and decode_step
+        and mixed_step
+        and mixed_step >= STALL_RATIO * decode_step
+    ):
+        return _prefill_stall_finding(d, tail, decode_step, mixed_step, evidence)
+    if run.tpot_p50_ms is None:
+        return ITL.answer(
+            "info", f"roofline decode step at batch {d.decode_batch}: {roof_ms:,.2f} ms",
+            "calculator mode: no measurement", evidence,
         )  # fmt: skip
-    if cache is not None and (run.shared_prefix_share or 0.0) >= REPEAT_SHARE_WORTH_CACHING:
-        return Finding(
-            2, "Is TTFT high?", "warning", f"prefill of repeated tokens dominates TTFT: {cache.effect}",
-            "prefix caching is off or not hitting, so the shared prefix is prefilled again",
-            evidence, what_ifs,
-        )  # fmt: skip
-    if run.ttft_p50_ms is None:
-        ttft = 1e3 * d.roofline.prefill(max(1, round(run.prompt_p50))).seconds
-        summary = f"roofline prefill of a {run.prompt_p50:,.0f}-token prompt: {ttft:,.1f} ms"
-        return Finding(
-            2, "Is TTFT high?", "info", summary,
-            "calculator mode: no measurement", evidence, what_ifs,
-        )  # fmt: skip
-    ratio = evidence["prefill_roofline_ratio"]
-    note = f"; prefill runs at {ratio:.1f}x the roofline's ms/token" if ratio else ""
-    return Finding(
-        2, "Is TTFT high?", "ok" if not ratio or ratio < 10 else "info",
-        f"TTFT p50 {run.ttft_p50_ms:,.1f} ms, mostly prefill, no queueing to speak of{note}",
-        "TTFT is the prefill work itself", evidence, what_ifs,
+    ratio = run.tpot_p50_ms / roof_ms if roof_ms else None
+    util = evidence.get("bandwidth_utilization") or 0.0
+    return ITL.answer(
+        "ok" if ratio is None or ratio < 3 else "info",
+        f"decode {run.tpot_p50_ms:,.2f} ms/step at batch {d.decode_batch} against {roof_ms:,.2f} ms roofline "
+        f"({util:.0%} of peak bandwidth); ITL p99/p50 {tail or 0:.1f}",
+        "decode is memory-bound: every step reads the weights and the KV cache", evidence,
     )  # fmt: skip
 
 
-def step_itl(d: Diagnosis) -> Finding:
+def _itl_evidence(d: Diagnosis, roof_ms: float) -> dict[str, Any]:
     run = d.run
-    roof_ms = d.roofline_decode_ms()
-    nbytes = d.roofline.decode_bytes(d.decode_batch, round(run.decode_context))
     evidence: dict[str, Any] = {
         "decode_batch": d.decode_batch,
         "decode_context": run.decode_context,
@@ -306,56 +375,45 @@ def step_itl(d: Diagnosis) -> Finding:
         "itl_p99_ms": run.itl_p99_ms,
     }
     if run.tpot_p50_ms:
+        # The bytes the roofline says a step reads, over the measured step time.
+        nbytes = d.roofline.decode_bytes(d.decode_batch, round(run.decode_context))
         achieved = nbytes / (run.tpot_p50_ms / 1e3)
         evidence["achieved_bandwidth_gb_s"] = achieved / 1e9
         evidence["bandwidth_utilization"] = achieved / d.roofline.hardware.bandwidth_bytes_s
-    steps = run.server.get("step_time_ms") or {}
-    decode_step = (steps.get("decode_only") or {}).get("mean")
-    mixed_step = (steps.get("mixed") or {}).get("mean")
-    evidence["step_ms_decode_only"], evidence["step_ms_mixed"] = decode_step, mixed_step
-    tail = (run.itl_p99_ms / run.itl_p50_ms) if run.itl_p50_ms and run.itl_p99_ms else None
+    evidence["step_ms_decode_only"] = run.step_time_ms("decode_only")
+    evidence["step_ms_mixed"] = run.step_time_ms("mixed")
+    return evidence
+
+
+def _prefill_stall_finding(
+    d: Diagnosis, tail: float, decode_step: float, mixed_step: float, evidence: dict[str, Any]
+) -> Finding:
+    """The ITL tail is decodes stalled behind a prefill chunk in their step: halving the chunk halves
+    the extra time of such a step."""
     chunk = d.settings.max_num_batched_tokens
-    if (
-        tail
-        and tail >= ITL_TAIL_RATIO
-        and decode_step
-        and mixed_step
-        and mixed_step >= STALL_RATIO * decode_step
-    ):
-        what_ifs = []
-        if chunk is not None:
-            predicted = decode_step + (mixed_step - decode_step) / 2
-            what_ifs.append(
-                WhatIf(
-                    f"halve the prefill chunk (max_num_batched_tokens {chunk} -> {chunk // 2})",
-                    f"a stalled step ~{mixed_step:,.1f} -> ~{predicted:,.1f} ms (ITL p99 falls toward it), "
-                    "at the price of more prefill steps (TTFT)",
-                    {"itl_p99_ms": predicted},
-                    {"max_num_batched_tokens": chunk // 2} if d.settings.server == "kvflow" else None,
-                )
+    what_ifs = []
+    if chunk is not None:
+        predicted = decode_step + (mixed_step - decode_step) / 2
+        what_ifs.append(
+            WhatIf(
+                f"halve the prefill chunk (max_num_batched_tokens {chunk} -> {chunk // 2})",
+                f"a stalled step ~{mixed_step:,.1f} -> ~{predicted:,.1f} ms (ITL p99 falls toward it), "
+                "at the price of more prefill steps (TTFT)",
+                {"itl_p99_ms": predicted},
+                {"max_num_batched_tokens": chunk // 2} if d.settings.server == "kvflow" else None,
             )
-        return Finding(
-            3, "Is ITL high?", "warning",
-            f"ITL p99 is {tail:.1f}x p50: steps carrying a prefill chunk take {mixed_step:,.1f} ms against "
-            f"{decode_step:,.1f} ms for decode-only steps",
-            "prefill chunks share steps with decodes and stall them", evidence, what_ifs,
-        )  # fmt: skip
-    if run.tpot_p50_ms is None:
-        return Finding(
-            3, "Is ITL high?", "info", f"roofline decode step at batch {d.decode_batch}: {roof_ms:,.2f} ms",
-            "calculator mode: no measurement", evidence,
-        )  # fmt: skip
-    ratio = run.tpot_p50_ms / roof_ms if roof_ms else None
-    util = evidence.get("bandwidth_utilization") or 0.0
-    return Finding(
-        3, "Is ITL high?", "ok" if ratio is None or ratio < 3 else "info",
-        f"decode {run.tpot_p50_ms:,.2f} ms/step at batch {d.decode_batch} against {roof_ms:,.2f} ms roofline "
-        f"({util:.0%} of peak bandwidth); ITL p99/p50 {tail or 0:.1f}",
-        "decode is memory-bound: every step reads the weights and the KV cache", evidence,
-    )  # fmt: skip
+        )
+    return ITL.answer(
+        "warning",
+        f"ITL p99 is {tail:.1f}x p50: steps carrying a prefill chunk take {mixed_step:,.1f} ms against "
+        f"{decode_step:,.1f} ms for decode-only steps",
+        "prefill chunks share steps with decodes and stall them",
+        evidence,
+        what_ifs,
+    )
 
 
-def step_kv(d: Diagnosis) -> Finding:
+def check_kv_memory(d: Diagnosis) -> Finding:
     run, m = d.run, d.model
     kv_dtype = d.roofline.kv_dtype
     pool = d.kv_pool_bytes()
@@ -371,6 +429,27 @@ def step_kv(d: Diagnosis) -> Finding:
         "preemptions": run.preemptions,
         "sliding_window": m.arch.sliding_window,
     }
+    what_ifs = _kv_what_ifs(d, limit, length)
+    preempted = (run.preemptions or 0) > 0
+    if preempted or limit < run.concurrency:
+        why = f"{run.preemptions:,.0f} preemptions" if preempted else "the pool holds fewer requests than run"
+        return KV_MEMORY.answer(
+            "warning",
+            f"{why}: the pool fits {limit:,.1f} requests of p95 length ({length:,} tokens) at "
+            f"concurrency {run.concurrency:,.0f}",
+            "KV blocks run out, so requests are preempted and recomputed (or queue)", evidence, what_ifs,
+        )  # fmt: skip
+    return KV_MEMORY.answer(
+        "ok",
+        f"{m.kv_bytes_per_token(kv_dtype):,.0f} bytes/token; the pool fits {limit:,.1f} requests of p95 "
+        f"length, above the {run.concurrency:,.0f} in flight",
+        "KV memory is not the limit for this load", evidence, what_ifs,
+    )  # fmt: skip
+
+
+def _kv_what_ifs(d: Diagnosis, limit: float, length: int) -> list[WhatIf]:
+    """Smaller KV dtypes fit proportionally more requests; a sliding window caps long contexts."""
+    m, kv_dtype = d.model, d.roofline.kv_dtype
     what_ifs = []
     for dtype in KV_DTYPES:
         ratio = m.kv_bytes_per_token(kv_dtype) / m.kv_bytes_per_token(dtype)
@@ -382,8 +461,8 @@ def step_kv(d: Diagnosis) -> Finding:
                     {"max_concurrency_at_p95": limit * ratio},
                 )
             )
-    if m.arch.sliding_window is None and length > 4096:
-        window = 4096
+    window = SLIDING_WINDOW_WHAT_IF
+    if m.arch.sliding_window is None and length > window:
         what_ifs.append(
             WhatIf(
                 f"a {window}-token sliding window (a model trained with one)",
@@ -391,24 +470,10 @@ def step_kv(d: Diagnosis) -> Finding:
                 {"max_concurrency_at_p95": limit * length / window},
             )
         )
-    preempted = (run.preemptions or 0) > 0
-    if preempted or limit < run.concurrency:
-        why = f"{run.preemptions:,.0f} preemptions" if preempted else "the pool holds fewer requests than run"
-        return Finding(
-            4, "Does the KV cache take too much memory?", "warning",
-            f"{why}: the pool fits {limit:,.1f} requests of p95 length ({length:,} tokens) at "
-            f"concurrency {run.concurrency:,.0f}",
-            "KV blocks run out, so requests are preempted and recomputed (or queue)", evidence, what_ifs,
-        )  # fmt: skip
-    return Finding(
-        4, "Does the KV cache take too much memory?", "ok",
-        f"{m.kv_bytes_per_token(kv_dtype):,.0f} bytes/token; the pool fits {limit:,.1f} requests of p95 "
-        f"length, above the {run.concurrency:,.0f} in flight",
-        "KV memory is not the limit for this load", evidence, what_ifs,
-    )  # fmt: skip
+    return what_ifs
 
 
-def step_quantization(d: Diagnosis) -> Finding:
+def check_quantization(d: Diagnosis) -> Finding:
     m, run = d.model, d.run
     now = d.roofline.weight_dtype
     now_ms = d.roofline_decode_ms()
@@ -436,19 +501,16 @@ def step_quantization(d: Diagnosis) -> Finding:
             )
         )
     if not what_ifs:
-        return Finding(
-            5, "Is there quantization headroom?", "ok", f"weights are already {now}", "no smaller format",
-            evidence,
-        )  # fmt: skip
-    return Finding(
-        5, "Is there quantization headroom?", "info",
+        return QUANTIZATION.answer("ok", f"weights are already {now}", "no smaller format", evidence)
+    return QUANTIZATION.answer(
+        "info",
         f"weights in {now} ({evidence['bytes_per_param']:.2f} bytes/param): {what_ifs[-1].effect}",
         "decode reads every weight each step: fewer bytes per weight, proportionally faster steps",
         evidence, what_ifs,
     )  # fmt: skip
 
 
-def step_framework(d: Diagnosis) -> Finding:
+def check_serving_features(d: Diagnosis) -> Finding:
     s = d.settings
     evidence: dict[str, Any] = {
         "server": s.server,
@@ -490,14 +552,19 @@ def step_framework(d: Diagnosis) -> Finding:
     if s.server == "unknown":
         summary = "the server's settings are unknown (give --metrics-url or --engine-config)"
         severity = "info"
-    return Finding(
-        6, "Is the serving framework doing its part?", severity, summary, known or "no settings known",
-        evidence, what_ifs,
-    )  # fmt: skip
+    return SERVING_FEATURES.answer(severity, summary, known or "no settings known", evidence, what_ifs)
 
 
-STEPS = (step_input, step_ttft, step_itl, step_kv, step_quantization, step_framework)
+CHECKS = (
+    check_input_length,
+    check_ttft,
+    check_itl,
+    check_kv_memory,
+    check_quantization,
+    check_serving_features,
+)
 
 
 def diagnose(d: Diagnosis) -> list[Finding]:
-    return [step(d) for step in STEPS]
+    """Every check's finding, in the troubleshooting order."""
+    return [check(d) for check in CHECKS]

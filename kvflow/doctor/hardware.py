@@ -8,6 +8,7 @@ write), FLOP/s by timing square matmuls per dtype, memory from the OS.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -97,7 +98,7 @@ def _median_seconds(fn: Callable[[], object], repeats: int = PROBE_REPEATS) -> f
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return sorted(times)[len(times) // 2]
+    return statistics.median(times)
 
 
 def probe_cpu() -> Hardware:

@@ -13,58 +13,84 @@ SEVERITY_MARK = {"ok": "ok", "info": "info", "warning": "WARNING"}
 
 
 def doctor_json(d: Diagnosis, findings: list[Finding]) -> dict[str, Any]:
-    m, hw, roof, run = d.model, d.roofline.hardware, d.roofline, d.run
+    """The JSON document; its field names are stable (docs/doctor.md lists them)."""
+    return {
+        "model": _model_json(d),
+        "hardware": _hardware_json(d),
+        "memory": _memory_json(d),
+        "roofline": _roofline_json(d),
+        "measured": _measured_json(d),
+        "settings": asdict(d.settings),
+        "findings": [asdict(f) for f in findings],
+    }
+
+
+def _model_json(d: Diagnosis) -> dict[str, Any]:
+    m, roof = d.model, d.roofline
+    return {
+        "name": m.name,
+        "num_params": m.num_params,
+        "weight_dtype": roof.weight_dtype,
+        "weight_bytes": m.weight_bytes(roof.weight_dtype),
+        "kv_cache_dtype": roof.kv_dtype,
+        "kv_cache_bytes_per_token": m.kv_bytes_per_token(roof.kv_dtype),
+        "num_layers": m.arch.num_hidden_layers,
+        "num_kv_heads": m.arch.num_key_value_heads,
+        "num_q_heads": m.arch.num_attention_heads,
+        "head_dim": m.arch.head_dim,
+        "tied_embeddings": m.arch.tie_word_embeddings,
+        "sliding_window": m.arch.sliding_window,
+    }
+
+
+def _hardware_json(d: Diagnosis) -> dict[str, Any]:
+    hw = d.roofline.hardware
+    return {
+        "name": hw.name,
+        "bandwidth_bytes_s": hw.bandwidth_bytes_s,
+        "flops": hw.flops,
+        "memory_bytes": hw.memory_bytes,
+        "source": hw.source,
+    }
+
+
+def _memory_json(d: Diagnosis) -> dict[str, Any]:
+    roof, run = d.roofline, d.run
+    pool = d.kv_pool_bytes()
+    return {
+        "weights_bytes": d.model.weight_bytes(roof.weight_dtype),
+        "kv_pool_bytes": pool,
+        "request_len_p95": run.request_len_p95,
+        "max_concurrency": roof.max_concurrency(pool, max(1, round(run.request_len_p95))),
+    }
+
+
+def _roofline_json(d: Diagnosis) -> dict[str, Any]:
+    """The roofline at the median prompt (prefill) and at the observed batch and context (decode)."""
+    roof, run = d.roofline, d.run
     prefill_n = max(1, round(run.prompt_p50))
     prefill = roof.prefill(prefill_n)
     decode = roof.decode_step(d.decode_batch, round(run.decode_context))
-    pool = d.kv_pool_bytes()
     return {
-        "model": {
-            "name": m.name,
-            "num_params": m.num_params,
-            "weight_dtype": roof.weight_dtype,
-            "weight_bytes": m.weight_bytes(roof.weight_dtype),
-            "kv_cache_dtype": roof.kv_dtype,
-            "kv_cache_bytes_per_token": m.kv_bytes_per_token(roof.kv_dtype),
-            "num_layers": m.arch.num_hidden_layers,
-            "num_kv_heads": m.arch.num_key_value_heads,
-            "num_q_heads": m.arch.num_attention_heads,
-            "head_dim": m.arch.head_dim,
-            "tied_embeddings": m.arch.tie_word_embeddings,
-            "sliding_window": m.arch.sliding_window,
-        },
-        "hardware": {
-            "name": hw.name,
-            "bandwidth_bytes_s": hw.bandwidth_bytes_s,
-            "flops": hw.flops,
-            "memory_bytes": hw.memory_bytes,
-            "source": hw.source,
-        },
-        "memory": {
-            "weights_bytes": m.weight_bytes(roof.weight_dtype),
-            "kv_pool_bytes": pool,
-            "request_len_p95": run.request_len_p95,
-            "max_concurrency": roof.max_concurrency(pool, max(1, round(run.request_len_p95))),
-        },
-        "roofline": {
-            "prefill_tokens": prefill_n,
-            "prefill_ms_per_token": 1e3 * prefill.seconds / prefill_n,
-            "prefill_bound": prefill.bound,
-            "decode_batch": d.decode_batch,
-            "decode_context": run.decode_context,
-            "decode_ms_per_step": 1e3 * decode.seconds,
-            "decode_bound": decode.bound,
-        },
-        "measured": {
-            "available": d.measured,
-            "prefill_ms_per_token": d.measured_prefill_ms_per_token() if d.measured else None,
-            "decode_ms_per_step": run.tpot_p50_ms,
-            "ttft_p50_ms": run.ttft_p50_ms,
-            "itl_p99_ms": run.itl_p99_ms,
-            "concurrency": run.concurrency,
-        },
-        "settings": asdict(d.settings),
-        "findings": [asdict(f) for f in findings],
+        "prefill_tokens": prefill_n,
+        "prefill_ms_per_token": 1e3 * prefill.seconds / prefill_n,
+        "prefill_bound": prefill.bound,
+        "decode_batch": d.decode_batch,
+        "decode_context": run.decode_context,
+        "decode_ms_per_step": 1e3 * decode.seconds,
+        "decode_bound": decode.bound,
+    }
+
+
+def _measured_json(d: Diagnosis) -> dict[str, Any]:
+    run = d.run
+    return {
+        "available": d.measured,
+        "prefill_ms_per_token": d.measured_prefill_ms_per_token() if d.measured else None,
+        "decode_ms_per_step": run.tpot_p50_ms,
+        "ttft_p50_ms": run.ttft_p50_ms,
+        "itl_p99_ms": run.itl_p99_ms,
+        "concurrency": run.concurrency,
     }
 
 

@@ -89,11 +89,11 @@ def engine_args(settings: EngineSettings, change: dict[str, Any]) -> list[str]:
     }
     flags = []
     for key, value in values.items():
-        if value is not None:
-            flags += [
-                "--" + key.replace("_", "-"),
-                str(value).lower() if isinstance(value, bool) else str(value),
-            ]
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):  # BooleanOptionalAction: --flag / --no-flag
+            flags.append(flag if value else "--no-" + flag[2:])
+        elif value is not None:
+            flags += [flag, str(value)]
     return flags
 
 

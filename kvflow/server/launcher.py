@@ -1,8 +1,8 @@
 """`kvflow serve`: load the model, then run uvicorn with the app and the engine thread.
 
 SIGINT/SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for
-`shutdown_grace_s`, cancels the rest (their handlers abort their engine requests), then the app's
-lifespan stops the engine thread; the process exits with status 0.
+`shutdown_grace_s` (--shutdown-grace-seconds), cancels the rest (their handlers abort their engine
+requests), then the app's lifespan stops the engine thread; the process exits with status 0.
 """
 
 from __future__ import annotations
@@ -10,14 +10,15 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import Any
 
 import uvicorn
 
-from kvflow.config import ConfigError
+# ServerConfig lives with the other configs (plain, torch-free) so the CLI builds its flags without
+# importing this module; importing it from here keeps working.
+from kvflow.config import ConfigError, ServerConfig
 from kvflow.engine.async_engine import AsyncLLMEngine, StepObserver
 from kvflow.engine.engine import LLMEngine
 from kvflow.models.loader import load_model
@@ -29,18 +30,6 @@ from kvflow.server.serving import ServingContext
 from kvflow.stats import StepStats
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None  # default: the model path as given (vLLM's default)
-    api_key: str | None = None
-    max_waiting: int | None = None  # None: unbounded queue (vLLM's behaviour)
-    shutdown_grace_s: float = 5.0
-    log_level: str = "info"
-    quality_probe_rate: float = 0.0  # share of finished requests scored against unquantized weights
 
 
 def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> ServingContext:

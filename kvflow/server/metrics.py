@@ -1,14 +1,15 @@
 """Prometheus metrics with vLLM's names under the `kvflow:` prefix (mapping in docs/metrics.md).
 
 Everything is observed in the engine thread, once per step, from the step's `StepStats` and the
-`RequestOutput`s it produced; the values come from each request's timeline (engine/stats.py), so
+`RequestOutput`s it produced; the values come from each request's timeline (kvflow/stats.py), so
 the server, `kvflow bench` and `kvflow doctor` share one definition of TTFT, ITL, queue time, ...
 Each server owns its `CollectorRegistry`: no process-global metric state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -16,6 +17,7 @@ from kvflow.outputs import RequestOutput
 from kvflow.stats import RequestTimeline, StepStats
 
 PREFIX = "kvflow:"
+LABELS = ("model_name",)  # every family's first label: one registry per served model
 
 # Latency buckets (seconds). They start at 1 ms: vLLM's 10 ms floor cannot resolve a small model's
 # ITL. Dense from 5 to 100 ms, where CPU decode steps land, so that quantiles interpolated from the
@@ -48,83 +50,129 @@ def _token_count_buckets(max_model_len: int) -> list[float]:
         scale *= 10
 
 
+@dataclass(frozen=True)
+class _Families:
+    """Declares metric families in one registry: `kvflow:`-prefixed, labelled by model name first."""
+
+    registry: CollectorRegistry
+
+    def histogram(
+        self, name: str, doc: str, buckets: Sequence[float], extra_labels: tuple[str, ...] = ()
+    ) -> Histogram:
+        return Histogram(
+            PREFIX + name, doc, [*LABELS, *extra_labels], buckets=buckets, registry=self.registry
+        )
+
+    def counter(self, name: str, doc: str, extra_labels: tuple[str, ...] = ()) -> Counter:
+        return Counter(PREFIX + name, doc, [*LABELS, *extra_labels], registry=self.registry)
+
+    def gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, LABELS, registry=self.registry)
+
+
 class EngineMetrics:
+    """The server's Prometheus families, declared by the `_declare_*` helpers below in the order
+    /metrics lists them; observed from the engine thread (`observe_step`)."""
+
+    # Per request: at its first token, at each token (ITL), at its finish (docs/metrics.md).
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    queue_time: Histogram
+    prefill_time: Histogram
+    decode_time: Histogram
+    prompt_tokens_hist: Histogram
+    generation_tokens_hist: Histogram
+    # Per engine step.
+    iteration_tokens: Histogram
+    step_time: Histogram  # also labelled by step_kind
+    num_running: Gauge
+    num_waiting: Gauge
+    kv_usage: Gauge
+    # Running totals.
+    prompt_tokens: Counter
+    generation_tokens: Counter
+    preemptions: Counter
+    prefix_queries: Counter
+    prefix_hits: Counter
+    spec_num_drafts: Counter
+    spec_num_draft_tokens: Counter
+    spec_num_accepted: Counter
+    spec_accepted_per_pos: Counter  # also labelled by draft position
+    request_success: Counter  # also labelled by finished_reason
+
     def __init__(
         self, model_name: str, max_model_len: int, engine_info: dict[str, str] | None = None
     ) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
-        r = self.registry
-
-        def histogram(name: str, doc: str, buckets: tuple[float, ...] | list[float]) -> Histogram:
-            return Histogram(PREFIX + name, doc, labels, buckets=buckets, registry=r)
-
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, labels, registry=r)
-
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, labels, registry=r)
-
-        lat = REQUEST_LATENCY_BUCKETS
-        tokens = _token_count_buckets(max_model_len)
-        self.ttft = histogram("time_to_first_token_seconds", "first token - arrival", lat)
-        self.itl = histogram(
-            "inter_token_latency_seconds", "gap between consecutive output tokens", ITL_BUCKETS
-        )
-        self.e2e = histogram("e2e_request_latency_seconds", "last token - arrival", lat)
-        self.queue_time = histogram("request_queue_time_seconds", "first scheduled - arrival", lat)
-        self.prefill_time = histogram("request_prefill_time_seconds", "first token - first scheduled", lat)
-        self.decode_time = histogram("request_decode_time_seconds", "last token - first token", lat)
-        self.prompt_tokens_hist = histogram("request_prompt_tokens", "prompt tokens per request", tokens)
-        self.generation_tokens_hist = histogram(
-            "request_generation_tokens", "output tokens per request", tokens
-        )
-        self.iteration_tokens = histogram(
-            "iteration_tokens_total", "tokens computed per engine step", ITERATION_TOKEN_BUCKETS
-        )
-        self.step_time = Histogram(
-            PREFIX + "engine_step_time_seconds",
-            "engine step duration by what the step computed (mixed = prefill chunks + decodes)",
-            [*labels, "step_kind"],
-            buckets=ITL_BUCKETS,
-            registry=r,
-        )
-        self.num_running = gauge("num_requests_running", "requests holding KV blocks")
-        self.num_waiting = gauge("num_requests_waiting", "requests queued (preempted included)")
-        self.kv_usage = gauge("kv_cache_usage_perc", "fraction of KV blocks in use (1 = full)")
-        self.prompt_tokens = counter("prompt_tokens", "prompt tokens of requests that produced a first token")
-        self.generation_tokens = counter("generation_tokens", "output tokens generated")
-        self.preemptions = counter("num_preemptions", "requests preempted (KV recomputed later)")
-        self.prefix_queries = counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache")
-        self.prefix_hits = counter("prefix_cache_hits", "prompt tokens served from the prefix cache")
-        self.spec_num_drafts = counter("spec_decode_num_drafts", "verification steps that carried drafts")
-        self.spec_num_draft_tokens = counter("spec_decode_num_draft_tokens", "draft tokens proposed")
-        self.spec_num_accepted = counter("spec_decode_num_accepted_tokens", "draft tokens accepted")
-        self.spec_accepted_per_pos = Counter(
-            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-            "draft tokens accepted at each draft position",
-            [*labels, "position"],
-            registry=r,
-        )
-        self.request_success = Counter(
-            PREFIX + "request_success",
-            "finished requests by finish reason",
-            [*labels, "finished_reason"],
-            registry=r,
-        )
         self._model = model_name
+        families = _Families(self.registry)
+        self._declare_request_histograms(families, max_model_len)
+        self._declare_step_metrics(families)
+        self._declare_counters(families)
         if engine_info:  # vLLM's cache_config_info idiom: constant 1, the configuration in the labels
             info = Gauge(
                 PREFIX + "cache_config_info",
                 "engine configuration (labels); kvflow doctor reads it",
                 sorted(engine_info),
-                registry=r,
+                registry=self.registry,
             )
             info.labels(**engine_info).set(1)
-        for reason in FINISHED_REASONS:  # export zeros so dashboards see every series from the start
+        # Export zeros so that dashboards see every labelled series from the start.
+        for reason in FINISHED_REASONS:
             self.request_success.labels(model_name, reason)
         for kind in STEP_KINDS:
             self.step_time.labels(model_name, kind)
+
+    def _declare_request_histograms(self, f: _Families, max_model_len: int) -> None:
+        lat = REQUEST_LATENCY_BUCKETS
+        tokens = _token_count_buckets(max_model_len)
+        self.ttft = f.histogram("time_to_first_token_seconds", "first token - arrival", lat)
+        self.itl = f.histogram(
+            "inter_token_latency_seconds", "gap between consecutive output tokens", ITL_BUCKETS
+        )
+        self.e2e = f.histogram("e2e_request_latency_seconds", "last token - arrival", lat)
+        self.queue_time = f.histogram("request_queue_time_seconds", "first scheduled - arrival", lat)
+        self.prefill_time = f.histogram("request_prefill_time_seconds", "first token - first scheduled", lat)
+        self.decode_time = f.histogram("request_decode_time_seconds", "last token - first token", lat)
+        self.prompt_tokens_hist = f.histogram("request_prompt_tokens", "prompt tokens per request", tokens)
+        self.generation_tokens_hist = f.histogram(
+            "request_generation_tokens", "output tokens per request", tokens
+        )
+
+    def _declare_step_metrics(self, f: _Families) -> None:
+        self.iteration_tokens = f.histogram(
+            "iteration_tokens_total", "tokens computed per engine step", ITERATION_TOKEN_BUCKETS
+        )
+        self.step_time = f.histogram(
+            "engine_step_time_seconds",
+            "engine step duration by what the step computed (mixed = prefill chunks + decodes)",
+            ITL_BUCKETS,
+            ("step_kind",),
+        )
+        self.num_running = f.gauge("num_requests_running", "requests holding KV blocks")
+        self.num_waiting = f.gauge("num_requests_waiting", "requests queued (preempted included)")
+        self.kv_usage = f.gauge("kv_cache_usage_perc", "fraction of KV blocks in use (1 = full)")
+
+    def _declare_counters(self, f: _Families) -> None:
+        self.prompt_tokens = f.counter(
+            "prompt_tokens", "prompt tokens of requests that produced a first token"
+        )
+        self.generation_tokens = f.counter("generation_tokens", "output tokens generated")
+        self.preemptions = f.counter("num_preemptions", "requests preempted (KV recomputed later)")
+        self.prefix_queries = f.counter("prefix_cache_queries", "prompt tokens looked up in the prefix cache")
+        self.prefix_hits = f.counter("prefix_cache_hits", "prompt tokens served from the prefix cache")
+        self.spec_num_drafts = f.counter("spec_decode_num_drafts", "verification steps that carried drafts")
+        self.spec_num_draft_tokens = f.counter("spec_decode_num_draft_tokens", "draft tokens proposed")
+        self.spec_num_accepted = f.counter("spec_decode_num_accepted_tokens", "draft tokens accepted")
+        self.spec_accepted_per_pos = f.counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "draft tokens accepted at each draft position",
+            ("position",),
+        )
+        self.request_success = f.counter(
+            "request_success", "finished requests by finish reason", ("finished_reason",)
+        )
 
     def enable_quality_probe(self) -> Callable[[dict[str, float]], None]:
         """Gauges of the online quality probe (kvflow/quality/online_probe.py); returns their updater."""
@@ -136,9 +184,7 @@ class EngineMetrics:
             "perplexity_served": ("quality_probe_perplexity_served", "served (quantized) model's perplexity"),
             "positions": ("quality_probe_positions", "token positions scored so far"),
         }
-        gauges = {
-            key: Gauge(PREFIX + name, doc, ["model_name"], registry=r) for key, (name, doc) in docs.items()
-        }
+        gauges = {key: Gauge(PREFIX + name, doc, LABELS, registry=r) for key, (name, doc) in docs.items()}
 
         def update(snapshot: dict[str, float]) -> None:
             for key, gauge in gauges.items():
@@ -209,7 +255,7 @@ class EngineMetrics:
 def timing_fields(
     t: RequestTimeline, num_prompt_tokens: int, num_output_tokens: int
 ) -> dict[str, float | int | None]:
-    """The opt-in `kvflow.timing` object of a response (milliseconds; definitions in engine/stats.py)."""
+    """The opt-in `kvflow.timing` object of a response (milliseconds; definitions in kvflow/stats.py)."""
 
     def ms(value: float | None) -> float | None:
         return None if value is None else round(value * 1e3, 3)

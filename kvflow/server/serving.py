@@ -1,34 +1,27 @@
-"""What completions and chat completions share: the serving context, request -> SamplingParams,
-the context-length check, fan-out of `n` choices, waiting for a client that may disconnect, SSE."""
+"""The request side that completions and chat completions share: the serving context, validation of
+what kvflow cannot honour, request -> SamplingParams, the context-length check, fan-out of `n` choices.
+
+The response side (SSE, usage, disconnects, aggregation) is in serving_response.py."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from http import HTTPStatus
-from typing import Any
 
 from fastapi import Request as HTTPRequest
-from pydantic import BaseModel
 
-from kvflow.engine.async_engine import AsyncLLMEngine, OutputStream
+from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.errors import PromptTooLongError
-from kvflow.outputs import RequestOutput
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
-from kvflow.server.errors import APIError, sse_error, to_api_error
-from kvflow.server.metrics import EngineMetrics, timing_fields
-from kvflow.server.protocol import UsageInfo, _SamplingFields
+from kvflow.server.errors import APIError
+from kvflow.server.metrics import EngineMetrics
+from kvflow.server.protocol import _SamplingFields
 from kvflow.tokenizer import Tokenizer
 
 TIMING_HEADER = "x-kvflow-timing"
-
-
-class ClientDisconnectedError(Exception):
-    """The client went away while its non-streamed request ran (its engine requests are aborted)."""
 
 
 @dataclass(frozen=True)
@@ -137,93 +130,13 @@ def build_requests(
 
 
 def choice_index(request_id: str) -> int:
+    """The choice index that `build_requests` wrote at the end of an engine request id."""
     return int(request_id.rsplit("-", 1)[1])
 
 
 def wants_timing(body: _SamplingFields, raw: HTTPRequest) -> bool:
+    """Timing is opt-in: the body's `kvflow.timing`, or the x-kvflow-timing header set to 1 or true."""
     return bool(body.kvflow and body.kvflow.timing) or raw.headers.get(TIMING_HEADER, "") in ("1", "true")
-
-
-def output_timing(output: RequestOutput) -> dict[str, Any]:
-    return timing_fields(output.metrics, len(output.prompt_token_ids), len(output.outputs[0].token_ids))
-
-
-def kvflow_timing(finals: list[RequestOutput]) -> dict[str, Any]:
-    """`kvflow` field of a non-streamed response: choice 0's timing, plus every choice's if several."""
-    result: dict[str, Any] = {"timing": output_timing(finals[0])}
-    if len(finals) > 1:
-        result["choice_timings"] = [output_timing(f) for f in finals]
-    return result
-
-
-def usage_of(finals: list[RequestOutput], n: int) -> UsageInfo:
-    """Prompt tokens count once per prompt (not per choice), as OpenAI and vLLM count them."""
-    prompt = sum(len(f.prompt_token_ids) for f in finals[::n])
-    completion = sum(len(f.outputs[0].token_ids) for f in finals)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-async def wait_for_disconnect(raw: HTTPRequest) -> None:
-    """Returns when the client has gone (the body is read: the next ASGI message is the disconnect)."""
-    while True:
-        message = await raw.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-async def collect_finals(stream: OutputStream, raw: HTTPRequest) -> list[RequestOutput]:
-    """Final outputs of every request of the group, in choice order; aborts them if the client leaves."""
-    finals: dict[str, RequestOutput] = {}
-
-    async def collect() -> None:
-        async for output in stream:
-            if output.finished:
-                finals[output.request_id] = output
-
-    collect_task = asyncio.ensure_future(collect())
-    disconnect_task = asyncio.ensure_future(wait_for_disconnect(raw))
-    try:
-        await asyncio.wait({collect_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
-        if not collect_task.done():
-            raise ClientDisconnectedError("the client disconnected before the response was ready")
-        collect_task.result()  # re-raises a failure
-    finally:
-        collect_task.cancel()
-        disconnect_task.cancel()
-        stream.close()
-    return sorted(finals.values(), key=lambda f: choice_index(f.request_id))
-
-
-def sse(payload: BaseModel) -> str:
-    return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
-
-
-SSE_DONE = "data: [DONE]\n\n"
-
-
-async def sse_stream(
-    stream: OutputStream,
-    make_events: Callable[[RequestOutput], list[str]],
-    tail: Callable[[], list[str]],
-    head: list[str] | None = None,
-) -> AsyncIterator[str]:
-    """`head`, SSE events for each output, then `tail()` and [DONE]. An error after the stream started
-    becomes an error event; a client that goes away cancels this generator, and `finally` aborts its
-    requests (their KV blocks return to the pool)."""
-    try:
-        for event in head or []:
-            yield event
-        async for output in stream:
-            for event in make_events(output):
-                yield event
-        for event in tail():
-            yield event
-        yield SSE_DONE
-    except Exception as exc:
-        yield sse_error(to_api_error(exc))
-        yield SSE_DONE
-    finally:
-        stream.close()
 
 
 def now() -> float:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from http import HTTPStatus
 from typing import Any
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from kvflow.outputs import RequestOutput, TokenLogprobs
 from kvflow.server.errors import APIError
@@ -25,21 +25,11 @@ from kvflow.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from kvflow.server.serving import (
-    PromptInput,
-    ServingContext,
-    build_requests,
-    choice_index,
-    collect_finals,
-    kvflow_timing,
-    now,
-    output_timing,
-    sse,
-    sse_stream,
-    unsupported_fields,
-    usage_of,
-    wants_timing,
-)
+from kvflow.server.serving import PromptInput, ServingContext, build_requests, now, unsupported_fields
+from kvflow.server.serving_response import ResponseBuilder, serve_choices
+
+# Prefix of the response id and of the engine request ids.
+ID_PREFIX = "chatcmpl"
 
 
 def render_chat_prompt(
@@ -88,9 +78,82 @@ def _check(body: ChatCompletionRequest) -> None:
         raise APIError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs=true", param="top_logprobs")
 
 
+class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
+    """`chat.completion` / `chat.completion.chunk` objects: the response carries a `message`, a chunk a
+    `delta` (the role once per choice at the head of the stream, then content)."""
+
+    def __init__(self, ctx: ServingContext, n: int, top_n: int, response_id: str) -> None:
+        super().__init__(response_id, ctx.served_model_name)
+        self.ctx = ctx
+        self.n = n
+        self.top_n = top_n  # top_logprobs per token (0: the sampled token's only)
+
+    def stream_head(self) -> list[BaseModel]:
+        # OpenAI streams start with the role and empty content, sent before the prompt is even scheduled.
+        return [
+            self.chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            for i in range(self.n)
+        ]
+
+    def stream_choice(self, index: int, output: RequestOutput) -> ChatStreamChoice | None:
+        if not output.delta_text and not output.finished and not output.delta_token_ids:
+            return None
+        logprobs = None
+        if output.delta_logprobs is not None:
+            logprobs = chat_logprobs(self.ctx, output.delta_token_ids, output.delta_logprobs, self.top_n)
+        out = output.outputs[0]
+        return ChatStreamChoice(
+            index=index,
+            delta=DeltaMessage(content=output.delta_text),
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+
+    def chunk(
+        self,
+        choices: list[ChatStreamChoice],
+        usage: UsageInfo | None = None,
+        kvflow: dict[str, Any] | None = None,
+    ) -> ChatCompletionChunk:
+        return ChatCompletionChunk(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            kvflow=kvflow,
+        )
+
+    def final_choice(self, index: int, final: RequestOutput) -> ChatChoice:
+        out = final.outputs[0]
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = chat_logprobs(self.ctx, out.token_ids, out.logprobs, self.top_n)
+        return ChatChoice(
+            index=index,
+            message=ChatResponseMessage(content=out.text),
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+
+    def response(
+        self, choices: list[ChatChoice], usage: UsageInfo, kvflow: dict[str, Any] | None
+    ) -> ChatCompletionResponse:
+        return ChatCompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            kvflow=kvflow,
+        )
+
+
 async def create_chat_completion(
     ctx: ServingContext, body: ChatCompletionRequest, raw: HTTPRequest
-) -> object:
+) -> Response:
     arrival = now()
     ctx.check_model(body.model)
     _check(body)
@@ -98,86 +161,6 @@ async def create_chat_completion(
     top_n = body.top_logprobs or 0
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = top_n if body.logprobs else None
-    requests = build_requests(ctx, "chatcmpl", [prompt], body, requested, logprobs, arrival)
-    stream = ctx.engine.add_requests(requests)
-    timing = wants_timing(body, raw)
-    response_id = f"chatcmpl-{raw.state.request_id}"
-    created = int(time.time())
-    model = ctx.served_model_name
-
-    if not body.stream:
-        finals = await collect_finals(stream, raw)
-        choices = []
-        for final in finals:
-            out = final.outputs[0]
-            choices.append(
-                ChatChoice(
-                    index=choice_index(final.request_id),
-                    message=ChatResponseMessage(content=out.text),
-                    logprobs=chat_logprobs(ctx, out.token_ids, out.logprobs, top_n)
-                    if out.logprobs is not None
-                    else None,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                )
-            )
-        response = ChatCompletionResponse(
-            id=response_id,
-            created=created,
-            model=model,
-            choices=choices,
-            usage=usage_of(finals, body.n),
-            kvflow=kvflow_timing(finals) if timing else None,
-        )
-        return JSONResponse(response.model_dump(exclude_none=True))
-
-    options = body.stream_options
-    num_prompt = len(prompt.token_ids)
-    completion_tokens: dict[int, int] = {}
-
-    def chunk(choices: list[ChatStreamChoice]) -> ChatCompletionChunk:
-        return ChatCompletionChunk(id=response_id, created=created, model=model, choices=choices)
-
-    def usage(completion: int) -> UsageInfo:
-        return UsageInfo(
-            prompt_tokens=num_prompt, completion_tokens=completion, total_tokens=num_prompt + completion
-        )
-
-    def events(output: RequestOutput) -> list[str]:
-        index = choice_index(output.request_id)
-        out = output.outputs[0]
-        result: list[str] = []
-        completion_tokens[index] = len(out.token_ids)
-        if not output.delta_text and not output.finished and not output.delta_token_ids:
-            return result
-        logprobs = None
-        if output.delta_logprobs is not None:
-            logprobs = chat_logprobs(ctx, output.delta_token_ids, output.delta_logprobs, top_n)
-        choice = ChatStreamChoice(
-            index=index,
-            delta=DeltaMessage(content=output.delta_text),
-            logprobs=logprobs,
-            finish_reason=out.finish_reason,
-            stop_reason=out.stop_reason,
-        )
-        data = chunk([choice])
-        if options is not None and options.continuous_usage_stats:
-            data.usage = usage(len(out.token_ids))
-        if timing and output.finished:
-            data.kvflow = {"timing": output_timing(output), "index": index}
-        result.append(sse(data))
-        return result
-
-    def tail() -> list[str]:
-        if options is None or not options.include_usage:
-            return []
-        final = chunk([])
-        final.usage = usage(sum(completion_tokens.values()))
-        return [sse(final)]
-
-    # OpenAI streams start with the role and empty content, sent before the prompt is even scheduled.
-    head = [
-        sse(chunk([ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
-        for i in range(body.n)
-    ]
-    return StreamingResponse(sse_stream(stream, events, tail, head), media_type="text/event-stream")
+    requests = build_requests(ctx, ID_PREFIX, [prompt], body, requested, logprobs, arrival)
+    builder = ChatResponseBuilder(ctx, body.n, top_n, f"{ID_PREFIX}-{raw.state.request_id}")
+    return await serve_choices(ctx, raw, body, [prompt], requests, builder)

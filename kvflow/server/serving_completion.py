@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import Request as HTTPRequest
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response
 
 from kvflow.outputs import RequestOutput, TokenLogprobs
 from kvflow.server.errors import APIError
@@ -17,21 +17,23 @@ from kvflow.server.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from kvflow.server.serving import (
-    PromptInput,
-    ServingContext,
-    build_requests,
-    choice_index,
-    collect_finals,
-    kvflow_timing,
-    now,
-    output_timing,
-    sse,
-    sse_stream,
-    unsupported_fields,
-    usage_of,
-    wants_timing,
-)
+from kvflow.server.serving import PromptInput, ServingContext, build_requests, now, unsupported_fields
+from kvflow.server.serving_response import ResponseBuilder, serve_choices
+
+# Prefix of the response id and of the engine request ids.
+ID_PREFIX = "cmpl"
+
+
+def _check(body: CompletionRequest) -> None:
+    unsupported_fields(body)
+    if body.suffix:
+        raise APIError(HTTPStatus.BAD_REQUEST, "suffix is not supported", param="suffix")
+    if body.echo and body.logprobs is not None:
+        raise APIError(
+            HTTPStatus.BAD_REQUEST,
+            "echo with logprobs needs prompt logprobs, which are not supported",
+            "echo",
+        )
 
 
 def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[PromptInput]:
@@ -72,113 +74,87 @@ def completion_logprobs(
     return result
 
 
-async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: HTTPRequest) -> object:
-    arrival = now()
-    ctx.check_model(body.model)
-    unsupported_fields(body)
-    if body.suffix:
-        raise APIError(HTTPStatus.BAD_REQUEST, "suffix is not supported", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise APIError(
-            HTTPStatus.BAD_REQUEST,
-            "echo with logprobs needs prompt logprobs, which are not supported",
-            "echo",
-        )
-    prompts = _prompts(ctx, body)
-    request_id = raw.state.request_id
-    requests = build_requests(ctx, "cmpl", prompts, body, body.max_tokens, body.logprobs, arrival)
-    stream = ctx.engine.add_requests(requests)
-    timing = wants_timing(body, raw)
-    response_id = f"cmpl-{request_id}"
-    created = int(time.time())
-    model = ctx.served_model_name
+class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoice]):
+    """`text_completion` objects: chunks and the response share one shape, each choice carries `text`.
+    With `echo`, a choice's text starts with its prompt: the first chunk of a streamed choice carries it."""
 
-    def echo_text(index: int) -> str:
-        prompt = prompts[index // body.n]
-        return prompt.text if prompt.text is not None else ctx.tokenizer.decode(prompt.token_ids)
+    def __init__(
+        self, ctx: ServingContext, body: CompletionRequest, prompts: list[PromptInput], response_id: str
+    ) -> None:
+        super().__init__(response_id, ctx.served_model_name)
+        self.ctx = ctx
+        self.prompts = prompts
+        self.n = body.n
+        self.echo = body.echo
+        self._echo_sent: set[int] = set()  # streamed choices whose prompt has been sent
+        # choice index -> characters streamed so far: where the next delta's logprobs text_offset starts
+        self._text_lengths: dict[int, int] = {}
 
-    if not body.stream:
-        finals = await collect_finals(stream, raw)
-        choices = []
-        for final in finals:
-            index = choice_index(final.request_id)
-            out = final.outputs[0]
-            prefix = echo_text(index) if body.echo else ""
-            choices.append(
-                CompletionChoice(
-                    index=index,
-                    text=prefix + out.text,
-                    logprobs=completion_logprobs(ctx, out.token_ids, out.logprobs, len(prefix))
-                    if out.logprobs is not None
-                    else None,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                )
-            )
-        response = CompletionResponse(
-            id=response_id,
-            created=created,
-            model=model,
-            choices=choices,
-            usage=usage_of(finals, body.n),
-            kvflow=kvflow_timing(finals) if timing else None,
-        )
-        return JSONResponse(response.model_dump(exclude_none=True))
+    def _echo_text(self, index: int) -> str:
+        prompt = self.prompts[index // self.n]
+        return prompt.text if prompt.text is not None else self.ctx.tokenizer.decode(prompt.token_ids)
 
-    options = body.stream_options
-    sent_echo: set[int] = set()
-    text_lengths: dict[int, int] = {}
-    completion_tokens: dict[int, int] = {}
-    prompt_tokens = {i: len(p.token_ids) for i, p in enumerate(prompts)}
-
-    def events(output: RequestOutput) -> list[str]:
-        index = choice_index(output.request_id)
-        out = output.outputs[0]
+    def stream_choice(self, index: int, output: RequestOutput) -> CompletionChoice | None:
         text = output.delta_text
-        if body.echo and index not in sent_echo:
-            sent_echo.add(index)
-            text = echo_text(index) + text
+        if self.echo and index not in self._echo_sent:
+            self._echo_sent.add(index)
+            text = self._echo_text(index) + text
         if not text and not output.finished and not output.delta_token_ids:
-            return []
-        offset = text_lengths.get(index, 0)
-        text_lengths[index] = offset + len(text)
-        completion_tokens[index] = len(out.token_ids)
+            return None
+        offset = self._text_lengths.get(index, 0)
+        self._text_lengths[index] = offset + len(text)
         logprobs = None
         if output.delta_logprobs is not None:
-            logprobs = completion_logprobs(ctx, output.delta_token_ids, output.delta_logprobs, offset)
-        chunk = CompletionResponse(
-            id=response_id,
-            created=created,
-            model=model,
-            choices=[
-                CompletionChoice(
-                    index=index,
-                    text=text,
-                    logprobs=logprobs,
-                    finish_reason=out.finish_reason,
-                    stop_reason=out.stop_reason,
-                )
-            ],
+            logprobs = completion_logprobs(self.ctx, output.delta_token_ids, output.delta_logprobs, offset)
+        out = output.outputs[0]
+        return CompletionChoice(
+            index=index,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
         )
-        if options is not None and options.continuous_usage_stats:
-            p = prompt_tokens[index // body.n]
-            chunk.usage = UsageInfo(
-                prompt_tokens=p, completion_tokens=len(out.token_ids), total_tokens=p + len(out.token_ids)
-            )
-        if timing and output.finished:
-            chunk.kvflow = {"timing": output_timing(output), "index": index}
-        return [sse(chunk)]
 
-    def tail() -> list[str]:
-        if options is None or not options.include_usage:
-            return []
-        prompt = sum(prompt_tokens.values())
-        completion = sum(completion_tokens.values())
-        usage = UsageInfo(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+    def chunk(
+        self,
+        choices: list[CompletionChoice],
+        usage: UsageInfo | None = None,
+        kvflow: dict[str, Any] | None = None,
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            kvflow=kvflow,
         )
-        return [
-            sse(CompletionResponse(id=response_id, created=created, model=model, choices=[], usage=usage))
-        ]
 
-    return StreamingResponse(sse_stream(stream, events, tail), media_type="text/event-stream")
+    def final_choice(self, index: int, final: RequestOutput) -> CompletionChoice:
+        out = final.outputs[0]
+        prefix = self._echo_text(index) if self.echo else ""
+        logprobs = None
+        if out.logprobs is not None:
+            logprobs = completion_logprobs(self.ctx, out.token_ids, out.logprobs, len(prefix))
+        return CompletionChoice(
+            index=index,
+            text=prefix + out.text,
+            logprobs=logprobs,
+            finish_reason=out.finish_reason,
+            stop_reason=out.stop_reason,
+        )
+
+    def response(
+        self, choices: list[CompletionChoice], usage: UsageInfo, kvflow: dict[str, Any] | None
+    ) -> CompletionResponse:
+        return self.chunk(choices, usage, kvflow)
+
+
+async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: HTTPRequest) -> Response:
+    arrival = now()
+    ctx.check_model(body.model)
+    _check(body)
+    prompts = _prompts(ctx, body)
+    requests = build_requests(ctx, ID_PREFIX, prompts, body, body.max_tokens, body.logprobs, arrival)
+    builder = CompletionResponseBuilder(ctx, body, prompts, f"{ID_PREFIX}-{raw.state.request_id}")
+    return await serve_choices(ctx, raw, body, prompts, requests, builder)

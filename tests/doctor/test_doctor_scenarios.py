@@ -39,8 +39,8 @@ def doctor(model: Path, bench_json: Path, tmp_path: Path, *extra: str) -> dict[s
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-def by_step(doc: dict[str, Any]) -> dict[int, dict[str, Any]]:
-    return {f["step"]: f for f in doc["findings"]}
+def by_id(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {f["id"]: f for f in doc["findings"]}
 
 
 def test_schema_has_the_documented_fields(
@@ -58,8 +58,11 @@ def test_schema_has_the_documented_fields(
         section, key = path.split(".")
         assert isinstance(doc[section][key], (int, float)), path
     assert [f["step"] for f in doc["findings"]] == [1, 2, 3, 4, 5, 6]
+    assert [f["id"] for f in doc["findings"]] == [
+        "input_length", "ttft", "itl", "kv_memory", "quantization", "serving_features",
+    ]  # fmt: skip
     for f in doc["findings"]:
-        assert set(f) >= {"step", "title", "severity", "evidence", "what_ifs"}
+        assert set(f) >= {"step", "id", "title", "severity", "evidence", "what_ifs"}
     assert doc["settings"]["server"] == "kvflow"  # read from the server's kvflow:cache_config_info
     assert main(["doctor", str(server_model_dir), "--hardware", "h100", "--context", "64"]) == 0
     assert "Is the input too long?" in capsys.readouterr().out
@@ -67,7 +70,7 @@ def test_schema_has_the_documented_fields(
 
 def test_healthy_run_raises_no_alarm(server: LiveServer, server_model_dir: Path, tmp_path: Path) -> None:
     doc = doctor(server_model_dir, bench(server, DatasetSpec("random", 8, 32, 8), 1, tmp_path), tmp_path)
-    warnings = [(f["step"], f["summary"]) for f in doc["findings"] if f["severity"] == "warning"]
+    warnings = [(f["id"], f["summary"]) for f in doc["findings"] if f["severity"] == "warning"]
     assert warnings == []
 
 
@@ -77,15 +80,16 @@ def test_uncached_shared_system_prompt_names_prefix_caching(
     server = start_server(engine={"enable_prefix_caching": False})
     dataset = DatasetSpec("shared-prefix", 10, input_len=8, output_len=4, prefix_len=192)
     doc = doctor(server_model_dir, bench(server, dataset, 1, tmp_path), tmp_path)
-    steps = by_step(doc)
-    assert steps[1]["severity"] == "warning" and steps[2]["severity"] == "warning"
-    assert steps[1]["evidence"]["repeated_prefix_share"] > 0.8
-    changes = [w["change"] for w in steps[1]["what_ifs"] + steps[2]["what_ifs"]]
+    found = by_id(doc)
+    input_length, ttft = found["input_length"], found["ttft"]
+    assert input_length["severity"] == "warning" and ttft["severity"] == "warning"
+    assert input_length["evidence"]["repeated_prefix_share"] > 0.8
+    changes = [w["change"] for w in input_length["what_ifs"] + ttft["what_ifs"]]
     assert any("prefix caching" in c for c in changes)
-    assert "prefix caching" in steps[6]["summary"]
-    cache = next(w for w in steps[2]["what_ifs"] if "prefix caching" in w["change"])
+    assert "prefix caching" in found["serving_features"]["summary"]
+    cache = next(w for w in ttft["what_ifs"] if "prefix caching" in w["change"])
     assert cache["setting"] == {"enable_prefix_caching": True}
-    assert cache["predicted"]["ttft_p50_ms"] < steps[2]["evidence"]["ttft_p50_ms"]
+    assert cache["predicted"]["ttft_p50_ms"] < ttft["evidence"]["ttft_p50_ms"]
 
 
 def test_small_kv_pool_reports_preemptions(
@@ -95,7 +99,7 @@ def test_small_kv_pool_reports_preemptions(
     server = start_server(engine={"num_kv_blocks": 12, "block_size": 16})
     dataset = DatasetSpec("random", 8, input_len=64, output_len=64)
     doc = doctor(server_model_dir, bench(server, dataset, 4, tmp_path), tmp_path)
-    kv = by_step(doc)[4]
+    kv = by_id(doc)["kv_memory"]
     assert kv["severity"] == "warning"
     assert kv["evidence"]["preemptions"] > 0 and "preemptions" in kv["summary"]
     assert kv["evidence"]["max_concurrency_at_p95"] < 4

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kvflow.doctor.evidence import EngineSettings, RunEvidence
-from kvflow.doctor.findings import Diagnosis, diagnose
+from kvflow.doctor.findings import Diagnosis, Finding, diagnose
 from kvflow.doctor.hardware import NAMED
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.roofline import Roofline
@@ -32,10 +32,15 @@ def diagnosis(server: dict[str, object], **run: float) -> Diagnosis:
     return Diagnosis(model, roofline, evidence, settings, measured=True)
 
 
+def finding(findings: list[Finding], check_id: str) -> Finding:
+    [found] = [f for f in findings if f.id == check_id]
+    return found
+
+
 def test_itl_tail_is_attributed_to_mixed_steps() -> None:
     steps = {"decode_only": {"count": 900, "mean": 18.0}, "mixed": {"count": 100, "mean": 95.0}}
     findings = diagnose(diagnosis({"step_time_ms": steps}, itl_p99_ms=95.0))
-    itl = findings[2]
+    itl = finding(findings, "itl")
     assert itl.severity == "warning" and "prefill chunk" in itl.summary
     [halve] = itl.what_ifs
     assert halve.setting == {"max_num_batched_tokens": 256}
@@ -44,7 +49,7 @@ def test_itl_tail_is_attributed_to_mixed_steps() -> None:
 
 def test_queueing_dominated_ttft() -> None:
     server = {"queue_time_ms": {"mean": 250.0}, "prefill_time_ms": {"mean": 50.0}}
-    ttft = diagnose(diagnosis(server))[1]
+    ttft = finding(diagnose(diagnosis(server)), "ttft")
     assert ttft.severity == "warning" and "queueing" in ttft.summary
     assert any(w.predicted.get("ttft_p50_ms") == 50.0 for w in ttft.what_ifs)
 
