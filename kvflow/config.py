@@ -49,6 +49,13 @@ class ModelConfig:
         default=None, metadata={"help": "context length (prompt + output); default: the model's"}
     )
     seed: int = field(default=0, metadata={"help": "seed of the engine's random generator"})
+    enforce_eager: bool = field(
+        default=False,
+        metadata={
+            "help": "run every step through the Python layers (the reference path); otherwise decode-only "
+            "steps of bf16 models run all layers in one native call, bit-identical (vLLM's flag name)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DType)

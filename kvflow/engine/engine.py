@@ -71,7 +71,11 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(sched, cache, num_blocks + 1, self.max_model_len, a.sliding_window)
         self.model_runner = ModelRunner(
-            loaded.model, kv_store, self.tokenizer.eos_token_ids, config.model_config.seed
+            loaded.model,
+            kv_store,
+            self.tokenizer.eos_token_ids,
+            config.model_config.seed,
+            config.model_config.enforce_eager,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = build_proposer(
@@ -81,6 +85,7 @@ class LLMEngine:
             self.max_model_len,
             num_blocks,
             cache.block_size,
+            config.model_config.enforce_eager,
         )
         self.spec_stats = SpecDecodeStats()  # cumulative since start (kvflow generate prints it)
         self.spec_controller = SpecController(config.speculative_config.speculative_auto_disable)

@@ -4,7 +4,9 @@
 - `paged_decode_attention_bf16()` / `paged_decode_attention_quantized()`: decode attention read in
   place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4 (paged_decode_attention.cpp);
 - `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs for decode and row-block
-  dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp).
+  dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
+- `native_decoder_classes()`: the decoder layers of a decode step in one native call, over the
+  kernels above (decode_forward.cpp; built by kvflow/models/native_decoder.py).
 Each returns None when this CPU lacks AVX512-BF16, no compiler is available, or the build fails;
 callers then keep the generic torch path. The build (~1 min, once) is cached under
 ~/.cache/kvflow/kernels (KVFLOW_KERNEL_CACHE); KVFLOW_DISABLE_KERNELS=1 skips it.
@@ -18,6 +20,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any, NamedTuple
 
 import torch
 
@@ -46,7 +49,14 @@ SkinnyLinearInt4 = Callable[
 ]
 # (packed, scales, mins, g, n_begin, n_end) -> [n_end - n_begin, K] bf16
 DequantizeInt4Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
-_SOURCES = ("bindings.cpp", "gemv_bf16.cpp", "gemv_int8.cpp", "gemv_int4.cpp", "paged_decode_attention.cpp")
+_SOURCES = (
+    "bindings.cpp",
+    "decode_forward.cpp",
+    "gemv_bf16.cpp",
+    "gemv_int8.cpp",
+    "gemv_int4.cpp",
+    "paged_decode_attention.cpp",
+)
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "bmi2")
 
 
@@ -123,3 +133,15 @@ def int8_weight_kernels() -> tuple[SkinnyLinearInt8, DequantizeInt8Rows] | None:
 def int4_weight_kernels() -> tuple[SkinnyLinearInt4, DequantizeInt4Rows] | None:
     module = _native_module()
     return None if module is None else (module.skinny_linear_int4, module.dequantize_int4_rows)
+
+
+class NativeDecoderClasses(NamedTuple):
+    """The pybind classes of decode_forward.cpp (their fields in decode_forward.h)."""
+
+    linear: Any  # NativeLinear.bf16(...) / .int8(...) / .int4(...)
+    decoder: Any  # NativeDecoder(num_heads, num_kv_heads, head_dim, eps, final_norm)
+
+
+def native_decoder_classes() -> NativeDecoderClasses | None:
+    module = _native_module()
+    return None if module is None else NativeDecoderClasses(module.NativeLinear, module.NativeDecoder)

@@ -1,20 +1,89 @@
 // Python bindings of kvflow's native CPU kernels (one extension, built once by kvflow/kernels).
+#include <pybind11/stl.h>
 #include <torch/extension.h>
 
-torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
-torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                          torch::Tensor slots, torch::Tensor seq_lens, double scale);
-torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale,
-                                               torch::Tensor k_zero, torch::Tensor v_data, torch::Tensor v_scale,
-                                               torch::Tensor v_zero, torch::Tensor slots, torch::Tensor seq_lens,
-                                               double scale, const std::string& kind);
-torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
-                                 c10::optional<torch::Tensor> bias);
-torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                                 int64_t group_size, c10::optional<torch::Tensor> bias);
-torch::Tensor dequantize_int4_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                                   int64_t group_size, int64_t n_begin, int64_t n_end);
-torch::Tensor dequantize_int8_rows(torch::Tensor qweight, torch::Tensor scales, int64_t n_begin, int64_t n_end);
+#include "decode_forward.h"
+
+namespace py = pybind11;
+using kvflow::NativeDecoder;
+using kvflow::NativeDecoderLayer;
+using kvflow::NativeKVLayer;
+using kvflow::NativeLinear;
+using OptTensor = c10::optional<torch::Tensor>;
+
+namespace {
+
+std::shared_ptr<NativeLinear> make_linear(NativeLinear::Kind kind, torch::Tensor weight, int64_t in_features) {
+  auto linear = std::make_shared<NativeLinear>();
+  linear->kind = kind;
+  linear->weight = weight.contiguous();
+  linear->out_features = weight.size(0);
+  linear->in_features = in_features;
+  return linear;
+}
+
+void bind_decode_forward(py::module& m) {
+  py::class_<NativeLinear, std::shared_ptr<NativeLinear>>(m, "NativeLinear")
+      .def_static(
+          "bf16",
+          [](torch::Tensor weight, torch::Tensor packed, OptTensor bias) {
+            auto l = make_linear(NativeLinear::Kind::kBf16, weight, weight.size(1));
+            l->packed = packed;
+            l->bias = bias;
+            return l;
+          },
+          "bf16 [N, K] weight, its oneDNN-blocked copy, optional bias")
+      .def_static(
+          "int8",
+          [](torch::Tensor qweight, torch::Tensor scales, OptTensor bias) {
+            auto l = make_linear(NativeLinear::Kind::kInt8, qweight, qweight.size(1));
+            l->scales = scales.contiguous();
+            l->bias = bias;
+            return l;
+          },
+          "int8 [N, K] weight, fp32 row scales [N], optional bias")
+      .def_static(
+          "int4",
+          [](torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size, OptTensor bias,
+             OptTensor perm) {
+            auto l = make_linear(NativeLinear::Kind::kInt4, packed, packed.size(1) * 2);
+            l->scales = scales.contiguous();
+            l->mins = mins.contiguous();
+            l->group_size = group_size;
+            l->bias = bias;
+            l->perm = perm;
+            return l;
+          },
+          "int4 packed [N, K / 2] (kvflow's block layout), bf16 scales and mins [N, K / g], g, bias, act-order perm")
+      .def("forward", &NativeLinear::forward, py::call_guard<py::gil_scoped_release>());
+
+  py::class_<NativeDecoder, std::shared_ptr<NativeDecoder>>(m, "NativeDecoder")
+      .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, torch::Tensor final_norm) {
+        auto d = std::make_shared<NativeDecoder>();
+        d->num_heads = num_heads;
+        d->num_kv_heads = num_kv_heads;
+        d->head_dim = head_dim;
+        d->eps = eps;
+        d->final_norm = final_norm;
+        return d;
+      }))
+      .def(
+          "add_layer",
+          [](NativeDecoder& d, torch::Tensor input_norm, torch::Tensor post_norm, OptTensor q_norm, OptTensor k_norm,
+             std::shared_ptr<NativeLinear> qkv, std::shared_ptr<NativeLinear> o, std::shared_ptr<NativeLinear> gate_up,
+             std::shared_ptr<NativeLinear> down, const std::string& kv_kind, std::vector<torch::Tensor> kv_tensors) {
+            TORCH_CHECK(kv_tensors.size() == 6, "kv tensors: key data, value data, key/value scale, key/value zero");
+            NativeKVLayer kv{kv_kind,       kv_tensors[0], kv_tensors[1], kv_tensors[2], kv_tensors[3],
+                             kv_tensors[4], kv_tensors[5], d.num_kv_heads, d.head_dim};
+            d.layers.push_back({input_norm, post_norm, q_norm, k_norm, qkv, o, gate_up, down});
+            d.kv_layers.push_back(kv);
+          },
+          "one decoder layer: norms, linears, and its KV pools (kind 'plain' or a quantized KV dtype)")
+      .def("forward", &NativeDecoder::forward, py::call_guard<py::gil_scoped_release>(),
+           "hidden [M, H], cos/sin_signed [M, D], slot_mapping [M], kv_slots [M, L], num_keys [M] -> normed hidden");
+}
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear_bf16", &skinny_linear_bf16, "y = x @ W^T (+ b) for few rows x, bf16 (AVX512-BF16)");
@@ -26,4 +95,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
   m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16");
   m.def("dequantize_int8_rows", &dequantize_int8_rows, "rows [n_begin, n_end) of q * s as bf16");
+  bind_decode_forward(m);
 }

@@ -1,5 +1,5 @@
 // Decode attention read straight from the paged KV pool, one work item per (sequence, KV head).
-// Pools: bf16, or quantized per token and KV head (kvflow/worker/kv_layer.py): int8 and fp8_e4m3
+// Pools: bf16, or quantized per token and KV head (kvflow/attention/kv_layer.py): int8 and fp8_e4m3
 // with one fp16 scale, int4 (two per byte, element 2i in the low nibble) with fp16 scale and zero.
 //
 // Why: the generic path gathers every sequence's keys and values into a padded [B, Hkv, L, D]

@@ -16,11 +16,13 @@ blocked copy is kept. float32/float16 keep `F.linear`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.kernels import SkinnyLinear, skinny_linear_bf16
+from kvflow.kernels import NativeDecoderClasses, SkinnyLinear, skinny_linear_bf16
 
 # Up to this many rows the native GEMV runs (module docstring: faster to M=2, batch-invariant to 4).
 SKINNY_MAX_ROWS = 4
@@ -59,6 +61,13 @@ class Linear(nn.Module):
         if self._packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def native(self, classes: NativeDecoderClasses) -> Any | None:
+        """This layer for the native decode forward (kvflow/kernels/decode_forward.cpp), or None when
+        it runs only in torch (not bf16, or a kernel missing): the same kernels as `forward`."""
+        if self._skinny is None or self._packed_weight is None:
+            return None
+        return classes.linear.bf16(self.weight, self._packed_weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

@@ -8,6 +8,8 @@ loader concatenates the checkpoint's separate weights in that order.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -20,6 +22,7 @@ from kvflow.layers.activation import silu_and_mul
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
+from kvflow.models.native_decoder import build_native_decoder
 
 
 class Attention(nn.Module):
@@ -99,11 +102,24 @@ class LlamaFamilyForCausalLM(nn.Module):
         # so that the head can be packed for the fast GEMM path independently of the lookup table.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.rotary_emb = RotaryEmbedding(cfg.rope, max_positions)
+        # The native decode forward and the KV store it is bound to (kvflow/models/native_decoder.py).
+        self._native_decoder: Any = None
+        self._native_kv_store: KVStore | None = None
+
+    def bind_native_decoder(self, kv_store: KVStore) -> bool:
+        """Run decode-only steps over `kv_store` natively from now on; False if some part cannot."""
+        self._native_decoder = build_native_decoder(self, kv_store)
+        self._native_kv_store = kv_store if self._native_decoder is not None else None
+        return self._native_decoder is not None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden] (normed)."""
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(meta.positions, self.dtype)
+        if kv_store is self._native_kv_store and not meta.prefills:  # decode rows only
+            return self._native_decoder.forward(
+                hidden, *cos_sin, meta.slot_mapping, meta.decode_kv_slots, meta.decode_num_keys
+            )
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos_sin, kv_store.layer(i), meta)
         return self.norm(hidden)

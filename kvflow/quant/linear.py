@@ -23,6 +23,7 @@ All take activations [T, in].
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +32,7 @@ from torch import nn
 from kvflow.kernels import (
     DequantizeInt4Rows,
     DequantizeInt8Rows,
+    NativeDecoderClasses,
     SkinnyLinearInt4,
     SkinnyLinearInt8,
     int4_weight_kernels,
@@ -80,6 +82,12 @@ class Int8Linear(nn.Module):
             return _gemm_over_tiles(x, tiles, self.bias)
         y = torch._weight_int8pack_mm(x, self.qweight, self.scales)
         return y if self.bias is None else y + self.bias
+
+    def native(self, classes: NativeDecoderClasses) -> Any | None:
+        """This layer for the native decode forward: the same kernels as `forward` (None: torch only)."""
+        if self._native is None:
+            return None
+        return classes.linear.int8(self.qweight, self.scales, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per channel"
@@ -165,6 +173,13 @@ class Int4Linear(nn.Module):
         ).to(self.dtype)
         return y if self.bias is None else y + self.bias
 
+    def native(self, classes: NativeDecoderClasses) -> Any | None:
+        """This layer for the native decode forward: the same kernels as `forward` (None: torch only)."""
+        if self._native is None:
+            return None
+        g = self.group_size
+        return classes.linear.int4(self.qweight, self.scales, self.mins, g, self.bias, self.perm)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 group {self.group_size}"
 
@@ -179,3 +194,6 @@ class ConcatLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, sum of outs]
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def native(self, classes: NativeDecoderClasses) -> Any | None:
+        return None  # parts with their own input orders: the torch path concatenates them

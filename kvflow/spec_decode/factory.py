@@ -25,6 +25,7 @@ def build_proposer(
     max_model_len: int,
     num_blocks: int,
     block_size: int,
+    enforce_eager: bool = False,
 ) -> NgramProposer | DraftModelProposer | None:
     if config.speculative_method == "ngram":
         return NgramProposer(config)
@@ -50,4 +51,7 @@ def build_proposer(
     logger.info(
         "speculative decoding: draft model %s, %d tokens per step", draft_dir, config.num_speculative_tokens
     )
-    return DraftModelProposer(model, config.num_speculative_tokens, num_blocks, block_size, max_model_len)
+    proposer = DraftModelProposer(model, config.num_speculative_tokens, num_blocks, block_size, max_model_len)
+    if not enforce_eager:  # the draft's k forwards per step are decode steps too
+        model.bind_native_decoder(proposer.kv_store)
+    return proposer

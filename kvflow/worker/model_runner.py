@@ -20,10 +20,17 @@ from kvflow.worker.input_batch import build_input_batch
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaFamilyForCausalLM, kv_store: KVStore, eos_token_ids: frozenset[int], seed: int
+        self,
+        model: LlamaFamilyForCausalLM,
+        kv_store: KVStore,
+        eos_token_ids: frozenset[int],
+        seed: int,
+        enforce_eager: bool = False,
     ) -> None:
         self.model = model
         self.kv_store = kv_store
+        # Decode-only steps in one native call unless the Python path is asked for (or the only one).
+        self.native_decode = not enforce_eager and model.bind_native_decoder(kv_store)
         self.block_size = kv_store.block_size
         self.sliding_window = model.config.sliding_window
         self.eos_token_ids = eos_token_ids

@@ -1,0 +1,181 @@
+"""Where one single-stream decode step's time goes: kernels against everything else.
+
+    python benchmarks/decode_profile.py [--quantization none|int8|int4] [--group-size 32]
+                                        [--quantize-lm-head] [--context 512] [--repeats 200]
+
+On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it), one
+request decodes after a `--context`-token prompt; the last decode step's exact inputs are captured
+and replayed, each piece timed alone (median of `--repeats`, microseconds):
+    engine step     LLMEngine.step(): schedule -> input batch -> forward -> logits -> sample -> outputs
+    forward         the model over the 24 layers (embedding to final norm)
+    kernels         every layer's linears (GEMVs) and its decode attention, called alone on the
+                    same inputs: the work that cannot shrink without fewer bytes
+    layer glue      forward - kernels: norms, RoPE, KV write, SiLU, residuals, Python, dispatch
+    LM head         the head's GEMV over the vocabulary (+ float32 cast)
+    sample          the sampler on those logits
+    step overhead   engine step - forward - LM head - sample: scheduler, batch build, detokenize
+Also prints the bandwidth roofline of this step (weight bytes read / read bandwidth measured now).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from offline_throughput import QWEN25_05B, build_checkpoint, measure_bandwidth_gbs  # noqa: E402
+
+from kvflow import LLM, SamplingParams  # noqa: E402
+
+
+def median_us(fn: Callable[[], Any], repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e6
+
+
+def capture_decode_inputs(llm: LLM, context: int) -> tuple[Any, ...]:
+    """Run one request to its decode phase; return the last forward call's (input_ids, meta, store)."""
+    model = llm.llm_engine.model_runner.model
+    captured: list[tuple[Any, ...]] = []
+    original = model.forward
+
+    def spy(input_ids: torch.Tensor, meta: Any, kv_store: Any) -> torch.Tensor:
+        captured[:] = [(input_ids, meta, kv_store)]
+        return original(input_ids, meta, kv_store)
+
+    model.forward = spy  # type: ignore[method-assign]
+    prompt = [random.Random(0).randrange(QWEN25_05B["vocab_size"]) for _ in range(context)]
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    model.forward = original  # type: ignore[method-assign]
+    return captured[0]
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step streams: every layer's linear weights plus the LM head (not the
+    embedding table, of which one row is read)."""
+    total = 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if "embed_tokens" in name or "cos_cache" in name or "sin_cache" in name or "_packed" in name:
+            continue
+        total += t.numel() * t.element_size()
+    return total
+
+
+def profile(llm: LLM, context: int, repeats: int) -> dict[str, float]:
+    engine = llm.llm_engine
+    model = engine.model_runner.model
+    input_ids, meta, store = capture_decode_inputs(llm, context)
+    times: dict[str, float] = {}
+    with torch.inference_mode():
+        hidden = model(input_ids, meta, store)
+        times["forward"] = median_us(lambda: model(input_ids, meta, store), repeats)
+        times["LM head"] = median_us(lambda: model.compute_logits(hidden), repeats)
+        logits = model.compute_logits(hidden)
+        runner = engine.model_runner
+        times["kernels"] = layer_kernels_us(model, hidden, meta, store, repeats)
+    prompt = [random.Random(1).randrange(QWEN25_05B["vocab_size"]) for _ in range(context)]
+    times["engine step"] = engine_step_us(llm, prompt, repeats)
+    times["sample"] = sample_us(runner, logits, repeats)
+    times["layer glue"] = times["forward"] - times["kernels"]
+    times["step overhead"] = times["engine step"] - times["forward"] - times["LM head"] - times["sample"]
+    return times
+
+
+def layer_kernels_us(model: Any, hidden: torch.Tensor, meta: Any, store: Any, repeats: int) -> float:
+    """Every layer's linears and decode attention, called back to back on inputs of the right shape
+    (all layers in one sweep, so weights come from DRAM as in a real step, not from cache)."""
+    from kvflow.attention.paged_attention import _decode_attention
+
+    cfg = model.config
+    x = hidden.new_zeros(hidden.shape)
+    q = torch.randn(x.shape[0], cfg.num_attention_heads, cfg.head_dim, dtype=hidden.dtype)
+    o_in = x.new_zeros(x.shape[0], cfg.num_attention_heads * cfg.head_dim)
+    d_in = x.new_zeros(x.shape[0], cfg.intermediate_size)
+
+    def sweep() -> None:
+        for i, layer in enumerate(model.layers):
+            layer.self_attn.qkv_proj(x)
+            _decode_attention(q, store.layer(i), meta)
+            layer.self_attn.o_proj(o_in)
+            layer.mlp.gate_up_proj(x)
+            layer.mlp.down_proj(d_in)
+
+    return median_us(sweep, repeats)
+
+
+def engine_step_us(llm: LLM, prompt: list[int], repeats: int) -> float:
+    """Median gap between one request's tokens while it decodes alone (= one engine step)."""
+    params = SamplingParams(temperature=0.0, max_tokens=repeats, ignore_eos=True)
+    out = llm.generate([prompt], params)[0]
+    return statistics.median(out.metrics.itl) * 1e6
+
+
+def sample_us(runner: Any, logits: torch.Tensor, repeats: int) -> float:
+    from kvflow.sample.sampler import SamplingBatch
+
+    batch = SamplingBatch(
+        params=[SamplingParams(temperature=0.0)],
+        prompt_token_ids=[[1, 2, 3]],
+        output_token_ids=[[4]],
+        generators=[None],
+        banned_token_ids=[[]],
+    )
+    return median_us(lambda: runner.sampler(logits, batch), repeats)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--group-size", type=int, default=128)
+    ap.add_argument("--quantize-lm-head", action="store_true")
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=100)
+    args = ap.parse_args()
+    path = build_checkpoint(torch.bfloat16)
+    llm = LLM(
+        str(path),
+        dtype="bfloat16",
+        max_model_len=4096,
+        quantization=args.quantization,
+        quantization_group_size=args.group_size,
+        quantize_lm_head=args.quantize_lm_head,
+    )
+    times = profile(llm, args.context, args.repeats)
+    bandwidth = measure_bandwidth_gbs()
+    nbytes = weight_bytes(llm.llm_engine.model_runner.model)
+    roofline_us = nbytes / (bandwidth * 1e9) * 1e6
+    head = "quantized" if args.quantize_lm_head else "bf16"
+    print(
+        f"{args.quantization} (group {args.group_size}, head {head}), "
+        f"context {args.context}, {torch.get_num_threads()} threads"
+    )
+    step = times["engine step"]
+    for key in ("engine step", "forward", "kernels", "layer glue", "LM head", "sample", "step overhead"):
+        print(f"  {key:<14} {times[key] / 1e3:8.2f} ms  {times[key] / step:6.1%} of the step")
+    per_layer = times["layer glue"] / QWEN25_05B["num_hidden_layers"]
+    print(f"  layer glue per layer: {per_layer:.0f} us")
+    print(
+        f"  weights read per step {nbytes / 1e6:.0f} MB at {bandwidth:.1f} GB/s -> roofline "
+        f"{roofline_us / 1e3:.2f} ms; the step runs at {roofline_us / step:.0%} of it"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,264 @@
+"""kvflow against llama.cpp on the same weights, side by side, engines alternated round by round.
+
+    python benchmarks/vs_llamacpp.py [--rounds 3] [--pairs bf16,int8,int4] [--threads 2]
+
+On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it):
+- llama.cpp is built once from the llama-cpp-python sdist pip downloads (CMake Release,
+  GGML_NATIVE=ON), cached in ~/.cache/kvflow-bench/llama.cpp; the checkpoint is converted with
+  that copy's convert_hf_to_gguf.py and quantized with its llama-quantize (bf16, q8_0, q4_0).
+- Precision pairs: bf16 vs bf16; int8 (LM head int8 too) vs q8_0; int4 group 32 (LM head int4
+  too) vs q4_0 (group 32; llama.cpp keeps this shape's tied head in q8_0).
+- Per pair and round, each engine measures, alternately:
+    prefill      tokens/s of one 512-token prompt (llama-bench pp512)
+    decode@512   single-stream decode tokens/s after a 512-token prompt (llama-bench tg64 -d 512;
+                 kvflow: 64 tokens after the prompt, (n - 1) / decode time, the same average)
+    decode x8    aggregate decode tokens/s of 8 sequences of 512-token prompts decoding together
+                 (llama-batched-bench S_TG; kvflow: tokens after the first over the decode span)
+- Read bandwidth (float32 sum over 1 GiB) is measured in every round; each engine's single-stream
+  decode is reported as a share of its roofline: bytes of weights read per token / bandwidth.
+Prints each round's ratios kvflow / llama.cpp (paired within the round), then medians [min-max].
+Not in CI: it builds llama.cpp (about 10 minutes on 2 cores, once) and runs for several minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tarfile
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from offline_throughput import CACHE_DIR, QWEN25_05B, build_checkpoint, measure_bandwidth_gbs  # noqa: E402
+
+from kvflow import LLM, SamplingParams  # noqa: E402
+
+LLAMA_DIR = CACHE_DIR / "llama.cpp"
+TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")
+PROMPT_LEN = 512
+GEN_LEN = 64
+BATCH = 8
+
+
+@dataclass(frozen=True)
+class Pair:
+    name: str
+    gguf_type: str  # llama.cpp's file type
+    kvflow_args: dict[str, Any]
+
+
+PAIRS = {
+    "bf16": Pair("bf16 vs bf16", "bf16", {}),
+    "int8": Pair("int8+head vs q8_0", "q8_0", {"quantization": "int8", "quantize_lm_head": True}),
+    "int4": Pair(
+        "int4 g32+head vs q4_0",
+        "q4_0",
+        {"quantization": "int4", "quantization_group_size": 32, "quantize_lm_head": True},
+    ),
+}
+
+
+# ------------------------------------------------------------------------------------ llama.cpp
+
+
+def build_llamacpp() -> Path:
+    """llama.cpp's tools from the llama-cpp-python sdist (its vendored llama.cpp), built once."""
+    bin_dir = LLAMA_DIR / "build" / "bin"
+    if all((bin_dir / t).exists() for t in TARGETS):
+        return LLAMA_DIR
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-binary",
+                ":all:",
+                "--no-deps",
+                "llama-cpp-python",
+                "-d",
+                tmp,
+            ],
+            check=True,
+        )
+        sdist = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            tar.extractall(tmp, filter="data")
+        vendored = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
+        shutil.rmtree(LLAMA_DIR, ignore_errors=True)
+        shutil.copytree(vendored, LLAMA_DIR)
+    flags = [
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DGGML_NATIVE=ON",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+    ]
+    flags += ["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
+    print("building llama.cpp (about 10 minutes on 2 cores, once) ...", flush=True)
+    subprocess.run(["cmake", "-B", "build", *flags], cwd=LLAMA_DIR, check=True, capture_output=True)
+    jobs = str(os.cpu_count() or 2)
+    subprocess.run(["cmake", "--build", "build", "-j", jobs, "--target", *TARGETS], cwd=LLAMA_DIR, check=True)
+    return LLAMA_DIR
+
+
+def convert(checkpoint: Path, llama: Path, gguf_type: str) -> Path:
+    """The checkpoint as GGUF of `gguf_type` (bf16 converted, the rest quantized from it), cached."""
+    out = CACHE_DIR / "gguf" / f"{checkpoint.name}-{gguf_type}.gguf"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    bf16 = out.with_name(f"{checkpoint.name}-bf16.gguf")
+    if not bf16.exists():
+        # Its converter tries sentencepiece before the BPE vocabulary (our tokenizer.json).
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "sentencepiece"], check=True)
+        env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
+        cmd = [sys.executable, str(llama / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16"]
+        subprocess.run([*cmd, "--outfile", str(bf16)], check=True, env=env, capture_output=True)
+    if gguf_type != "bf16":
+        quantize = llama / "build" / "bin" / "llama-quantize"
+        subprocess.run([str(quantize), str(bf16), str(out), gguf_type], check=True, capture_output=True)
+    return out
+
+
+def llama_bench(llama: Path, gguf: Path, threads: int) -> dict[str, float]:
+    """pp512 and tg64 after a 512-token context, tokens/s (llama-bench's own averages)."""
+    exe = str(llama / "build" / "bin" / "llama-bench")
+    common = ["-m", str(gguf), "-t", str(threads), "-r", "2", "-o", "json"]
+    prefill = json.loads(_run([exe, *common, "-p", str(PROMPT_LEN), "-n", "0"]))
+    decode = json.loads(_run([exe, *common, "-p", "0", "-n", str(GEN_LEN), "-d", str(PROMPT_LEN)]))
+    return {
+        "prefill": prefill[0]["avg_ts"],
+        "decode@512": decode[0]["avg_ts"],
+        "bytes": prefill[0]["model_size"],
+    }
+
+
+def llama_batched(llama: Path, gguf: Path, threads: int) -> float:
+    """S_TG of llama-batched-bench: decode tokens/s of BATCH sequences together after their prompts."""
+    exe = str(llama / "build" / "bin" / "llama-batched-bench")
+    ctx = BATCH * (PROMPT_LEN + GEN_LEN)
+    args = ["-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-b", str(ctx), "-ub", str(PROMPT_LEN)]
+    text = _run([exe, *args, "-npp", str(PROMPT_LEN), "-ntg", str(GEN_LEN), "-npl", str(BATCH)])
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[0] == str(PROMPT_LEN) and cells[2] == str(BATCH):
+            return float(cells[7])  # PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | ...
+    raise RuntimeError(f"no result row in llama-batched-bench output:\n{text}")
+
+
+def _run(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return done.stdout
+
+
+# --------------------------------------------------------------------------------------- kvflow
+
+
+def kvflow_engine(checkpoint: Path, args: dict[str, Any]) -> LLM:
+    # The whole batch's prompts prefill in one step, as llama-batched-bench processes them.
+    return LLM(
+        str(checkpoint),
+        dtype="bfloat16",
+        max_model_len=PROMPT_LEN + GEN_LEN + 8,
+        max_num_batched_tokens=BATCH * PROMPT_LEN,
+        enable_prefix_caching=False,
+        **args,
+    )
+
+
+def kvflow_bench(llm: LLM, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    vocab = QWEN25_05B["vocab_size"]
+    prompts = [[rng.randrange(vocab) for _ in range(PROMPT_LEN)] for _ in range(BATCH + 2)]
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    prefill = llm.generate([prompts[0]], one)[0].metrics
+    assert prefill.prefill_time is not None
+    params = SamplingParams(temperature=0.0, max_tokens=GEN_LEN + 1, ignore_eos=True)
+    single = llm.generate([prompts[1]], params)[0].metrics
+    assert single.decode_time is not None
+    batch = [o.metrics for o in llm.generate(prompts[2:], params)]
+    start = min(m.first_token_time for m in batch if m.first_token_time is not None)
+    span = max(m.token_times[-1] for m in batch) - start
+    return {
+        "prefill": PROMPT_LEN / prefill.prefill_time,
+        "decode@512": (len(single.token_times) - 1) / single.decode_time,
+        "decode x8": sum(len(m.token_times) - 1 for m in batch) / span,
+    }
+
+
+def kvflow_weight_bytes(llm: LLM) -> int:
+    """Bytes a decode step reads: the layers' and the head's weights (not the embedding table, of
+    which one row is read, nor oneDNN's blocked copies, which decode at batch 1 does not read)."""
+    model = llm.llm_engine.model_runner.model
+    return sum(
+        t.numel() * t.element_size()
+        for name, t in [*model.named_parameters(), *model.named_buffers()]
+        if "embed_tokens" not in name and "_cache" not in name
+    )
+
+
+# ----------------------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pairs", default="bf16,int8,int4")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args()
+    pairs = [PAIRS[p] for p in args.pairs.split(",")]
+    checkpoint = build_checkpoint(torch.bfloat16)
+    llama = build_llamacpp()
+    ggufs = {p.name: convert(checkpoint, llama, p.gguf_type) for p in pairs}
+    engines = {p.name: kvflow_engine(checkpoint, p.kvflow_args) for p in pairs}
+    for llm in engines.values():  # warm-up: oneDNN primitives, first-touch of the pools
+        llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))
+    ratios: dict[tuple[str, str], list[float]] = {}
+    shares: dict[tuple[str, str], list[float]] = {}
+    for r in range(args.rounds):
+        bandwidth = measure_bandwidth_gbs()
+        print(f"\nround {r + 1}: read bandwidth {bandwidth:.1f} GB/s", flush=True)
+        for pair in pairs:
+            ours = kvflow_bench(engines[pair.name], seed=r)
+            theirs = llama_bench(llama, ggufs[pair.name], args.threads)
+            theirs["decode x8"] = llama_batched(llama, ggufs[pair.name], args.threads)
+            roof = {"kvflow": kvflow_weight_bytes(engines[pair.name]), "llama.cpp": theirs["bytes"]}
+            for engine, result in (("kvflow", ours), ("llama.cpp", theirs)):
+                share = roof[engine] / (bandwidth * 1e9) * result["decode@512"]
+                shares.setdefault((pair.name, engine), []).append(share)
+            cells = []
+            for metric in ("prefill", "decode@512", "decode x8"):
+                ratio = ours[metric] / theirs[metric]
+                ratios.setdefault((pair.name, metric), []).append(ratio)
+                cells.append(f"{metric} {ours[metric]:.1f}/{theirs[metric]:.1f} = {ratio:.2f}x")
+            print(f"  {pair.name:<22} " + " | ".join(cells), flush=True)
+    print(f"\nkvflow / llama.cpp over {args.rounds} rounds, median [min-max] ({args.threads} threads):")
+    for pair in pairs:
+        cells = [_summary(ratios[(pair.name, m)], "x") for m in ("prefill", "decode@512", "decode x8")]
+        roof = [f"{e} {_summary(shares[(pair.name, e)], '%', 100)}" for e in ("kvflow", "llama.cpp")]
+        print(f"  {pair.name:<22} prefill {cells[0]} | decode@512 {cells[1]} | decode x8 {cells[2]}")
+        print(f"  {'':<22} single-stream decode at share of the bandwidth roofline: {', '.join(roof)}")
+
+
+def _summary(values: list[float], unit: str, scale: float = 1.0) -> str:
+    v = [x * scale for x in values]
+    fmt = "{:.0f}" if unit == "%" else "{:.2f}"
+    return f"{fmt.format(statistics.median(v))}{unit} [{fmt.format(min(v))}-{fmt.format(max(v))}]"
+
+
+if __name__ == "__main__":
+    main()

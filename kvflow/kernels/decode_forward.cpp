@@ -1,0 +1,251 @@
+// The decoder layers of a decode step in one native call: no Python between the kernels.
+//
+// Why: at batch 1 a step of the 0.5B shape spends ~1.8 ms between the kernels in Python (module
+// calls, views, the dispatcher from Python; benchmarks/NOTES.md): ~8% of a bf16 step and twice
+// that once weights are quantized. Here the per-layer loop runs in C++ and calls the same kernels.
+//
+// Numerics: bit-identical to the Python path (kvflow/models/llama.py), by construction:
+//   - the linears call the very functions the Python modules call (the native GEMVs, oneDNN's
+//     blocked GEMM for bf16 above kSkinnyMaxRows rows, dequantize-and-GEMM tiles for int8/int4
+//     above kQuantGemvMaxRows), with the same dispatch thresholds;
+//   - RMSNorm and SiLU are the ATen ops F.rms_norm and F.silu call (their reductions and exp
+//     approximations are not reimplemented);
+//   - the element-wise steps are done here with ATen's bf16 rounding: every bf16 op computes in
+//     fp32 and rounds once to nearest even, so residual adds are bf16(a + b) and RoPE is
+//     bf16(bf16(x * cos) + bf16(roll(x) * sin_signed)), as kvflow/layers/rotary.py computes it;
+//   - K/V are written with the formats of kvflow/attention/kv_layer.py, quantized the same way
+//     (per token and head, fp32 arithmetic, round half to even, fp16 scales).
+// tests/models/test_native_decode.py checks logits equal bit for bit against the Python path.
+//
+// Shapes (M decode rows: one per decoding request, or 1 + k per request verifying k drafts):
+//   hidden [M, H] bf16; cos, sin_signed [M, D] bf16; slot_mapping [M] int64;
+//   kv_slots [M, L] int64 (each row's key slots, padded); num_keys [M] int64.
+
+#include <ATen/Parallel.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Half.h>
+#include <torch/extension.h>
+
+#include "bf16_utils.h"
+#include "decode_forward.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace kvflow {
+namespace {
+
+constexpr int64_t kSkinnyMaxRows = 4;      // kvflow/layers/linear.py SKINNY_MAX_ROWS
+constexpr int64_t kQuantGemvMaxRows = 8;   // kvflow/quant/linear.py NATIVE_GEMV_MAX_ROWS
+constexpr int64_t kPrefillTileElements = 4 << 20;  // kvflow/quant/linear.py PREFILL_TILE_ELEMENTS
+constexpr float kInt8Max = 127.0f;         // kvflow/attention/kv_layer.py INT8_MAX
+constexpr float kFp8E4m3Max = 448.0f;      // FP8_E4M3_MAX
+constexpr float kInt4Levels = 15.0f;       // INT4_LEVELS
+constexpr float kMinScale = 1e-8f;         // MIN_SCALE
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline uint16_t round_bf16(float f) { return float_to_bf16(f); }
+inline float through_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
+
+const uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bf16_ptr_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+// oneDNN's GEMM on a weight reordered at load, the op kvflow/layers/linear.py calls for M > 4.
+torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                               c10::string_view, c10::List<std::optional<c10::Scalar>>,
+                                               std::optional<c10::string_view>)>();
+  return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
+}
+
+// Prefill-sized rows of a quantized linear: row blocks dequantized to bf16 and multiplied by
+// F.linear one at a time (kvflow/quant/linear.py _gemm_over_tiles).
+template <typename Dequantize>
+torch::Tensor gemm_over_tiles(const torch::Tensor& x, int64_t N, int64_t K, const Dequantize& dequantize,
+                              const c10::optional<torch::Tensor>& bias) {
+  const int64_t rows = std::max<int64_t>(1, kPrefillTileElements / K);
+  std::vector<torch::Tensor> parts;
+  for (int64_t n0 = 0; n0 < N; n0 += rows) parts.push_back(at::linear(x, dequantize(n0, std::min(N, n0 + rows))));
+  torch::Tensor y = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+  return bias.has_value() ? y + *bias : y;
+}
+
+}  // namespace
+
+torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
+  const int64_t M = x_in.size(0);
+  switch (kind) {
+    case Kind::kBf16:
+      if (M <= kSkinnyMaxRows) return skinny_linear_bf16(x_in, weight, bias);
+      return onednn_linear(x_in, packed, bias);
+    case Kind::kInt8:
+      if (M <= kQuantGemvMaxRows) return skinny_linear_int8(x_in, weight, scales, bias);
+      return gemm_over_tiles(
+          x_in, out_features, in_features,
+          [&](int64_t n0, int64_t n1) { return dequantize_int8_rows(weight, scales, n0, n1); }, bias);
+    case Kind::kInt4: {
+      const torch::Tensor x = perm.has_value() ? x_in.index_select(1, *perm) : x_in;
+      if (M <= kQuantGemvMaxRows) return skinny_linear_int4(x, weight, scales, mins, group_size, bias);
+      return gemm_over_tiles(
+          x, out_features, in_features,
+          [&](int64_t n0, int64_t n1) { return dequantize_int4_rows(weight, scales, mins, group_size, n0, n1); }, bias);
+    }
+  }
+  TORCH_CHECK(false, "unreachable");
+}
+
+namespace {
+
+// Quantize one token-head x[0..D) into a pool row, as _QuantizedPool.write does.
+void quantize_row(const std::string& kind, const float* x, int64_t D, void* data, c10::Half* scale, c10::Half* zero) {
+  if (kind == "int4") {
+    float lo = x[0], hi = x[0];
+    for (int64_t d = 1; d < D; ++d) lo = std::min(lo, x[d]), hi = std::max(hi, x[d]);
+    const float s = std::max((hi - lo) / kInt4Levels, kMinScale);
+    auto* out = static_cast<uint8_t*>(data);
+    for (int64_t d = 0; d < D; d += 2) {  // element 2i in the low nibble, 2i + 1 in the high one
+      const float a = std::clamp(std::nearbyint((x[d] - lo) / s), 0.0f, kInt4Levels);
+      const float b = std::clamp(std::nearbyint((x[d + 1] - lo) / s), 0.0f, kInt4Levels);
+      out[d / 2] = static_cast<uint8_t>(uint8_t(a) | (uint8_t(b) << 4));
+    }
+    *scale = c10::Half(s);
+    *zero = c10::Half(lo);
+    return;
+  }
+  const float top = kind == "int8" ? kInt8Max : kFp8E4m3Max;
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+  const float s = std::max(amax / top, kMinScale);
+  if (kind == "int8") {
+    auto* out = static_cast<int8_t*>(data);
+    for (int64_t d = 0; d < D; ++d) out[d] = static_cast<int8_t>(std::clamp(std::nearbyint(x[d] / s), -top, top));
+  } else {
+    auto* out = static_cast<uint8_t*>(data);
+    for (int64_t d = 0; d < D; ++d) out[d] = c10::Float8_e4m3fn(x[d] / s).x;
+  }
+  *scale = c10::Half(s);
+}
+
+}  // namespace
+
+// One token-head of K or V (fp32 values) into pool row `slot`.
+void NativeKVLayer::write_row(bool is_key, int64_t slot, int64_t head, const float* x) const {
+  const int64_t D = head_dim;
+  if (kind == "plain") {
+    torch::Tensor pool = is_key ? key_data : value_data;
+    auto* out = reinterpret_cast<uint16_t*>(pool.data_ptr<at::BFloat16>()) + (slot * num_kv_heads + head) * D;
+    for (int64_t d = 0; d < D; ++d) out[d] = round_bf16(x[d]);  // x holds bf16 values: exact
+    return;
+  }
+  const torch::Tensor& data = is_key ? key_data : value_data;
+  const torch::Tensor& scale = is_key ? key_scale : value_scale;
+  const torch::Tensor& zero = is_key ? key_zero : value_zero;
+  const int64_t row = slot * num_kv_heads + head;
+  const int64_t width = kind == "int4" ? D / 2 : D;
+  void* out = static_cast<uint8_t*>(data.data_ptr()) + row * width;
+  auto* s = scale.data_ptr<c10::Half>() + row;
+  auto* z = kind == "int4" ? zero.data_ptr<c10::Half>() + row : nullptr;
+  quantize_row(kind, x, D, out, s, z);
+}
+
+torch::Tensor NativeKVLayer::attend(const torch::Tensor& q, const torch::Tensor& kv_slots, const torch::Tensor& num_keys,
+                                    double scale) const {
+  if (kind == "plain") return paged_decode_attention_bf16(q, key_data, value_data, kv_slots, num_keys, scale);
+  return paged_decode_attention_quantized(q, key_data, key_scale, key_zero, value_data, value_scale, value_zero, kv_slots,
+                                          num_keys, scale, kind);
+}
+
+namespace {
+
+// RoPE on q and k (kvflow/layers/rotary.py apply_rotary, same roundings), q to `q_out`, rotated k
+// and v into the pool at each row's slot. q_in [M, Hq, D], k_in [M, Hkv, D], v [M, Hkv, D]: any
+// row/head strides, unit stride along D. cos, sin_signed [M, D] bf16.
+void rope_and_write_kv(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v,
+                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slot_mapping,
+                       const NativeKVLayer& kv, torch::Tensor& q_out) {
+  const int64_t M = q_in.size(0), Hq = q_in.size(1), Hkv = k_in.size(1), D = q_in.size(2), half = D / 2;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const uint16_t* cp = bf16_ptr(cos);
+  const uint16_t* sp = bf16_ptr(sin);
+  uint16_t* qo = bf16_ptr_mut(q_out);
+  std::vector<float> row(D);
+  const auto rotate = [&](const uint16_t* x, const uint16_t* c, const uint16_t* s, float* out) {
+    for (int64_t d = 0; d < D; ++d) {
+      const float rolled = bf16_to_float(x[(d + half) % D]);  // roll(x, D/2)[d]
+      out[d] = through_bf16(through_bf16(bf16_to_float(x[d]) * bf16_to_float(c[d])) +
+                            through_bf16(rolled * bf16_to_float(s[d])));
+    }
+  };
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* c = cp + m * D;
+    const uint16_t* s = sp + m * D;
+    for (int64_t h = 0; h < Hq; ++h) {
+      const uint16_t* x = bf16_ptr(q_in) + m * q_in.stride(0) + h * q_in.stride(1);
+      rotate(x, c, s, row.data());
+      for (int64_t d = 0; d < D; ++d) qo[(m * Hq + h) * D + d] = round_bf16(row[d]);
+    }
+    for (int64_t h = 0; h < Hkv; ++h) {
+      rotate(bf16_ptr(k_in) + m * k_in.stride(0) + h * k_in.stride(1), c, s, row.data());
+      kv.write_row(true, slots[m], h, row.data());
+      const uint16_t* x = bf16_ptr(v) + m * v.stride(0) + h * v.stride(1);
+      for (int64_t d = 0; d < D; ++d) row[d] = bf16_to_float(x[d]);
+      kv.write_row(false, slots[m], h, row.data());
+    }
+  }
+}
+
+// y = bf16(a + b) in place into a (the residual stream), ATen's rounding.
+void add_into(torch::Tensor& a, const torch::Tensor& b) {
+  uint16_t* ap = bf16_ptr_mut(a);
+  const uint16_t* bp = bf16_ptr(b);
+  const int64_t n = a.numel();
+  for (int64_t i = 0; i < n; ++i) ap[i] = round_bf16(bf16_to_float(ap[i]) + bf16_to_float(bp[i]));
+}
+
+}  // namespace
+
+torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed,
+                                     torch::Tensor slot_mapping, torch::Tensor kv_slots, torch::Tensor num_keys) const {
+  TORCH_CHECK(hidden.dtype() == torch::kBFloat16 && hidden.dim() == 2, "bf16 [M, H] hidden states expected");
+  const int64_t M = hidden.size(0);
+  hidden = hidden.contiguous().clone();  // the residual stream, updated in place
+  cos = cos.reshape({M, head_dim}).contiguous();
+  sin_signed = sin_signed.reshape({M, head_dim}).contiguous();
+  const double scale = std::pow(double(head_dim), -0.5);
+  const int64_t q_size = num_heads * head_dim;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const NativeDecoderLayer& layer = layers[i];
+    const torch::Tensor h = at::rms_norm(hidden, {hidden.size(1)}, layer.input_norm, eps);
+    const torch::Tensor qkv = layer.qkv->forward(h).view({M, num_heads + 2 * num_kv_heads, head_dim});
+    torch::Tensor q_in = qkv.slice(1, 0, num_heads);
+    torch::Tensor k_in = qkv.slice(1, num_heads, num_heads + num_kv_heads);
+    const torch::Tensor v = qkv.slice(1, num_heads + num_kv_heads);
+    if (layer.q_norm.has_value()) {  // Qwen3: RMSNorm per head before RoPE
+      q_in = at::rms_norm(q_in, {head_dim}, *layer.q_norm, eps);
+      k_in = at::rms_norm(k_in, {head_dim}, *layer.k_norm, eps);
+    }
+    torch::Tensor q = torch::empty({M, num_heads, head_dim}, hidden.options());
+    rope_and_write_kv(q_in, k_in, v, cos, sin_signed, slot_mapping, kv_layers[i], q);
+    const torch::Tensor attn = kv_layers[i].attend(q, kv_slots, num_keys, scale);
+    add_into(hidden, layer.o->forward(attn.reshape({M, q_size})));
+    const torch::Tensor gate_up = layer.gate_up->forward(at::rms_norm(hidden, {hidden.size(1)}, layer.post_norm, eps));
+    const int64_t I = gate_up.size(1) / 2;
+    const torch::Tensor act = at::silu(gate_up.slice(1, 0, I)) * gate_up.slice(1, I);
+    add_into(hidden, layer.down->forward(act));
+  }
+  return at::rms_norm(hidden, {hidden.size(1)}, final_norm, eps);
+}
+
+}  // namespace kvflow

@@ -1,0 +1,77 @@
+// The native decode forward's weights and KV pools (decode_forward.cpp), built once at load from
+// the Python modules (kvflow/models/native_decode.py) and bound to Python in bindings.cpp.
+// Note: torch's JIT builder hashes the .cpp sources, not headers: after editing this file, touch
+// a .cpp (or clear ~/.cache/kvflow/kernels) to force a rebuild.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+                                 c10::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                                 int64_t group_size, c10::optional<torch::Tensor> bias);
+torch::Tensor dequantize_int4_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                                   int64_t group_size, int64_t n_begin, int64_t n_end);
+torch::Tensor dequantize_int8_rows(torch::Tensor qweight, torch::Tensor scales, int64_t n_begin, int64_t n_end);
+torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                                          torch::Tensor slots, torch::Tensor seq_lens, double scale);
+torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale,
+                                               torch::Tensor k_zero, torch::Tensor v_data, torch::Tensor v_scale,
+                                               torch::Tensor v_zero, torch::Tensor slots, torch::Tensor seq_lens,
+                                               double scale, const std::string& kind);
+
+namespace kvflow {
+
+// One linear layer in the form its kernels read (kvflow/layers/linear.py, kvflow/quant/linear.py).
+struct NativeLinear {
+  enum class Kind { kBf16, kInt8, kInt4 };
+  Kind kind;
+  torch::Tensor weight;  // bf16 [N, K] | int8 [N, K] | int4 packed [N, K / 2] uint8
+  torch::Tensor packed;  // bf16 only: oneDNN's blocked copy (rows > 4)
+  torch::Tensor scales;  // int8 [N] fp32 | int4 [N, K / g] bf16
+  torch::Tensor mins;    // int4 [N, K / g] bf16
+  c10::optional<torch::Tensor> bias;
+  c10::optional<torch::Tensor> perm;  // int4 act-order: input permutation [K]
+  int64_t group_size = 0;
+  int64_t out_features = 0, in_features = 0;
+
+  torch::Tensor forward(const torch::Tensor& x) const;  // [M, K] bf16 -> [M, N] bf16
+};
+
+// One layer's KV pools (kvflow/attention/kv_layer.py): "plain" (bf16) or int8 / fp8_e4m3 / int4.
+struct NativeKVLayer {
+  std::string kind;
+  torch::Tensor key_data, value_data;    // plain: the bf16 pools [S, Hkv, D]
+  torch::Tensor key_scale, value_scale;  // quantized: fp16 [S, Hkv]
+  torch::Tensor key_zero, value_zero;    // int4: fp16 [S, Hkv]; otherwise the scales (unread)
+  int64_t num_kv_heads = 0, head_dim = 0;
+
+  void write_row(bool is_key, int64_t slot, int64_t head, const float* x) const;
+  torch::Tensor attend(const torch::Tensor& q, const torch::Tensor& kv_slots, const torch::Tensor& num_keys,
+                       double scale) const;
+};
+
+struct NativeDecoderLayer {
+  torch::Tensor input_norm, post_norm;
+  c10::optional<torch::Tensor> q_norm, k_norm;
+  std::shared_ptr<NativeLinear> qkv, o, gate_up, down;
+};
+
+struct NativeDecoder {
+  std::vector<NativeDecoderLayer> layers;
+  std::vector<NativeKVLayer> kv_layers;
+  torch::Tensor final_norm;
+  int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
+  double eps = 1e-6;
+
+  // Embedded hidden [M, H] -> final-normed hidden [M, H]; writes each row's K/V at slot_mapping.
+  torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slot_mapping,
+                        torch::Tensor kv_slots, torch::Tensor num_keys) const;
+};
+
+}  // namespace kvflow
