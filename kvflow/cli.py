@@ -20,6 +20,7 @@ from kvflow.config import (
     QuantConfig,
     QuantizedKVDType,
     QuantMethod,
+    ScoringPath,
     ServerConfig,
 )
 from kvflow.errors import KVFlowError
@@ -195,14 +196,14 @@ def _cmd_quant_eval(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     ids = reference.get_tokenizer().encode(text)[: args.max_tokens]
-    report = compare(reference, candidate, ids, args.window, args.kv_cache_dtype)
+    report = compare(reference, candidate, ids, args.window, args.kv_cache_dtype, args.path)
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
     print(
         f"quant-eval {model}: {args.quantization} weights (group {args.quantization_group_size}, "
         f"LM head {'quantized' if args.quantize_lm_head else 'kept'}), {args.kv_cache_dtype} KV vs "
-        f"{args.dtype}, {report['positions']} positions"
+        f"{args.dtype}, {report['positions']} positions scored on the {args.path} path"
     )
     print(f"  mean KL {report['mean_kl']:.5f} nats, top-1 agreement {report['top1_agreement']:.2%}")
     for p in report["paths"]:
@@ -233,6 +234,13 @@ def _add_quant_eval_parser(sub: Any) -> None:
     qe.add_argument("--dtype", choices=literal_choices(DType), default="bfloat16", help="both paths' dtype")
     qe.add_argument("--text", default=None, help="text file to score (default: the stdlib's textwrap.py)")
     qe.add_argument("--window", type=int, default=512, help="tokens of context per scored window")
+    qe.add_argument(
+        "--path",
+        choices=literal_choices(ScoringPath),
+        default="prefill",
+        help="score positions as one prefill chunk per window, or as decode rows (the kernels that "
+        "generate tokens; slower)",
+    )
     qe.add_argument("--max-tokens", type=int, default=4096, help="score at most this many tokens")
     qe.add_argument("--json", action="store_true", help="print the report as JSON")
     qe.set_defaults(func=_cmd_quant_eval)

@@ -110,6 +110,8 @@ class SchedulerConfig:
 
 
 QuantMethod = Literal["none", "int8", "int4"]
+# How `kvflow quant-eval` scores positions (kvflow/quality/teacher_forcing.py).
+ScoringPath = Literal["prefill", "decode"]
 INT4_GROUP_SIZES = (32, 64, 128)
 
 

@@ -43,12 +43,13 @@ PagedDecodeAttentionQuantized = Callable[
     ],
     torch.Tensor,
 ]  # fmt: skip
-# (x [M, K] bf16, packed [N, K / 2] uint8, scales [N, K / g] bf16, mins, g, bias) -> [M, N] bf16
+# (x [M, K] bf16, packed 16-row tiles [N_pad / 16, 8K] uint8, scales [N_pad / 16, K / g, 16] bf16,
+#  mins, g, N, bias) -> [M, N] bf16 (layout in gemv_int4.cpp)
 SkinnyLinearInt4 = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, torch.Tensor | None], torch.Tensor
 ]
-# (packed, scales, mins, g, n_begin, n_end) -> [n_end - n_begin, K] bf16
-DequantizeInt4Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
+# (packed, scales, mins, g, N, n_begin, n_end) -> [n_end - n_begin, K] bf16; n_begin % 16 == 0
+DequantizeInt4Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int], torch.Tensor]
 _SOURCES = (
     "bindings.cpp",
     "decode_forward.cpp",
@@ -57,7 +58,7 @@ _SOURCES = (
     "gemv_int4.cpp",
     "paged_decode_attention.cpp",
 )
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "bmi2")
+_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "bmi2")
 
 
 def _cpu_flags() -> set[str]:

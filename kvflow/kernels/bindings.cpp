@@ -44,9 +44,10 @@ void bind_decode_forward(py::module& m) {
           "int8 [N, K] weight, fp32 row scales [N], optional bias")
       .def_static(
           "int4",
-          [](torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size, OptTensor bias,
-             OptTensor perm) {
-            auto l = make_linear(NativeLinear::Kind::kInt4, packed, packed.size(1) * 2);
+          [](torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size, int64_t out_features,
+             OptTensor bias, OptTensor perm) {
+            auto l = make_linear(NativeLinear::Kind::kInt4, packed, packed.size(1) / 8);
+            l->out_features = out_features;
             l->scales = scales.contiguous();
             l->mins = mins.contiguous();
             l->group_size = group_size;
@@ -54,7 +55,7 @@ void bind_decode_forward(py::module& m) {
             l->perm = perm;
             return l;
           },
-          "int4 packed [N, K / 2] (kvflow's block layout), bf16 scales and mins [N, K / g], g, bias, act-order perm")
+          "int4 16-row tiles [N_pad / 16, 8K], bf16 scales and mins [N_pad / 16, K / g, 16], g, N, bias, act-order perm")
       .def("forward", &NativeLinear::forward, py::call_guard<py::gil_scoped_release>());
 
   py::class_<NativeDecoder, std::shared_ptr<NativeDecoder>>(m, "NativeDecoder")
@@ -93,7 +94,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "single-query attention over a paged int8 / fp8_e4m3 / int4 KV pool, dequantized as read");
   m.def("skinny_linear_int8", &skinny_linear_int8, "y = x @ (q * s)^T (+ b) for few rows x, int8 weights");
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
-  m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16");
+  m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16 (n_begin % 16 == 0)");
   m.def("dequantize_int8_rows", &dequantize_int8_rows, "rows [n_begin, n_end) of q * s as bf16");
   bind_decode_forward(m);
 }

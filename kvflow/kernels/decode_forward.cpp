@@ -42,6 +42,7 @@ namespace {
 constexpr int64_t kSkinnyMaxRows = 4;      // kvflow/layers/linear.py SKINNY_MAX_ROWS
 constexpr int64_t kQuantGemvMaxRows = 8;   // kvflow/quant/linear.py NATIVE_GEMV_MAX_ROWS
 constexpr int64_t kPrefillTileElements = 4 << 20;  // kvflow/quant/linear.py PREFILL_TILE_ELEMENTS
+constexpr int64_t kInt4TileRows = 16;              // kvflow/quant/linear.py INT4_TILE_ROWS
 constexpr float kInt8Max = 127.0f;         // kvflow/attention/kv_layer.py INT8_MAX
 constexpr float kFp8E4m3Max = 448.0f;      // FP8_E4M3_MAX
 constexpr float kInt4Levels = 15.0f;       // INT4_LEVELS
@@ -73,9 +74,9 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
 // Prefill-sized rows of a quantized linear: row blocks dequantized to bf16 and multiplied by
 // F.linear one at a time (kvflow/quant/linear.py _gemm_over_tiles).
 template <typename Dequantize>
-torch::Tensor gemm_over_tiles(const torch::Tensor& x, int64_t N, int64_t K, const Dequantize& dequantize,
-                              const c10::optional<torch::Tensor>& bias) {
-  const int64_t rows = std::max<int64_t>(1, kPrefillTileElements / K);
+torch::Tensor gemm_over_tiles(const torch::Tensor& x, int64_t N, int64_t K, int64_t row_multiple,
+                              const Dequantize& dequantize, const c10::optional<torch::Tensor>& bias) {
+  const int64_t rows = std::max<int64_t>(row_multiple, kPrefillTileElements / K / row_multiple * row_multiple);
   std::vector<torch::Tensor> parts;
   for (int64_t n0 = 0; n0 < N; n0 += rows) parts.push_back(at::linear(x, dequantize(n0, std::min(N, n0 + rows))));
   torch::Tensor y = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
@@ -93,14 +94,17 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
     case Kind::kInt8:
       if (M <= kQuantGemvMaxRows) return skinny_linear_int8(x_in, weight, scales, bias);
       return gemm_over_tiles(
-          x_in, out_features, in_features,
+          x_in, out_features, in_features, 1,
           [&](int64_t n0, int64_t n1) { return dequantize_int8_rows(weight, scales, n0, n1); }, bias);
     case Kind::kInt4: {
       const torch::Tensor x = perm.has_value() ? x_in.index_select(1, *perm) : x_in;
-      if (M <= kQuantGemvMaxRows) return skinny_linear_int4(x, weight, scales, mins, group_size, bias);
+      if (M <= kQuantGemvMaxRows) return skinny_linear_int4(x, weight, scales, mins, group_size, out_features, bias);
       return gemm_over_tiles(
-          x, out_features, in_features,
-          [&](int64_t n0, int64_t n1) { return dequantize_int4_rows(weight, scales, mins, group_size, n0, n1); }, bias);
+          x, out_features, in_features, kInt4TileRows,
+          [&](int64_t n0, int64_t n1) {
+            return dequantize_int4_rows(weight, scales, mins, group_size, out_features, n0, n1);
+          },
+          bias);
     }
   }
   TORCH_CHECK(false, "unreachable");

@@ -14,9 +14,9 @@ torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional
 torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                  c10::optional<torch::Tensor> bias);
 torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                                 int64_t group_size, c10::optional<torch::Tensor> bias);
+                                 int64_t group_size, int64_t out_features, c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize_int4_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                                   int64_t group_size, int64_t n_begin, int64_t n_end);
+                                   int64_t group_size, int64_t out_features, int64_t n_begin, int64_t n_end);
 torch::Tensor dequantize_int8_rows(torch::Tensor qweight, torch::Tensor scales, int64_t n_begin, int64_t n_end);
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                           torch::Tensor slots, torch::Tensor seq_lens, double scale);
@@ -31,10 +31,10 @@ namespace kvflow {
 struct NativeLinear {
   enum class Kind { kBf16, kInt8, kInt4 };
   Kind kind;
-  torch::Tensor weight;  // bf16 [N, K] | int8 [N, K] | int4 packed [N, K / 2] uint8
+  torch::Tensor weight;  // bf16 [N, K] | int8 [N, K] | int4 16-row tiles [N_pad / 16, 8K] uint8
   torch::Tensor packed;  // bf16 only: oneDNN's blocked copy (rows > 4)
-  torch::Tensor scales;  // int8 [N] fp32 | int4 [N, K / g] bf16
-  torch::Tensor mins;    // int4 [N, K / g] bf16
+  torch::Tensor scales;  // int8 [N] fp32 | int4 [N_pad / 16, K / g, 16] bf16
+  torch::Tensor mins;    // int4 [N_pad / 16, K / g, 16] bf16
   c10::optional<torch::Tensor> bias;
   c10::optional<torch::Tensor> perm;  // int4 act-order: input permutation [K]
   int64_t group_size = 0;

@@ -1,44 +1,56 @@
 // Weight-only int4 kernels (group-wise, asymmetric): decode GEMV on the nibble-packed matrix, and
 // row-block dequantization for prefill.
 //
-// Weights: q[N, K] in 0..15, a bf16 scale s and minimum z per group of g inputs (g a multiple of
-// 32): W[n, k] = q[n, k] * s[n, k / g] + z[n, k / g]. Packed in this kernel's own layout, blocks of
-// 128 inputs (one 64-byte line) per row: u16 lane i of block b holds
-//   q[128b + i] | q[128b + 32 + i] << 4 | q[128b + 64 + i] << 8 | q[128b + 96 + i] << 12,
-// so chunk c (32 consecutive weights) is nibble c of all 32 lanes: one shift and one mask away.
-// ([N, K / 2] bytes, little-endian lanes; K must be a multiple of 128.)
+// Weights: q[N, K] in 0..15, a bf16 scale s and minimum z per group of g = 32, 64 or 128 inputs:
+// W[n, k] = q[n, k] * s[n, k / g] + z[n, k / g]. K must be a multiple of g.
 //
-// skinny_linear_int4: y[M, N] = x[M, K] @ W^T (+ bias) for few rows (decode), streaming half a
-// byte per weight. The widening costs no conversion: for 0 <= v < 128 the bf16 bit pattern
-// 0x4300 | v is exactly 128 + v (exponent 2^7, the 7 mantissa bits hold v), so a nibble becomes a
-// bf16 with one ternary-logic instruction. Per group j the AVX512-BF16 dot product gives
-// d_j = x . (128 + q) in fp32, and
-//   y = sum_j s_j * d_j + (z_j - 128 s_j) * sum_{k in j} x_k
-// (the group sums of x are computed once per call). The 128 offset cancels in fp32 at a cost of
-// ~4 of its 24 bits, far below the bf16 output rounding.
+// Layout: tiles of 16 output rows (N padded to a multiple of 16 with zero rows). Per tile t, per
+// block of 32 inputs b and quarter c (0..3), 64 bytes in which bytes 4l..4l+3 belong to row
+// 16t + l:   byte 4l + i = q[16t + l][32b + 8c + i] | q[16t + l][32b + 8c + 4 + i] << 4.
+// So one AND gives, in 32-bit lane l, 4 consecutive weights of row l as bytes, and a shift and an
+// AND the next 4: the 16 lanes of a register are 16 output rows. packed: [N_pad / 16, 8K] uint8;
+// scales and mins: [N_pad / 16, K / g, 16] bf16 (tile t, group j, row l), one stream per tile.
+// (llama.cpp repacks q4_0 for its AVX kernels by interleaving rows too; this layout is kvflow's.)
+//
+// skinny_linear_int4: y[M, N] = x[M, K] @ W^T (+ bias) for few rows (decode). The activations are
+// quantized once per call to int8 per 32 inputs (symmetric, dx_b = max|x_b| / 127, round half to
+// even), as llama.cpp does for q4 x q8; then one VNNI instruction (vpdpbusd) multiplies 4 weights
+// of each of 16 rows by the same 4 activations (broadcast) and sums them into 16 int32 lanes:
+//   y[m, n] = sum_b s_{n, j(b)} * dx_{m, b} * (q_{n, b} . xq_{m, b})  +  sum_j z_{n, j} * xsum_{m, j}
+// with exact integer dot products, fp32 scaling and accumulation (in block order, whatever M is:
+// batch-invariant), and exact fp32 group sums of x. No horizontal reduction: lane l is row l.
+// About 33 vector instructions per 512 weights at one activation row, a third of what widening
+// nibbles to bf16 for vdpbf16ps needed, which left the GEMV compute-bound at g = 32 (NOTES.md).
+// The cost of int8 activations is measured in benchmarks/NOTES.md; prefill, compute-bound,
+// multiplies bf16 activations by dequantized row blocks.
 //
 // dequantize_int4_rows: W[n0:n1] as bf16 (q * s + z in fp32, rounded once) in the plain [rows, K]
-// layout, for prefill chunks multiplied a block at a time with oneDNN, as for int8 (gemv_int8.cpp).
+// layout, n0 a multiple of 16, for prefill chunks multiplied a block at a time with oneDNN.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include "gemv_common.h"
+#include "bf16_utils.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+// VNNI (vpdpbusd) for this file only: every CPU with AVX512-BF16 has it, and kvflow/kernels checks
+// the avx512_vnni CPU flag before building.
+#pragma GCC target("avx512vnni")
+
 namespace {
 
-using namespace kvflow::gemv;
-
-constexpr int64_t kChunk = kLanes;       // weights per bf16 register
-constexpr int64_t kBlock = 128;          // weights per packed 64-byte line (4 chunks)
-constexpr int64_t kPrefetchBytes = 512;  // packed weights prefetched ahead of the loads
-constexpr float kOffset = 128.0f;        // the value 0x4300 | v stands for, less v
+constexpr int64_t kTileRows = 16;          // output rows per tile: one per fp32/int32 lane
+constexpr int64_t kXBlock = 32;            // inputs per activation scale (llama.cpp's q8_0 block)
+constexpr int64_t kTileBlockBytes = 256;   // 16 rows x 32 int4 weights
+constexpr int64_t kMaxRowsPerPass = 8;     // activation rows sharing one pass over the weights
+constexpr float kInt8Max = 127.0f;
+constexpr int64_t kPrefetchBytes = 1024;   // packed weights prefetched ahead of the loads
 
 inline float bf16_to_float(uint16_t h) {
   const uint32_t bits = uint32_t(h) << 16;
@@ -47,168 +59,213 @@ inline float bf16_to_float(uint16_t h) {
   return f;
 }
 
-// Chunk c of a packed block -> 32 bf16 holding 128 + q, in element order:
-// ((lanes >> 4c) & 0x000F) | 0x4300, the mask-and-or as ternary-logic table 0xEA = (A & B) | C.
-template <int64_t C>
-inline __m512bh widen_chunk(__m512i lanes) {
-  const __m512i shifted = C == 0 ? lanes : _mm512_srli_epi16(lanes, 4 * C);
-  return (__m512bh)_mm512_ternarylogic_epi32(shifted, _mm512_set1_epi16(0x000F), _mm512_set1_epi16(0x4300), 0xEA);
+inline __m512 load_bf16x16(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// The activations as the GEMV reads them, built once per call.
+struct QuantizedActivations {
+  std::vector<int8_t> q;      // [M, K]: round(x / dx_b), |q| <= 127
+  std::vector<float> scales;  // [M, K / 32]: dx_b
+  std::vector<float> sums;    // [M, K / g]: exact sums of x over each weight group
+};
+
+QuantizedActivations quantize_activations(const uint16_t* x, int64_t M, int64_t K, int64_t g) {
+  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * (K / kXBlock)), std::vector<float>(M * (K / g))};
+  float xf[kXBlock];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < K / kXBlock; ++b) {
+      const uint16_t* xb = x + m * K + b * kXBlock;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < kXBlock; ++i) amax = std::max(amax, std::fabs(xf[i] = bf16_to_float(xb[i])));
+      const float inv = amax > 0.0f ? kInt8Max / amax : 0.0f;
+      for (int64_t i = 0; i < kXBlock; ++i) a.q[m * K + b * kXBlock + i] = static_cast<int8_t>(std::nearbyint(xf[i] * inv));
+      a.scales[m * (K / kXBlock) + b] = amax / kInt8Max;
+    }
+    for (int64_t j = 0; j < K / g; ++j) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < g; ++i) sum += bf16_to_float(x[m * K + j * g + i]);
+      a.sums[m * (K / g) + j] = sum;
+    }
+  }
+  return a;
 }
 
 struct Gemv {
-  const uint8_t* w;       // [N, K / 2]
-  const uint16_t* scales; // [N, K / g] bf16
-  const uint16_t* mins;   // [N, K / g] bf16
-  const uint16_t* x;      // [M, K] bf16
-  const float* xsum;      // [M, K / g]
-  const float* bias;
-  uint16_t* y;            // [M, N] bf16
+  const uint8_t* w;        // [N_pad / 16, 8K]
+  const uint16_t* scales;  // [N_pad / 16, K / g, 16] bf16
+  const uint16_t* mins;    // [N_pad / 16, K / g, 16] bf16
+  const QuantizedActivations* x;
+  const float* bias;  // [N] or null
+  uint16_t* y;        // [M, N] bf16
   int64_t M, K, N, g;
 
-  // out[m] = row n of W dotted with x[m], for MB rows of x. Groups' dot products are independent
-  // chains (each starts from zero), so the out-of-order core overlaps consecutive groups; their
-  // scaled sums alternate between two accumulators.
-  template <int64_t MB, int64_t C>
-  inline void chunk_dot(__m512i lanes, const uint16_t* xm, int64_t k, __m512* dot) const {
-    const __m512bh wv = widen_chunk<C>(lanes);
-    for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_dpbf16_ps(dot[m], wv, load_bf16(xm + m * K + k + C * kChunk));
-  }
-
-  // out[m] = row n of W dotted with x[m], for MB rows of x. Each group's dot product is its own
-  // chain, restarted from zero, so the out-of-order core overlaps consecutive groups; the scaled
-  // group sums alternate between two accumulators.
+  // acc[m] (lane l: row 16t + l) = W[16t + l] . x[m0 + m] for MB activation rows.
   template <int64_t MB>
-  inline void row_dot(int64_t n, const uint16_t* xm, const float* xs, float* out) const {
-    const int64_t groups = K / g, chunks_per_group = g / kChunk;
-    const uint8_t* wn = w + n * (K / 2);
-    const uint16_t* sn = scales + n * groups;
-    const uint16_t* zn = mins + n * groups;
-    __m512 total[MB][2], dot[MB];
-    float corr[MB];
-    for (int64_t m = 0; m < MB; ++m) {
-      total[m][0] = total[m][1] = dot[m] = _mm512_setzero_ps();
-      corr[m] = 0.0f;
-    }
-    int64_t j = 0, left_in_group = chunks_per_group;
-    auto close_group_if_done = [&]() {
-      if (--left_in_group) return;
-      const float s = bf16_to_float(sn[j]);
-      const float z = bf16_to_float(zn[j]) - kOffset * s;
-      const __m512 sv = _mm512_set1_ps(s);
-      for (int64_t m = 0; m < MB; ++m) {
-        total[m][j & 1] = _mm512_fmadd_ps(dot[m], sv, total[m][j & 1]);
-        dot[m] = _mm512_setzero_ps();
-        corr[m] += z * xs[m * groups + j];
+  inline void tile_dot(int64_t t, int64_t m0, __m512* acc) const {
+    const int64_t groups = K / g, blocks = K / kXBlock, blocks_per_group = g / kXBlock;
+    const uint8_t* wt = w + t * (8 * K);
+    const uint16_t* st = scales + t * groups * kTileRows;
+    const uint16_t* zt = mins + t * groups * kTileRows;
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int64_t m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    __m512 s = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t j = b / blocks_per_group;
+      if (b % blocks_per_group == 0) {  // a new group: its scales, and sum_j z_j * xsum_j
+        s = load_bf16x16(st + j * kTileRows);
+        const __m512 z = load_bf16x16(zt + j * kTileRows);
+        for (int64_t m = 0; m < MB; ++m)
+          acc[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(x->sums[(m0 + m) * groups + j]), acc[m]);
       }
-      ++j;
-      left_in_group = chunks_per_group;
-    };
-    for (int64_t k = 0; k < K; k += kBlock) {
-      _mm_prefetch(reinterpret_cast<const char*>(wn + k / 2 + kPrefetchBytes), _MM_HINT_T0);
-      const __m512i lanes = _mm512_loadu_si512(wn + k / 2);
-      chunk_dot<MB, 0>(lanes, xm, k, dot);
-      close_group_if_done();
-      chunk_dot<MB, 1>(lanes, xm, k, dot);
-      close_group_if_done();
-      chunk_dot<MB, 2>(lanes, xm, k, dot);
-      close_group_if_done();
-      chunk_dot<MB, 3>(lanes, xm, k, dot);
-      close_group_if_done();
+      const uint8_t* wb = wt + b * kTileBlockBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 128), _MM_HINT_T0);
+      __m512i dot[MB];
+      for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < 4; ++c) {
+        const __m512i packed = _mm512_loadu_si512(wb + 64 * c);
+        const __m512i lo = _mm512_and_si512(packed, nibble);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+        for (int64_t m = 0; m < MB; ++m) {
+          const int8_t* xq = x->q.data() + (m0 + m) * K + b * kXBlock + 8 * c;
+          int32_t x_lo, x_hi;  // 4 activations each, broadcast to every row's lane
+          std::memcpy(&x_lo, xq, 4);
+          std::memcpy(&x_hi, xq + 4, 4);
+          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x_lo));
+          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x_hi));
+        }
+      }
+      for (int64_t m = 0; m < MB; ++m) {
+        const __m512 sdx = _mm512_mul_ps(s, _mm512_set1_ps(x->scales[(m0 + m) * blocks + b]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), sdx, acc[m]);
+      }
     }
-    for (int64_t m = 0; m < MB; ++m) out[m] = _mm512_reduce_add_ps(_mm512_add_ps(total[m][0], total[m][1])) + corr[m];
   }
 
-  void rows(int64_t n_begin, int64_t n_end) const {
-    const int64_t groups = K / g;
-    const auto dot = [&](int64_t n, auto mb, int64_t m0, float* out) {
-      row_dot<decltype(mb)::value>(n, x + m0 * K, xsum + m0 * groups, out);
-    };
-    const auto finish = [&](int64_t n, float d) { return bias ? d + bias[n] : d; };
-    gemv_rows(M, N, n_begin, n_end, dot, finish, y);
+  void tiles(int64_t t_begin, int64_t t_end) const {
+    __m512 acc[kMaxRowsPerPass];
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t n0 = t * kTileRows, valid = std::min(kTileRows, N - n0);
+      const __mmask16 keep = __mmask16((1u << valid) - 1u);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
+        const int64_t mb = std::min(kMaxRowsPerPass, M - m0);
+        switch (mb) {
+          case 1: tile_dot<1>(t, m0, acc); break;
+          case 2: tile_dot<2>(t, m0, acc); break;
+          case 3: tile_dot<3>(t, m0, acc); break;
+          case 4: tile_dot<4>(t, m0, acc); break;
+          case 5: tile_dot<5>(t, m0, acc); break;
+          case 6: tile_dot<6>(t, m0, acc); break;
+          case 7: tile_dot<7>(t, m0, acc); break;
+          default: tile_dot<8>(t, m0, acc); break;
+        }
+        for (int64_t m = 0; m < mb; ++m) {  // bf16(acc + bias), round to nearest even
+          const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
+          _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
+        }
+      }
+    }
   }
 };
 
-void check_weights(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& mins, int64_t g) {
+struct Weights {
+  int64_t N, K, tiles, groups;
+};
+
+Weights check_weights(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& mins, int64_t g,
+                      int64_t N) {
   TORCH_CHECK(packed.dtype() == torch::kUInt8 && scales.dtype() == torch::kBFloat16 && mins.dtype() == torch::kBFloat16,
               "uint8 packed weights and bf16 scales/mins expected");
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), "contiguous weights expected");
-  const int64_t K = packed.size(1) * 2;
-  TORCH_CHECK(g % kChunk == 0 && K % g == 0 && K % kBlock == 0,
-              "group size must be a multiple of 32 dividing in_features, a multiple of 128");
-  TORCH_CHECK(scales.size(0) == packed.size(0) && scales.size(1) == K / g && mins.sizes() == scales.sizes(),
-              "scales/mins must be [out, in / group]");
-}
-
-// Chunk C of a block at input k: 32 weights (128 + q) * s + (z - 128 s) -> bf16 at out_row + k + 32C.
-template <int64_t C>
-inline void dequantize_chunk(__m512i lanes, const uint16_t* s, const uint16_t* z, int64_t row_group0, int64_t k,
-                             int64_t g, uint16_t* out_row) {
-  const int64_t kc = k + C * kChunk, j = row_group0 + kc / g;
-  const float sj = bf16_to_float(s[j]);
-  const __m512 sv = _mm512_set1_ps(sj), zv = _mm512_set1_ps(bf16_to_float(z[j]) - kOffset * sj);
-  const __m512i wide = (__m512i)widen_chunk<C>(lanes);  // 32 bf16: element 2i low, 2i + 1 high of lane i
-  const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-  const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(wide, _mm512_set1_epi32(int(0xFFFF0000))));
-  const __m512i e = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(even, sv, zv)));
-  const __m512i o = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(odd, sv, zv)));
-  _mm512_storeu_si512(out_row + kc, _mm512_or_si512(e, _mm512_slli_epi32(o, 16)));
+  TORCH_CHECK(packed.dim() == 2 && packed.size(1) % (8 * kXBlock) == 0, "packed must be [N_pad / 16, 8K]");
+  const int64_t K = packed.size(1) / 8, tiles = packed.size(0);
+  TORCH_CHECK((g == 32 || g == 64 || g == 128) && K % g == 0, "native int4: group size 32, 64 or 128 dividing K");
+  TORCH_CHECK(0 < N && N <= tiles * kTileRows && N > (tiles - 1) * kTileRows, "N does not match the tiles");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(0) == tiles && scales.size(1) == K / g && scales.size(2) == kTileRows &&
+                  mins.sizes() == scales.sizes(),
+              "scales/mins must be [N_pad / 16, K / g, 16]");
+  return {N, K, tiles, K / g};
 }
 
 }  // namespace
 
-// x: [M, K] bf16; packed: [N, K / 2] uint8; scales, mins: [N, K / g] bf16; bias: optional [N]
-// -> [M, N] bf16.
+// x: [M, K] bf16; packed, scales, mins: the tile layout above; N = out_features; bias: optional
+// [N] -> [M, N] bf16.
 torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                                 int64_t group_size, c10::optional<torch::Tensor> bias) {
-  check_weights(packed, scales, mins, group_size);
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == packed.size(1) * 2, "bf16 x [M, K]");
+                                 int64_t group_size, int64_t out_features, c10::optional<torch::Tensor> bias) {
+  const Weights wt = check_weights(packed, scales, mins, group_size, out_features);
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == wt.K, "bf16 x [M, K]");
   x = x.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = packed.size(0), groups = K / group_size;
-  // Group sums of x in fp32, [M, K / g]: dot products with a vector of bf16 ones (exact products).
-  std::vector<float> xsum(M * groups);
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);  // bf16 1.0
-  for (int64_t i = 0; i < M * groups; ++i) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < group_size; c += kChunk) acc = _mm512_dpbf16_ps(acc, load_bf16(xp + i * group_size + c), ones);
-    xsum[i] = _mm512_reduce_add_ps(acc);
-  }
-  auto y = torch::empty({M, N}, x.options());
+  const int64_t M = x.size(0);
+  const QuantizedActivations activations =
+      quantize_activations(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, wt.K, group_size);
+  auto y = torch::empty({M, wt.N}, x.options());
   torch::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
   const Gemv gemv{packed.data_ptr<uint8_t>(),
                   reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(mins.data_ptr<at::BFloat16>()),
-                  xp,
-                  xsum.data(),
+                  &activations,
                   bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
-                  M, K, N, group_size};
+                  M, wt.K, wt.N, group_size};
   // Grain: a thread streams >= ~64 KiB of packed weights between synchronisations.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K / 2));
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { gemv.rows(begin, end); });
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (8 * wt.K));
+  at::parallel_for(0, wt.tiles, grain, [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
   return y;
 }
 
-// Rows [n_begin, n_end) of q * s + z as bf16 [n_end - n_begin, K].
+// Rows [n_begin, n_end) of q * s + z as bf16 [n_end - n_begin, K]; n_begin a multiple of 16.
 torch::Tensor dequantize_int4_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                                   int64_t group_size, int64_t n_begin, int64_t n_end) {
-  check_weights(packed, scales, mins, group_size);
-  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= packed.size(0), "row range out of bounds");
-  const int64_t K = packed.size(1) * 2, groups = K / group_size, rows = n_end - n_begin;
+                                   int64_t group_size, int64_t out_features, int64_t n_begin, int64_t n_end) {
+  const Weights wt = check_weights(packed, scales, mins, group_size, out_features);
+  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= wt.N && n_begin % kTileRows == 0,
+              "row range out of bounds (or not starting on a 16-row tile)");
+  const int64_t K = wt.K, g = group_size, rows = n_end - n_begin;
   auto out = torch::empty({rows, K}, scales.options());
-  const uint8_t* w = packed.data_ptr<uint8_t>() + n_begin * (K / 2);
-  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()) + n_begin * groups;
-  const auto* z = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::BFloat16>()) + n_begin * groups;
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      for (int64_t k = 0; k < K; k += kBlock) {
-        const __m512i lanes = _mm512_loadu_si512(w + r * (K / 2) + k / 2);
-        dequantize_chunk<0>(lanes, s, z, r * groups, k, group_size, o + r * K);
-        dequantize_chunk<1>(lanes, s, z, r * groups, k, group_size, o + r * K);
-        dequantize_chunk<2>(lanes, s, z, r * groups, k, group_size, o + r * K);
-        dequantize_chunk<3>(lanes, s, z, r * groups, k, group_size, o + r * K);
+  const uint8_t* w = packed.data_ptr<uint8_t>();
+  const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());
+  const auto* z = reinterpret_cast<const uint16_t*>(mins.data_ptr<at::BFloat16>());
+  // Per 16-lane register of one tile: lane l is row l; its 4 bytes expand to 4 consecutive weights.
+  // Rows 4r..4r+3 sit in 128-bit lane r, so each 128-bit lane is widened separately to 16 floats
+  // (4 rows x 4 weights) whose scales are lanes [4r x4, 4r+1 x4, 4r+2 x4, 4r+3 x4] of the tile's.
+  const __m512i expand[4] = {
+      _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0),
+      _mm512_set_epi32(7, 7, 7, 7, 6, 6, 6, 6, 5, 5, 5, 5, 4, 4, 4, 4),
+      _mm512_set_epi32(11, 11, 11, 11, 10, 10, 10, 10, 9, 9, 9, 9, 8, 8, 8, 8),
+      _mm512_set_epi32(15, 15, 15, 15, 14, 14, 14, 14, 13, 13, 13, 13, 12, 12, 12, 12)};
+  const int64_t t_begin = n_begin / kTileRows, t_end = (n_end + kTileRows - 1) / kTileRows;
+  at::parallel_for(t_begin, t_end, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) uint16_t tile[kTileRows * 8];  // one quarter: 16 rows x 8 weights, row-major
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t valid = std::min(kTileRows, n_end - t * kTileRows);
+      for (int64_t b = 0; b < K / kXBlock; ++b) {
+        const int64_t j = b * kXBlock / g;
+        const __m512 sv = load_bf16x16(s + (t * (K / g) + j) * kTileRows);
+        const __m512 zv = load_bf16x16(z + (t * (K / g) + j) * kTileRows);
+        for (int64_t c = 0; c < 4; ++c) {
+          const __m512i packed_q = _mm512_loadu_si512(w + t * (8 * K) + b * kTileBlockBytes + 64 * c);
+          const __m512i halves[2] = {_mm512_and_si512(packed_q, _mm512_set1_epi8(0x0F)),
+                                     _mm512_and_si512(_mm512_srli_epi16(packed_q, 4), _mm512_set1_epi8(0x0F))};
+          for (int64_t h = 0; h < 2; ++h) {  // h = 0: weights 8c..8c+3 of each row, h = 1: 8c+4..8c+7
+            for (int64_t r = 0; r < 4; ++r) {
+              const __m128i bytes = r == 0 ? _mm512_extracti32x4_epi32(halves[h], 0)
+                                    : r == 1 ? _mm512_extracti32x4_epi32(halves[h], 1)
+                                    : r == 2 ? _mm512_extracti32x4_epi32(halves[h], 2)
+                                             : _mm512_extracti32x4_epi32(halves[h], 3);
+              const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+              const __m512 v = _mm512_fmadd_ps(q, _mm512_permutexvar_ps(expand[r], sv), _mm512_permutexvar_ps(expand[r], zv));
+              alignas(32) uint16_t vals[16];
+              _mm256_store_si256(reinterpret_cast<__m256i*>(vals), (__m256i)_mm512_cvtneps_pbh(v));
+              for (int64_t l = 0; l < 4; ++l) std::memcpy(tile + (4 * r + l) * 8 + 4 * h, vals + 4 * l, 8);
+            }
+          }
+          const int64_t k = b * kXBlock + 8 * c;
+          for (int64_t l = 0; l < valid; ++l) std::memcpy(o + (t * kTileRows + l - n_begin) * K + k, tile + l * 8, 16);
+        }
       }
     }
   });

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from kvflow.config import ScoringPath
 from kvflow.llm import LLM
 from kvflow.quality.teacher_forcing import QualityTotals, window_log_probs, windows
 from kvflow.sampling_params import SamplingParams
@@ -46,9 +47,15 @@ def decode_rate(llm: LLM, prompt_ids: list[int]) -> float:
 
 
 def compare(
-    reference: LLM, candidate: LLM, token_ids: list[int], window: int, kv_cache_dtype: str = "auto"
+    reference: LLM,
+    candidate: LLM,
+    token_ids: list[int],
+    window: int,
+    kv_cache_dtype: str = "auto",
+    path: ScoringPath = "prefill",
 ) -> dict[str, Any]:
-    """The candidate runs with its own weights and, if given, a quantized KV cache."""
+    """The candidate runs with its own weights and, if given, a quantized KV cache; both score every
+    position along `path` (teacher_forcing.py: prefill chunks, or decode rows as generation does)."""
     ref_model = reference.llm_engine.model_runner.model
     cand_model = candidate.llm_engine.model_runner.model
     totals = QualityTotals()
@@ -56,9 +63,8 @@ def compare(
         if len(chunk) < 2:
             continue
         inputs, targets = chunk[:-1], torch.tensor(chunk[1:])
-        totals.add(
-            window_log_probs(ref_model, inputs), window_log_probs(cand_model, inputs, kv_cache_dtype), targets
-        )
+        reference_lp = window_log_probs(ref_model, inputs, path=path)
+        totals.add(reference_lp, window_log_probs(cand_model, inputs, kv_cache_dtype, path), targets)
     if totals.positions == 0:
         raise ValueError("the text is too short to evaluate (needs at least 2 tokens)")
     figures = totals.snapshot()
@@ -72,6 +78,7 @@ def compare(
         )
     ]
     return {
+        "path": path,
         "positions": totals.positions,
         "mean_kl": figures["mean_kl"],
         "top1_agreement": figures["top1_agreement"],

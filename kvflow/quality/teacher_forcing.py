@@ -4,9 +4,13 @@ totals both quality measurements keep (`kvflow quant-eval` offline, the serving 
     top-1       share of positions where both put the highest probability on the same token
     perplexity  exp(mean negative log-likelihood of the actual next token), for each path
 
-The sequence is cut into windows of at most `window` tokens; each window is one prefill chunk over
-a private KV store (no cached context), so every position's logits come from the same forward the
-engine runs for a prompt.
+The sequence is cut into windows of at most `window` tokens, each scored over a private KV store
+(no cached context) along one of the engine's two paths:
+    prefill  the window is one prefill chunk: every position's logits come from the forward the
+             engine runs for a prompt (large matrix products, bf16 activations);
+    decode   the positions are decode rows, DECODE_ROWS per step in order, each attending the keys
+             the earlier steps wrote: the forward that produces generated tokens (the few-row GEMVs,
+             which for int4 weights quantize activations to int8, and the decode attention kernel).
 """
 
 from __future__ import annotations
@@ -19,32 +23,31 @@ import torch
 from kvflow.attention.kv_layer import QUANTIZED_KV_DTYPES
 from kvflow.attention.kv_store import KVStore
 from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
+from kvflow.config import ScoringPath
 from kvflow.models.llama import LlamaFamilyForCausalLM
 
 SCORING_BLOCK_SIZE = 16
+# Decode rows per step on the decode path: the most the quantized GEMVs take (NATIVE_GEMV_MAX_ROWS),
+# so every row goes through them as a batch of decoding requests would.
+DECODE_ROWS = 8
 
 
 @torch.no_grad()
 def window_log_probs(
-    model: LlamaFamilyForCausalLM, token_ids: list[int], kv_cache_dtype: str = "auto"
+    model: LlamaFamilyForCausalLM,
+    token_ids: list[int],
+    kv_cache_dtype: str = "auto",
+    path: ScoringPath = "prefill",
 ) -> torch.Tensor:
     """log-softmax of the logits at every position of one window: [len(token_ids), vocab] float32.
 
-    With a quantized `kv_cache_dtype` every query attends to keys and values read back from the
-    quantized pool (explicit slots and a causal mask), as decode steps would see them; otherwise the
-    chunk attends to its fresh K/V, as a prompt's prefill does."""
+    Prefill path: with a quantized `kv_cache_dtype` every query attends to keys and values read back
+    from the quantized pool (explicit slots and a causal mask), as decode steps would see them;
+    otherwise the chunk attends to its fresh K/V, as a prompt's prefill does."""
+    store = _private_store(model, len(token_ids), kv_cache_dtype)
+    if path == "decode":
+        return _decode_log_probs(model, token_ids, store)
     n = len(token_ids)
-    cfg = model.config
-    num_blocks = n // SCORING_BLOCK_SIZE + 2  # + the null block 0 and a partial last block
-    store = KVStore(
-        cfg.num_hidden_layers,
-        num_blocks,
-        SCORING_BLOCK_SIZE,
-        cfg.num_key_value_heads,
-        cfg.head_dim,
-        model.dtype,
-        kv_cache_dtype,
-    )
     slots = SCORING_BLOCK_SIZE + torch.arange(n)  # skip the null block
     chunk = PrefillChunkMetadata(0, n, None, None)
     if kv_cache_dtype in QUANTIZED_KV_DTYPES:
@@ -60,6 +63,44 @@ def window_log_probs(
     )
     hidden = model(torch.tensor(token_ids), meta, store)
     return torch.log_softmax(model.compute_logits(hidden), dim=-1)
+
+
+def _private_store(model: LlamaFamilyForCausalLM, n: int, kv_cache_dtype: str) -> KVStore:
+    cfg = model.config
+    num_blocks = n // SCORING_BLOCK_SIZE + 2  # + the null block 0 and a partial last block
+    return KVStore(
+        cfg.num_hidden_layers,
+        num_blocks,
+        SCORING_BLOCK_SIZE,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        model.dtype,
+        kv_cache_dtype,
+    )
+
+
+def _decode_log_probs(model: LlamaFamilyForCausalLM, token_ids: list[int], store: KVStore) -> torch.Tensor:
+    """Positions as decode rows, DECODE_ROWS per step in order; row i attends keys 0..i, the earlier
+    ones written by earlier steps (slot of position p: SCORING_BLOCK_SIZE + p, past the null block)."""
+    n = len(token_ids)
+    rows = []
+    for start in range(0, n, DECODE_ROWS):
+        positions = torch.arange(start, min(n, start + DECODE_ROWS))
+        num_keys = positions + 1  # [B]
+        key_pos = torch.arange(int(num_keys.max()))[None, :]  # [1, L]
+        valid = key_pos < num_keys[:, None]  # [B, L]
+        meta = AttentionMetadata(
+            positions=positions,
+            slot_mapping=SCORING_BLOCK_SIZE + positions,
+            num_decode_tokens=len(positions),
+            decode_kv_slots=torch.where(valid, SCORING_BLOCK_SIZE + key_pos, 0),
+            decode_attend=valid[:, None, None, :],
+            decode_num_keys=num_keys,
+            prefills=[],
+        )
+        hidden = model(torch.tensor(token_ids[start : start + DECODE_ROWS]), meta, store)
+        rows.append(torch.log_softmax(model.compute_logits(hidden), dim=-1))
+    return torch.cat(rows)
 
 
 def windows(token_ids: list[int], window: int) -> list[list[int]]:

@@ -11,9 +11,11 @@ to stream fewer bytes.
   A block is at most PREFILL_TILE_ELEMENTS weights, so it stays in cache between its
   dequantization and its use and no whole bf16 matrix is ever held.
 - int8 otherwise: `aten._weight_int8pack_mm` (int8 [out, in], one scale per row).
-- int4, bf16 models with the native kernels (gemv_int4.cpp; in_features a multiple of 128): the
-  same two paths on kvflow's own nibble layout (`pack_int4_blocks`): the GEMV for M <= 8 (~1.3x
-  PyTorch's int4 kernel, ~3.5x the bf16 GEMV at M = 1) and blockwise dequantize-and-GEMM above.
+- int4, bf16 models with the native kernels (gemv_int4.cpp; group size 32, 64 or 128): the same
+  two paths on kvflow's own layout of 16-row tiles (`pack_int4_tiles`): for M <= 8 the GEMV, which
+  quantizes the activations to int8 per 32 inputs and multiplies them with VNNI as llama.cpp's
+  q4 x q8 does (its quality cost in benchmarks/NOTES.md), and blockwise dequantize-and-GEMM with
+  bf16 activations above.
 - int4 otherwise: `aten._weight_int4pack_mm_for_cpu` reads nibble-packed weights with per-group
   (scale, zero) pairs, computing w = (q - 8) x scale + zero, so zero = min + 8 x scale in our
   asymmetric convention. Float32 models run it in bf16 (its supported dtype).
@@ -42,8 +44,13 @@ from kvflow.quant.weights import Int4Weight, Int8Weight
 
 # Up to this many rows the native int8/int4 GEMVs beat dequantize-and-GEMM (measured at M = 4..16).
 NATIVE_GEMV_MAX_ROWS = 8
-# The native int4 layout packs blocks of this many inputs (one 64-byte line) per row.
-INT4_NATIVE_BLOCK = 128
+# The native int4 layout (kvflow/kernels/gemv_int4.cpp): tiles of 16 output rows, one per 32-bit
+# lane of a VNNI register, each 32 inputs of a tile in 4 quarters of 16 x 8 nibbles.
+INT4_TILE_ROWS = 16
+INT4_TILE_INPUTS = 32  # inputs per block (and per int8 activation scale)
+INT4_TILE_LANE_BYTES = 4  # bytes of one row in one quarter: 4 low + 4 high nibbles = 8 weights
+# Group sizes the native int4 GEMV takes; others keep torch's kernel.
+INT4_NATIVE_GROUP_SIZES = (32, 64, 128)
 # Weights per dequantized block in prefill: 4 Mi bf16 = 8 MiB, within this EPYC's L3 slice and
 # large enough (e.g. 4,681 rows of 896) that oneDNN runs at full speed on it.
 PREFILL_TILE_ELEMENTS = 4 * 2**20
@@ -93,9 +100,11 @@ class Int8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int8 per channel"
 
 
-def _row_blocks(out_features: int, in_features: int) -> list[tuple[int, int]]:
-    """[n0, n1) row ranges of at most PREFILL_TILE_ELEMENTS weights covering the output rows."""
-    rows = max(1, PREFILL_TILE_ELEMENTS // in_features)
+def _row_blocks(out_features: int, in_features: int, multiple: int = 1) -> list[tuple[int, int]]:
+    """[n0, n1) row ranges of at most PREFILL_TILE_ELEMENTS weights (a multiple of `multiple` rows,
+    int4's tiles; at least one multiple) covering the output rows. kvflow/kernels/decode_forward.cpp
+    cuts the same blocks, so both paths give the same numbers."""
+    rows = max(multiple, PREFILL_TILE_ELEMENTS // in_features // multiple * multiple)
     return [(n0, min(out_features, n0 + rows)) for n0 in range(0, out_features, rows)]
 
 
@@ -108,21 +117,34 @@ def _gemm_over_tiles(
     return y if bias is None else y + bias
 
 
-def pack_int4_blocks(q: torch.Tensor) -> torch.Tensor:
-    """q [out, in] holding 0..15 -> the native kernel's [out, in / 2] uint8 layout: per block of
-    128 inputs, little-endian u16 lane i = q[i] | q[32 + i] << 4 | q[64 + i] << 8 | q[96 + i] << 12."""
+def pack_int4_tiles(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] holding 0..15 -> the native kernel's 16-row tiles, [ceil(out / 16), 8 * in] uint8
+    (kvflow/kernels/gemv_int4.cpp): per tile t, block b of 32 inputs, quarter c (0..3), byte 4l + i
+    = q[16t + l, 32b + 8c + i] | q[16t + l, 32b + 8c + 4 + i] << 4. Padding rows are zero."""
     out, inp = q.shape
-    chunks = q.to(torch.uint8).reshape(out, inp // INT4_NATIVE_BLOCK, 4, INT4_NATIVE_BLOCK // 4)
-    low_byte = chunks[:, :, 0] | (chunks[:, :, 1] << 4)
-    high_byte = chunks[:, :, 2] | (chunks[:, :, 3] << 4)
-    return torch.stack([low_byte, high_byte], dim=-1).reshape(out, inp // 2).contiguous()
+    tiles = -(-out // INT4_TILE_ROWS)
+    padded = torch.zeros(tiles * INT4_TILE_ROWS, inp, dtype=torch.uint8)
+    padded[:out] = q.to(torch.uint8)
+    # [t, l, b, c, half, i]: row 16t + l, input 32b + 8c + 4 * half + i
+    v = padded.reshape(tiles, INT4_TILE_ROWS, inp // INT4_TILE_INPUTS, 4, 2, INT4_TILE_LANE_BYTES)
+    nibbles = v[..., 0, :] | (v[..., 1, :] << 4)  # [t, l, b, c, i]
+    return nibbles.permute(0, 2, 3, 1, 4).reshape(tiles, 8 * inp).contiguous()  # [t, b, c, l, i]
+
+
+def tile_group_params(p: torch.Tensor) -> torch.Tensor:
+    """Per-group scales or mins [out, in / g] -> the tiles' [ceil(out / 16), in / g, 16] bf16."""
+    out, groups = p.shape
+    tiles = -(-out // INT4_TILE_ROWS)
+    padded = torch.zeros(tiles * INT4_TILE_ROWS, groups, dtype=torch.bfloat16)
+    padded[:out] = p.to(torch.bfloat16)
+    return padded.reshape(tiles, INT4_TILE_ROWS, groups).transpose(1, 2).contiguous()
 
 
 class Int4Linear(nn.Module):
-    qweight: torch.Tensor  # [out, in / 2] uint8, the chosen kernel's packed layout
+    qweight: torch.Tensor  # the chosen kernel's packing: native [out / 16, 8 in] tiles, torch's own
     scales_and_zeros: torch.Tensor  # torch kernel: [in / group, out, 2] bf16
-    scales: torch.Tensor  # native kernel: [out, in / group] bf16
-    mins: torch.Tensor  # native kernel: [out, in / group] bf16
+    scales: torch.Tensor  # native kernel: [out / 16, in / group, 16] bf16 (tile_group_params)
+    mins: torch.Tensor  # native kernel: [out / 16, in / group, 16] bf16
     bias: torch.Tensor | None
     perm: torch.Tensor | None  # [in]: act-order checkpoints' input order (groups contiguous after it)
 
@@ -139,14 +161,14 @@ class Int4Linear(nn.Module):
         self.group_size = weight.group_size
         self.dtype = dtype
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
-        native_layout = self.in_features % INT4_NATIVE_BLOCK == 0 and self.group_size % 32 == 0
+        native_layout = self.group_size in INT4_NATIVE_GROUP_SIZES
         self._native: tuple[SkinnyLinearInt4, DequantizeInt4Rows] | None = (
             int4_weight_kernels() if dtype == torch.bfloat16 and native_layout else None
         )
         if self._native is not None:
-            self.register_buffer("qweight", pack_int4_blocks(weight.qweight))
-            self.register_buffer("scales", weight.scales.to(torch.bfloat16).contiguous())  # [out, in / group]
-            self.register_buffer("mins", weight.mins.to(torch.bfloat16).contiguous())
+            self.register_buffer("qweight", pack_int4_tiles(weight.qweight))
+            self.register_buffer("scales", tile_group_params(weight.scales))
+            self.register_buffer("mins", tile_group_params(weight.mins))
             return
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
             weight.qweight.contiguous(), INT4_INNER_K_TILES
@@ -163,10 +185,11 @@ class Int4Linear(nn.Module):
         if self._native is not None:
             gemv, dequantize_rows = self._native
             g = self.group_size
+            n = self.out_features
             if x.shape[0] <= NATIVE_GEMV_MAX_ROWS:
-                return gemv(x, self.qweight, self.scales, self.mins, g, self.bias)
-            blocks = _row_blocks(self.out_features, self.in_features)
-            tiles = (dequantize_rows(self.qweight, self.scales, self.mins, g, n0, n1) for n0, n1 in blocks)
+                return gemv(x, self.qweight, self.scales, self.mins, g, n, self.bias)
+            blocks = _row_blocks(n, self.in_features, INT4_TILE_ROWS)
+            tiles = (dequantize_rows(self.qweight, self.scales, self.mins, g, n, n0, n1) for n0, n1 in blocks)
             return _gemm_over_tiles(x, tiles, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.qweight, self.group_size, self.scales_and_zeros
@@ -177,8 +200,8 @@ class Int4Linear(nn.Module):
         """This layer for the native decode forward: the same kernels as `forward` (None: torch only)."""
         if self._native is None:
             return None
-        g = self.group_size
-        return classes.linear.int4(self.qweight, self.scales, self.mins, g, self.bias, self.perm)
+        g, n = self.group_size, self.out_features
+        return classes.linear.int4(self.qweight, self.scales, self.mins, g, n, self.bias, self.perm)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 group {self.group_size}"

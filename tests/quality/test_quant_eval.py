@@ -62,3 +62,34 @@ def test_quant_eval_reads_kv_back_from_the_quantized_pool(
         candidate = LLM(path, max_model_len=64, kv_cache_dtype=kv)
         kl[kv] = compare(reference, candidate, ids, 63, kv)["mean_kl"]
     assert 0.0 < kl["int8"] < kl["int4"]  # coarser KV, larger divergence (and never exactly zero)
+
+
+def test_decode_path_scores_each_position_as_a_decode_row(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    """In float32 both paths compute the same function (decode rows attend the keys earlier steps
+    wrote): a wrong slot, position or mask in the decode rows would show as errors of order 1."""
+    llm = LLM(str(tiny_checkpoint_factory("mistral")), dtype="float32", max_model_len=128)  # sliding window
+    ids = llm.get_tokenizer().encode("def main():\n    return [x * 2 for x in range(10)]\n" * 2)
+    model = llm.llm_engine.model_runner.model
+    prefill = window_log_probs(model, ids)
+    decode = window_log_probs(model, ids, path="decode")
+    assert decode.shape == prefill.shape == (len(ids), model.config.vocab_size)
+    assert float((decode - prefill).abs().max()) < 1e-4
+
+
+def test_quant_eval_decode_path_command(
+    tiny_checkpoint_factory: Callable[..., Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """int4 decode rows go through the GEMV that quantizes activations to int8: it may cost a little
+    over the prefill path's bf16 activations, not more (this random model is far more sensitive to
+    int4 weights than a trained one: benchmarks/NOTES.md has the bundled model's figures)."""
+    path = str(tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16, hidden_size=128, intermediate_size=256))
+    args = ["quant-eval", path, "--quantization", "int4", "--quantization-group-size", "32"]
+    reports = {}
+    for scoring in ("prefill", "decode"):
+        assert main([*args, "--window", "40", "--max-tokens", "81", "--path", scoring, "--json"]) == 0
+        reports[scoring] = json.loads(capsys.readouterr().out)
+        assert reports[scoring]["path"] == scoring and reports[scoring]["positions"] == 80
+    assert reports["decode"]["mean_kl"] <= 1.25 * reports["prefill"]["mean_kl"] + 0.01
+    assert reports["decode"]["top1_agreement"] >= reports["prefill"]["top1_agreement"] - 0.1

@@ -142,7 +142,7 @@ def kernel_view(weight: torch.Tensor, method: str, group_size: int) -> torch.Ten
     q = quantize_int4(weight, group_size)
     scale = q.scales.to(torch.bfloat16).float()
     groups = q.qweight.reshape(weight.shape[0], -1, group_size).float()
-    native = int4_weight_kernels() is not None and weight.shape[1] % quant_linear.INT4_NATIVE_BLOCK == 0
+    native = int4_weight_kernels() is not None and group_size in quant_linear.INT4_NATIVE_GROUP_SIZES
     if native and weight.dtype == torch.bfloat16:
         return (groups * scale[..., None] + q.mins.to(torch.bfloat16).float()[..., None]).reshape(
             weight.shape
@@ -167,6 +167,11 @@ def dequantized_checkpoint(src: Path, dst: Path, method: str, group_size: int) -
     return dst
 
 
+# nats: int8 weights meet bf16 activations exactly (only the output rounding differs); int4 decode
+# GEMVs quantize activations to int8 (kvflow/kernels/gemv_int4.cpp).
+FIRST_TOKEN_LOGPROB_TOLERANCE = {"int8": 0.05, "int4": 0.15}
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_with_quantized_weights_matches_the_dequantized_model(
     tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, method: str
@@ -187,11 +192,14 @@ def test_engine_with_quantized_weights_matches_the_dequantized_model(
         # The first token comes from identical inputs: nearly the same logprob for it, and the same
         # argmax unless the reference has a near tie (random weights do: one prompt here has an
         # exact bf16 tie between its top two tokens), in which case ours is the tied one.
+        # int4 prompts of <= 8 tokens go through the GEMV, which quantizes activations to int8 per
+        # 32 inputs (as llama.cpp's q4 x q8): a further error this random model is sensitive to.
+        tolerance = FIRST_TOKEN_LOGPROB_TOLERANCE[method]
         g_lp, e_lp = g.outputs[0].logprobs, e.outputs[0].logprobs
         assert g_lp is not None and e_lp is not None
         assert g_ids[0] in e_lp[0]
-        assert abs(g_lp[0][g_ids[0]].logprob - e_lp[0][g_ids[0]].logprob) < 0.05
-        assert e_lp[0][g_ids[0]].logprob >= e_lp[0][e_ids[0]].logprob - 0.05
+        assert abs(g_lp[0][g_ids[0]].logprob - e_lp[0][g_ids[0]].logprob) < tolerance
+        assert e_lp[0][g_ids[0]].logprob >= e_lp[0][e_ids[0]].logprob - tolerance
     # Later tokens: a random-weight model's nearly flat distributions let bf16 rounding (different
     # accumulation order in the kernels) flip an argmax, after which the continuation diverges.
     print(f"{method}: greedy agreement with the dequantized model {agree}/{total}")
