@@ -1,6 +1,7 @@
 """Optional native CPU kernels, compiled on first use with torch's JIT extension builder.
 
-- `skinny_linear_bf16()`: the AVX512-BF16 GEMV for few-row (decode) linears (gemv_bf16.cpp);
+- `skinny_linear_bf16()`: the AVX512-BF16 GEMV for few-row (decode) linears on 16-row tiles of the
+  weights, and the tiling (gemv_bf16.cpp);
 - `paged_decode_attention_bf16()` / `paged_decode_attention_quantized()`: decode attention read in
   place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4 (paged_decode_attention.cpp);
 - `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs for decode and row-block
@@ -26,7 +27,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+# (x [M <= 8, K] bf16, weight tiles [N_pad / 16, K / 2, 16, 2] bf16, N, bias) -> [M, N] bf16
+SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+# W [N, K] bf16 -> its 16-row tiles (layout in gemv_bf16.cpp)
+TileBf16Weight = Callable[[torch.Tensor], torch.Tensor]
 # (q [B, Hq, D], key_cache [S, Hkv, D], value_cache, slots [B, L], seq_lens [B], scale) -> [B, Hq, D]
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
@@ -111,9 +115,9 @@ def _native_module() -> ModuleType | None:
         return None
 
 
-def skinny_linear_bf16() -> SkinnyLinear | None:
+def skinny_linear_bf16() -> tuple[SkinnyLinear, TileBf16Weight] | None:
     module = _native_module()
-    return None if module is None else module.skinny_linear_bf16
+    return None if module is None else (module.skinny_linear_bf16, module.tile_bf16_weight)
 
 
 def paged_decode_attention_bf16() -> PagedDecodeAttention | None:

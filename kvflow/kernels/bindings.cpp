@@ -26,13 +26,14 @@ void bind_decode_forward(py::module& m) {
   py::class_<NativeLinear, std::shared_ptr<NativeLinear>>(m, "NativeLinear")
       .def_static(
           "bf16",
-          [](torch::Tensor weight, torch::Tensor packed, OptTensor bias) {
-            auto l = make_linear(NativeLinear::Kind::kBf16, weight, weight.size(1));
+          [](torch::Tensor tiles, torch::Tensor packed, int64_t out_features, OptTensor bias) {
+            auto l = make_linear(NativeLinear::Kind::kBf16, tiles, tiles.size(1) * 2);
+            l->out_features = out_features;
             l->packed = packed;
             l->bias = bias;
             return l;
           },
-          "bf16 [N, K] weight, its oneDNN-blocked copy, optional bias")
+          "bf16 16-row tiles (tile_bf16_weight), the oneDNN-blocked weight, N, optional bias")
       .def_static(
           "int8",
           [](torch::Tensor qweight, torch::Tensor scales, OptTensor bias) {
@@ -87,7 +88,8 @@ void bind_decode_forward(py::module& m) {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("skinny_linear_bf16", &skinny_linear_bf16, "y = x @ W^T (+ b) for few rows x, bf16 (AVX512-BF16)");
+  m.def("tile_bf16_weight", &tile_bf16_weight, "W [N, K] bf16 -> 16-row tiles [N_pad / 16, K / 2, 16, 2]");
+  m.def("skinny_linear_bf16", &skinny_linear_bf16, "y = x @ W^T (+ b) for <= 8 rows x, bf16 tiles (AVX512-BF16)");
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16,
         "single-query attention over the paged bf16 KV pool, GQA-aware");
   m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,

@@ -39,7 +39,7 @@
 namespace kvflow {
 namespace {
 
-constexpr int64_t kSkinnyMaxRows = 4;      // kvflow/layers/linear.py SKINNY_MAX_ROWS
+constexpr int64_t kSkinnyMaxRows = 8;      // kvflow/layers/linear.py SKINNY_MAX_ROWS
 constexpr int64_t kQuantGemvMaxRows = 8;   // kvflow/quant/linear.py NATIVE_GEMV_MAX_ROWS
 constexpr int64_t kPrefillTileElements = 4 << 20;  // kvflow/quant/linear.py PREFILL_TILE_ELEMENTS
 constexpr int64_t kInt4TileRows = 16;              // kvflow/quant/linear.py INT4_TILE_ROWS
@@ -89,7 +89,7 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
   const int64_t M = x_in.size(0);
   switch (kind) {
     case Kind::kBf16:
-      if (M <= kSkinnyMaxRows) return skinny_linear_bf16(x_in, weight, bias);
+      if (M <= kSkinnyMaxRows) return skinny_linear_bf16(x_in, weight, out_features, bias);
       return onednn_linear(x_in, packed, bias);
     case Kind::kInt8:
       if (M <= kQuantGemvMaxRows) return skinny_linear_int8(x_in, weight, scales, bias);

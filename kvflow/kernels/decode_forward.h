@@ -10,7 +10,9 @@
 #include <string>
 #include <vector>
 
-torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias);
+torch::Tensor tile_bf16_weight(torch::Tensor w);
+torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
+                                 c10::optional<torch::Tensor> bias);
 torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
                                  c10::optional<torch::Tensor> bias);
 torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
@@ -31,8 +33,8 @@ namespace kvflow {
 struct NativeLinear {
   enum class Kind { kBf16, kInt8, kInt4 };
   Kind kind;
-  torch::Tensor weight;  // bf16 [N, K] | int8 [N, K] | int4 16-row tiles [N_pad / 16, 8K] uint8
-  torch::Tensor packed;  // bf16 only: oneDNN's blocked copy (rows > 4)
+  torch::Tensor weight;  // bf16 16-row tiles [N_pad / 16, K / 2, 16, 2] | int8 [N, K] | int4 tiles [N_pad / 16, 8K]
+  torch::Tensor packed;  // bf16 only: oneDNN's blocked copy (rows > 8)
   torch::Tensor scales;  // int8 [N] fp32 | int4 [N_pad / 16, K / g, 16] bf16
   torch::Tensor mins;    // int4 [N_pad / 16, K / g, 16] bf16
   c10::optional<torch::Tensor> bias;

@@ -1,61 +1,134 @@
-// Skinny bf16 matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M small (<= ~16).
+// Skinny bf16 matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 8 rows.
 //
-// Why: decode reads every weight once per step, so it is bound by memory bandwidth. On the
-// 2-core AVX512-BF16 EPYC this project is measured on, oneDNN's M=1 path streams weights at
-// ~26 GB/s whatever the machine's bandwidth (40-74 GB/s); this kernel reads W row-block by
-// row-block with AVX512-BF16 dot products (vdpbf16ps: 32 bf16 products per instruction, fp32
-// accumulation) and keeps up with the memory system (benchmarks/NOTES.md).
+// Why: decode reads every weight once per step, so it is bound by memory bandwidth at one row
+// and, with a plain [N, K] layout, by compute at a few: each weight row's dot product with each
+// activation row ended in a horizontal reduction, and oneDNN, which takes over at 5-8 rows, ran at
+// 180 GFLOP/s (8-sequence decode at half the speed the bandwidth allows; benchmarks/NOTES.md).
 //
-// Layout: W is the Hugging Face [out_features, in_features] row-major bf16 matrix, untouched.
-// Work split: threads take contiguous ranges of output rows; each row is streamed once and dotted
-// with every row of x (x stays in L1: M * K * 2 bytes).
+// Layout: tiles of 16 output rows (N padded to a multiple of 16 with zero rows), the rows
+// interleaved by pairs of inputs: tile t holds, for each input pair p = (2p, 2p + 1) and lane l,
+//   w_tiles[t, p, l, 0..1] = W[16t + l, 2p .. 2p + 1]        ([N_pad / 16, K / 2, 16, 2] bf16)
+// so one 64-byte load is 2 inputs of 16 rows, and vdpbf16ps against the 2 activations broadcast
+// to every lane adds both products into lane l = output row 16t + l (fp32). No horizontal sums:
+// a tile's 16 outputs come out as one register. Per 64 bytes of weights: one load and one
+// vdpbf16ps per activation row. Each tile is one sequential stream (~28 KiB at K = 896).
+//
+// Batch invariance: output (m, n) is lane n % 16 of two accumulators (even and odd pairs) summed
+// at the end, in the same order whatever M is (<= 8), so a token's logits do not depend on what
+// else is decoded with it (speculative verification reproduces plain decoding bit for bit).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include "gemv_common.h"
-
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 namespace {
 
-using namespace kvflow::gemv;
+constexpr int64_t kTileRows = 16;         // output rows per tile: one per fp32 lane
+constexpr int64_t kMaxRows = 8;           // activation rows sharing one pass over the weights
+constexpr int64_t kPrefetchBytes = 1024;  // weights prefetched ahead of the loads
 
-constexpr int64_t kPrefetchElems = 1024;  // 2 KiB ahead of the loads
+struct TiledGemv {
+  const uint16_t* w;  // [N_pad / 16, K / 2, 16, 2]
+  const uint16_t* x;  // [M, K]
+  const float* bias;  // [N] or null
+  uint16_t* y;        // [M, N]
+  int64_t M, K, N;
 
-struct Bf16Row {  // a bf16 weight row, read as it is stored
-  const uint16_t* w;
-  __m512bh chunk(int64_t k) const { return load_bf16(w + k); }
-  __m512bh tail(int64_t k, int64_t left) const { return load_bf16(w + k, tail_mask(left)); }
-  void prefetch(int64_t k) const {
-    for (int64_t u = 0; u < kUnroll; ++u)  // one 64-byte line per 32 bf16
-      _mm_prefetch(reinterpret_cast<const char*>(w + k + kPrefetchElems + u * kLanes), _MM_HINT_T0);
+  template <int64_t MB>
+  inline void tile(int64_t t) const {
+    const int64_t pairs = K / 2;
+    const uint16_t* wt = w + t * pairs * 2 * kTileRows;
+    __m512 even[MB], odd[MB];
+    for (int64_t m = 0; m < MB; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    int64_t p = 0;
+    for (; p + 2 <= pairs; p += 2) {  // two input pairs per iteration: one per accumulator chain
+      const uint16_t* wp = wt + p * 2 * kTileRows;
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes + 64, _MM_HINT_T0);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 2 * kTileRows);
+      for (int64_t m = 0; m < MB; ++m) {
+        int32_t x0, x1;  // the pair's 2 activations, broadcast to every row's lane
+        std::memcpy(&x0, x + m * K + 2 * p, 4);
+        std::memcpy(&x1, x + m * K + 2 * p + 2, 4);
+        even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x0));
+        odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(x1));
+      }
+    }
+    if (p < pairs) {  // an odd number of pairs: the last one on the even chain
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wt + p * 2 * kTileRows);
+      for (int64_t m = 0; m < MB; ++m) {
+        int32_t x0;
+        std::memcpy(&x0, x + m * K + 2 * p, 4);
+        even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x0));
+      }
+    }
+    const int64_t n0 = t * kTileRows, valid = std::min(kTileRows, N - n0);
+    const __mmask16 keep = __mmask16((1u << valid) - 1u);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    for (int64_t m = 0; m < MB; ++m) {  // bf16(even + odd + bias), round to nearest even
+      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_add_ps(even[m], odd[m]), b));
+      _mm256_mask_storeu_epi16(y + m * N + n0, keep, out);
+    }
+  }
+
+  void tiles(int64_t t_begin, int64_t t_end) const {
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      switch (M) {
+        case 1: tile<1>(t); break;
+        case 2: tile<2>(t); break;
+        case 3: tile<3>(t); break;
+        case 4: tile<4>(t); break;
+        case 5: tile<5>(t); break;
+        case 6: tile<6>(t); break;
+        case 7: tile<7>(t); break;
+        default: tile<8>(t); break;
+      }
+    }
   }
 };
 
 }  // namespace
 
-// x: [M, K] bf16, w: [N, K] bf16, bias: optional [N] (any float dtype) -> [M, N] bf16.
-torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w, c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && w.dtype() == torch::kBFloat16, "bf16 inputs expected");
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "shape mismatch");
+// W [N, K] bf16 -> its tiles [N_pad / 16, K / 2, 16, 2] (the layout above; padding rows zero).
+torch::Tensor tile_bf16_weight(torch::Tensor w) {
+  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0, "bf16 [N, K] with K even");
+  const int64_t N = w.size(0), K = w.size(1), tiles = (N + kTileRows - 1) / kTileRows;
+  auto padded = torch::zeros({tiles * kTileRows, K}, w.options());
+  padded.slice(0, 0, N).copy_(w);
+  // [t, l, p, 2] -> [t, p, l, 2]
+  return padded.view({tiles, kTileRows, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
+}
+
+// x: [M, K] bf16 (M <= 8), w_tiles: tile_bf16_weight(W), N = out_features, bias: optional [N]
+// (any float dtype) -> [M, N] bf16.
+torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
+                                 c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && w_tiles.dtype() == torch::kBFloat16, "bf16 inputs expected");
+  TORCH_CHECK(w_tiles.dim() == 4 && w_tiles.size(2) == kTileRows && w_tiles.size(3) == 2 && w_tiles.is_contiguous(),
+              "weights must be tiles [N_pad / 16, K / 2, 16, 2] (tile_bf16_weight)");
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == 2 * w_tiles.size(1), "x must be [M, K]");
+  TORCH_CHECK(x.size(0) <= kMaxRows, "at most 8 rows (larger batches go to oneDNN)");
+  const int64_t tiles = w_tiles.size(0);
+  TORCH_CHECK(0 < out_features && out_features <= tiles * kTileRows && out_features > (tiles - 1) * kTileRows,
+              "out_features does not match the tiles");
   x = x.contiguous();
-  w = w.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), K = x.size(1), N = out_features;
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  // Grain: enough rows per task that a thread streams >= ~64 KiB of weights between syncs.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * 2));
-  const auto row_dot = [&](int64_t n, auto rows, int64_t m0, float* out) {
-    dot_rows<decltype(rows)::value>(Bf16Row{wp + n * K}, xp + m0 * K, K, out);
-  };
-  const auto finish = [&](int64_t n, float dot) { return b ? dot + b[n] : dot; };
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { gemv_rows(M, N, begin, end, row_dot, finish, yp); });
+  const TiledGemv gemv{reinterpret_cast<const uint16_t*>(w_tiles.data_ptr<at::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                       bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
+                       reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
+                       M, K, N};
+  if (M == 0) return y;
+  // Grain: a thread streams >= ~64 KiB of weights between synchronisations.
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * 2 * kTileRows));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
   return y;
 }

@@ -1,17 +1,17 @@
 """Dense linear layer with CPU fast paths for bfloat16, chosen per call by the number of rows.
 
 Measured on this 2-core AVX512-BF16 EPYC (benchmarks/NOTES.md), weights streamed per step:
-- M <= 4 rows (single-stream decode, and its speculative verification of k <= 3 drafts): kvflow's
-  AVX512-BF16 GEMV (kvflow/kernels) reads the plain [out, in] weight as one sequential stream:
-  1.3x oneDNN's M=1 path, which stalls near 26 GB/s whatever the machine's bandwidth, equal at
-  M=3, 0.9x at M=4. The GEMV is batch-invariant (a row's sum does not depend on the other rows),
-  so verifying 4 tokens gives bit for bit the logits of decoding them one by one: that, not speed,
-  is why M=3-4 stay on it (measured on the 0.5B shapes, benchmarks/NOTES.md).
-- M > 4 (batched decode, prefill chunks): oneDNN matmul on a weight reordered once into its
-  blocked layout (`torch.ops.mkldnn._reorder_linear_weight`): 2x `F.linear` at M=4..8, 1.3x at
-  M=64, equal from M~256.
-With both paths the weight is held twice (plain + blocked); without the native kernel only the
-blocked copy is kept. float32/float16 keep `F.linear`.
+- M <= 8 rows (decode: single stream, a batch of up to 8 sequences, or speculative verification
+  of k <= 7 drafts): kvflow's AVX512-BF16 GEMV (kvflow/kernels/gemv_bf16.cpp) on the weights
+  re-laid once in tiles of 16 output rows, so that one vdpbf16ps per 64 bytes of weights and
+  activation row feeds 16 outputs with no horizontal sums. At M = 1 it streams at the memory's
+  pace; at M = 8 it is 2.6x oneDNN's blocked GEMM (which stalls at ~180 GFLOP/s there). It is
+  batch-invariant (a row's sum does not depend on the other rows), so verifying drafts gives bit
+  for bit the logits of decoding them one by one.
+- M > 8 (prefill chunks, large batches): oneDNN matmul on a weight reordered once into its blocked
+  layout (`torch.ops.mkldnn._reorder_linear_weight`): 1.3x `F.linear` at M = 64, equal from M~256.
+Both copies are held (tiles + blocked: twice the model's bf16 bytes), the plain one is dropped.
+Without the native kernels only the blocked copy is kept; float32/float16 keep `F.linear`.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from torch import nn
 
 from kvflow.kernels import NativeDecoderClasses, SkinnyLinear, skinny_linear_bf16
 
-# Up to this many rows the native GEMV runs (module docstring: faster to M=2, batch-invariant to 4).
-SKINNY_MAX_ROWS = 4
+# Up to this many rows the native GEMV runs (module docstring; kvflow/kernels/gemv_bf16.cpp kMaxRows).
+SKINNY_MAX_ROWS = 8
 
 
 def _onednn_bf16_available() -> bool:
@@ -45,19 +45,26 @@ class Linear(nn.Module):
         )
         self._packed_weight: torch.Tensor | None = None
         self._skinny: SkinnyLinear | None = None
+        # [out_pad / 16, in / 2, 16, 2] for the GEMV; a buffer (not in the state dict) so that the
+        # module's tensors count the bytes decode reads.
+        self._tiles: torch.Tensor | None
+        self.register_buffer("_tiles", None, persistent=False)
 
     def prepare_for_inference(self) -> None:
-        """Pick the bf16 kernels once the weights are loaded (see the module docstring)."""
+        """Lay the bf16 weights out for their kernels once they are loaded (module docstring); the
+        plain copy is dropped, as no path reads it afterwards."""
         if self.weight.dtype != torch.bfloat16 or self.weight.is_meta or not _onednn_bf16_available():
             return
         self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
-        self._skinny = skinny_linear_bf16()
-        if self._skinny is None:  # only the blocked copy is read: drop the plain one
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        native = skinny_linear_bf16() if self.in_features % 2 == 0 else None
+        if native is not None:
+            self._skinny, tile = native
+            self._tiles = tile(self.weight.data)
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self._skinny is not None and x.shape[0] <= SKINNY_MAX_ROWS:
-            return self._skinny(x, self.weight, self.bias)
+        if self._skinny is not None and self._tiles is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+            return self._skinny(x, self._tiles, self.out_features, self.bias)
         if self._packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -65,9 +72,9 @@ class Linear(nn.Module):
     def native(self, classes: NativeDecoderClasses) -> Any | None:
         """This layer for the native decode forward (kvflow/kernels/decode_forward.cpp), or None when
         it runs only in torch (not bf16, or a kernel missing): the same kernels as `forward`."""
-        if self._skinny is None or self._packed_weight is None:
+        if self._tiles is None or self._packed_weight is None:
             return None
-        return classes.linear.bf16(self.weight, self._packed_weight, self.bias)
+        return classes.linear.bf16(self._tiles, self._packed_weight, self.out_features, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

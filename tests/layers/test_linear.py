@@ -36,11 +36,19 @@ def test_bf16_linear_matches_float_reference(m: int, n: int, k: int, bias: bool)
     assert _relative_error(layer(x), ref) < 8e-3
 
 
-def test_native_kernel_handles_every_row_count_up_to_the_threshold_and_beyond() -> None:
-    kernel = skinny_linear_bf16()
-    if kernel is None:
+def test_native_kernel_handles_every_row_count_up_to_the_threshold() -> None:
+    native = skinny_linear_bf16()
+    if native is None:
         pytest.skip("native AVX512-BF16 kernel unavailable on this CPU/toolchain")
-    w = torch.randn(50, 130, dtype=torch.bfloat16)
-    for m in range(1, 2 * SKINNY_MAX_ROWS + 6):  # past kMaxM too: rows are processed in groups
+    kernel, tile = native
+    w = torch.randn(50, 130, dtype=torch.bfloat16)  # 50 rows: 3 whole 16-row tiles and a partial one
+    tiles = tile(w)
+    assert tiles.shape == (4, 65, 16, 2)
+    bias = torch.randn(50, dtype=torch.bfloat16)
+    for m in range(1, SKINNY_MAX_ROWS + 1):
         x = torch.randn(m, 130, dtype=torch.bfloat16)
-        assert _relative_error(kernel(x, w, None), x.float() @ w.float().T) < 8e-3
+        y = kernel(x, tiles, 50, bias)
+        assert _relative_error(y, x.float() @ w.float().T + bias.float()) < 8e-3
+        assert torch.equal(kernel(x[-1:], tiles, 50, bias)[0], y[-1])  # batch-invariant
+    with pytest.raises(RuntimeError, match="at most 8 rows"):
+        kernel(torch.randn(SKINNY_MAX_ROWS + 1, 130, dtype=torch.bfloat16), tiles, 50, None)
