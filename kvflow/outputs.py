@@ -62,3 +62,7 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     # request id -> per sampled token, the sampled token's logprob plus the top-n requested.
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # request id -> why its own part of the step failed (its sampling parameters, its generator, its
+    # draft verification). The engine ends these requests with the error; the rest of the batch,
+    # which does not appear here, advances normally.
+    failed: dict[str, str] = field(default_factory=dict)

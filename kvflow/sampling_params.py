@@ -10,6 +10,7 @@ Semantics follow vLLM's `SamplingParams`, so that server and client code port un
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,13 @@ MAX_ABS_ADDITIVE_PENALTY = 2.0
 # The number of top logprobs returned per token is bounded like OpenAI's `top_logprobs` (0..20)
 # is, but looser: tests and `quant-eval` ask for whole small vocabularies.
 MAX_LOGPROBS = 1024
+# The seeds torch.Generator.manual_seed accepts (it reads a uint64, or an int64 it reinterprets);
+# anything wider raises inside the batched step, where it would fail every request sharing it.
+MIN_SEED = -(2**63)
+MAX_SEED = 2**64 - 1
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+)  # fmt: skip
 
 
 @dataclass
@@ -58,6 +66,13 @@ class SamplingParams:
 
         if self.n != 1:
             raise bad(f"n must be 1 (parallel sampling is not supported yet), got {self.n}")
+        for name in _FLOAT_FIELDS:  # inf / NaN would pass the range checks below or poison the logits
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise bad(f"{name} must be a finite number, got {value!r}")
+        seed = self.seed
+        if seed is not None and (not isinstance(seed, int) or not MIN_SEED <= seed <= MAX_SEED):
+            raise bad(f"seed must be an integer in [{MIN_SEED}, {MAX_SEED}], got {self.seed!r}")
         if not self.temperature >= 0.0:
             raise bad(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

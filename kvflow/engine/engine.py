@@ -139,11 +139,16 @@ class LLMEngine:
         )
 
     def add_processed_request(self, request: Request) -> str:
-        """Queue a request built by `make_request`; returns its id."""
+        """Queue a request built by `make_request`; returns its id. Nothing is left behind when it
+        raises (its detokenizer is built first, then the scheduler takes it)."""
         if request.request_id in self.output_processor.states:
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
-        self.scheduler.add_request(request)
         self.output_processor.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except BaseException:
+            del self.output_processor.states[request.request_id]
+            raise
         return request.request_id
 
     def add_request(
@@ -188,6 +193,7 @@ class LLMEngine:
             runner_output = self.model_runner.execute_model(scheduler_output)
         except Exception as exc:  # the whole batch failed: fail its requests, keep the engine serving
             runner_output = self._fail_step(scheduler_output, exc)
+        self._fail_requests(runner_output.failed)
         num_emitted = 0
         for update in self.scheduler.update_from_output(scheduler_output, runner_output):
             num_emitted += len(update.new_token_ids)
@@ -232,6 +238,13 @@ class LLMEngine:
             self._finish([rid], RequestStatus.FINISHED_STOPPED, stop_reason=stop_str)
         elif output is not None:
             self._pending_outputs.append(output)
+
+    def _fail_requests(self, failed: dict[str, str]) -> None:
+        """End the requests whose own part of the step failed (the runner isolated them); finished
+        before the update, they are skipped by it and the rest of the batch advances."""
+        for request_id, error in failed.items():
+            logger.warning("request %s failed in the model step: %s", request_id, error)
+            self._finish([request_id], RequestStatus.FINISHED_ABORTED, error=error)
 
     def _fail_step(self, scheduler_output: SchedulerOutput, exc: Exception) -> ModelRunnerOutput:
         logger.exception(

@@ -3,6 +3,12 @@
 Owns the per-request sampling state the scheduler does not need: the torch.Generator of each
 seeded request (created on its first sampled token, dropped when the scheduler reports it
 finished), so that a seeded request's tokens depend only on its seed and its logits.
+
+A failure that belongs to one request stays with it: the forward pass depends only on token ids
+and positions (validated at admission), but sampling reads each request's own parameters,
+generator and drafts. If the batched sampler raises, each row is sampled again alone (seeded
+generators rewound first), and the rows that still fail are reported in `ModelRunnerOutput.failed`;
+the engine ends those requests and the rest of the batch advances as if nothing had happened.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ import torch
 
 from kvflow.attention.kv_store import KVStore
 from kvflow.models.llama import LlamaFamilyForCausalLM
-from kvflow.outputs import ModelRunnerOutput
+from kvflow.outputs import ModelRunnerOutput, TokenLogprobs
 from kvflow.sample.rejection_sampler import sample_one
 from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -86,16 +92,67 @@ class ModelRunner:
         output = ModelRunnerOutput()
         if plain_requests:
             rows = torch.tensor(plain_rows, dtype=torch.int64)
-            sampled = self.sampler(logits.index_select(0, rows), self._sampling_batch(plain_requests))
-            for i, req in enumerate(plain_requests):
-                output.sampled_token_ids[req.request_id] = [sampled.token_ids[i]]
-                if sampled.logprobs is not None and req.sampling_params.logprobs is not None:
-                    output.logprobs[req.request_id] = [sampled.logprobs[i]]
+            self._sample_plain(logits.index_select(0, rows), plain_requests, output)
         for req, first in spec:
-            output.sampled_token_ids[req.request_id] = self._verify(
-                req, logits[first : first + 1 + req.num_spec_tokens]
-            )
+            try:
+                output.sampled_token_ids[req.request_id] = self._verify(
+                    req, logits[first : first + 1 + req.num_spec_tokens]
+                )
+            except Exception as exc:  # this request's drafts or parameters: it alone fails
+                output.failed[req.request_id] = _describe(exc)
         return output
+
+    def _sample_plain(
+        self, logits: torch.Tensor, requests: list[ScheduledRequest], output: ModelRunnerOutput
+    ) -> None:
+        """One batched sampler call over logits [R, V]; if it raises, every row alone (module docstring)."""
+        rewind = self._generator_states(requests)
+        try:
+            self._record(requests, self._sample_rows(logits, requests), output)
+            return
+        except Exception:
+            self._rewind_generators(requests, rewind)
+        for i, req in enumerate(requests):
+            try:
+                self._record([req], self._sample_rows(logits[i : i + 1], [req]), output)
+            except Exception as exc:
+                output.failed[req.request_id] = _describe(exc)
+
+    def _sample_rows(
+        self, logits: torch.Tensor, requests: list[ScheduledRequest]
+    ) -> list[tuple[int, TokenLogprobs | None]]:
+        sampled = self.sampler(logits, self._sampling_batch(requests))
+        logprobs: list[TokenLogprobs | None] = [None] * len(requests)
+        if sampled.logprobs is not None:
+            logprobs = list(sampled.logprobs)
+        return list(zip(sampled.token_ids, logprobs, strict=True))
+
+    @staticmethod
+    def _record(
+        requests: list[ScheduledRequest],
+        rows: list[tuple[int, TokenLogprobs | None]],
+        output: ModelRunnerOutput,
+    ) -> None:
+        for req, (token_id, logprobs) in zip(requests, rows, strict=True):
+            output.sampled_token_ids[req.request_id] = [token_id]
+            if logprobs is not None and req.sampling_params.logprobs is not None:
+                output.logprobs[req.request_id] = [logprobs]
+
+    def _generator_states(self, requests: list[ScheduledRequest]) -> dict[str, torch.Tensor]:
+        """The state of every seeded row's existing generator (a 5 KB copy each), so that a failed
+        batched attempt can be replayed row by row from exactly where it started."""
+        return {
+            r.request_id: g.get_state()
+            for r in requests
+            if (g := self._generators.get(r.request_id)) is not None
+        }
+
+    def _rewind_generators(self, requests: list[ScheduledRequest], states: dict[str, torch.Tensor]) -> None:
+        for req in requests:
+            if req.request_id in states:
+                self._generators[req.request_id].set_state(states[req.request_id])
+            else:  # created during the failed attempt, maybe drawn from: start it afresh
+                self._generators.pop(req.request_id, None)
 
     def _verify(self, req: ScheduledRequest, logits: torch.Tensor) -> list[int]:
         """Accept a prefix of the drafts by the exact rejection rule (spec_decode/rejection_sampler.py).
@@ -111,3 +168,7 @@ class ModelRunner:
         generator = self._generator(req) or self.sampler.default_generator
         emitted, _ = sample_one(probs, drafts, req.spec_draft_probs, greedy=False, generator=generator)
         return emitted
+
+
+def _describe(exc: Exception) -> str:
+    return f"sampling failed: {type(exc).__name__}: {exc}"
