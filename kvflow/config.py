@@ -235,14 +235,41 @@ class ServerConfig:
     )
     max_waiting: int | None = field(
         default=None,
-        metadata={"help": "queued requests beyond this get HTTP 429; unset: no limit (vLLM's behaviour)"},
+        metadata={
+            "help": "requests queued while all max_num_seqs running slots are busy; beyond: HTTP 429 "
+            "(a request needing more than max_num_seqs + this: 400); unset: no limit (vLLM's behaviour)"
+        },
     )
     shutdown_grace_s: float = field(
         default=5.0,
         metadata={
             "flag": "--shutdown-grace-seconds",  # the flag's name since the first release
-            "help": "on SIGINT/SIGTERM, seconds in-flight requests get to finish",
+            "help": "on SIGINT/SIGTERM, seconds in-flight requests get to finish (new ones get 503); "
+            "then each is ended with finish_reason abort",
         },
+    )
+    # 8 MiB: a full 128k-token context is about 0.5 MB of text or 1 MB of token ids; the parsed body
+    # costs tens of times its size in memory, so this is also a memory bound.
+    max_request_body_bytes: int = field(
+        default=8 * 1024**2, metadata={"help": "larger request bodies get HTTP 413"}
+    )
+    max_choices_per_request: int = field(
+        default=128,
+        metadata={
+            "help": "prompts x n one request may ask for (each is an engine request); beyond: HTTP 400"
+        },
+    )
+    client_timeout_s: float = field(
+        default=30.0,
+        metadata={
+            "flag": "--client-timeout-seconds",
+            "help": "a client must send its request's headers, and then its body, within this; "
+            "otherwise the connection is closed (headers) or answered 408 (body)",
+        },
+    )
+    max_connections: int = field(
+        default=1024,
+        metadata={"help": "open connections (or running requests) beyond this are answered 503"},
     )
     log_level: str = field(
         default="info", metadata={"help": "logging level (the server's and uvicorn's for serve)"}
@@ -253,3 +280,14 @@ class ServerConfig:
             "help": "score this share of finished requests against unquantized weights (Prometheus gauges)"
         },
     )
+
+    def __post_init__(self) -> None:
+        if self.max_waiting is not None and self.max_waiting < 0:
+            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s}")
+        for name in ("max_request_body_bytes", "max_choices_per_request", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.client_timeout_s > 0:
+            raise ConfigError(f"client_timeout_s must be > 0, got {self.client_timeout_s}")

@@ -49,6 +49,11 @@ SPECIAL_TOKEN_KEYS = (
 
 # What a UTF-8 decoder writes for bytes that do not (yet) form a character.
 REPLACEMENT_CHAR = "\ufffd"
+# Texts at least this long are encoded without holding the GIL (Tokenizer.encode); below it the
+# plain call is cheaper than the batch machinery and over in well under a millisecond.
+_GIL_FREE_ENCODE_CHARS = 16_384
+# apply_chat_template's own arguments: template variables of these names would collide with them.
+RESERVED_TEMPLATE_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt"})
 
 # Message fields a reasoning trace may arrive under; templates read the first (transformers aliases them).
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
@@ -201,8 +206,19 @@ class Tokenizer:
     # ------------------------------------------------------------------ encode / decode
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies tokenizer.json's post-processor (e.g. BOS)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+        """Token ids of `text`; `add_special_tokens` applies tokenizer.json's post-processor (e.g. BOS).
+
+        Raises InvalidRequestError for text that is not valid Unicode (a lone surrogate, which JSON's
+        "\\ud800" escape can carry): the Rust side cannot take it."""
+        try:
+            if len(text) < _GIL_FREE_ENCODE_CHARS:
+                return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+            # `encode` holds the GIL for the whole call (seconds for megabytes, freezing every other
+            # Python thread, a server's event loop included); `encode_batch` releases it.
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError:
+            check_unicode(text, "the text")
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         # No `clean_up_tokenization_spaces`: transformers 5 ignores it for BPE models (it would delete real
@@ -228,6 +244,7 @@ class Tokenizer:
         `kwargs` become template variables (e.g. `enable_thinking=False`) and override the special tokens.
         The text may already contain BOS (Llama-3 templates write it): see `adds_bos_token`."""
         template = _compile_chat_template(self._select_chat_template(tools), self._name)
+        check_template_variables(kwargs)
         variables: dict[str, Any] = {"documents": None, **self._special_tokens, **kwargs}
         try:
             return template.render(
@@ -237,9 +254,10 @@ class Tokenizer:
                 **variables,
             )
         # raise_exception() in the template, or content of a shape the template cannot handle: the
-        # request is at fault, the engine keeps serving.
-        except (jinja2.TemplateError, TypeError, ValueError) as exc:
-            message = f"the chat template of {self._name} rejected the messages: {exc}"
+        # template is the checkpoint's, fixed and known to render ordinary conversations, so whatever
+        # fails while it renders these messages is the request's fault; the engine keeps serving.
+        except Exception as exc:
+            message = f"the chat template of {self._name} rejected the messages: {type(exc).__name__}: {exc}"
             raise InvalidRequestError(message) from exc
 
     def _select_chat_template(self, tools: list[dict[str, Any]] | None) -> str:
@@ -396,6 +414,27 @@ def _compile_chat_template(source: str, model_name: str) -> jinja2.Template:
     except jinja2.TemplateSyntaxError as exc:
         # The checkpoint is broken, not the request (a server answers 500, not 400).
         raise ModelLoadError(f"the chat template of {model_name} does not compile: {exc}") from exc
+
+
+def check_unicode(text: str, what: str) -> None:
+    """InvalidRequestError naming the position of the first lone surrogate in `text`, if any (valid
+    Unicode cannot hold one; Python strings, and so JSON bodies, can)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = f"U+{ord(text[exc.start]):04X}"
+        raise InvalidRequestError(
+            f"{what} is not valid Unicode: a lone surrogate ({bad}) at character {exc.start}"
+        ) from None
+
+
+def check_template_variables(variables: Mapping[str, Any]) -> None:
+    """Template variables may not take the names of apply_chat_template's own arguments."""
+    clash = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(variables))
+    if clash:
+        raise InvalidRequestError(
+            f"chat template variables may not set {', '.join(clash)}: these come from the request itself"
+        )
 
 
 def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:

@@ -10,6 +10,14 @@ Ownership (the invariant that makes this thread-safe without locks around the en
 engine thread touches `LLMEngine` state and the `_streams` table. Other threads talk to it through
 `_commands`; outputs travel back in one `call_soon_threadsafe` per step. The admission counters are
 the only state both sides touch, under `_admission_lock`.
+
+Admission (`max_waiting`): the engine holds `max_num_seqs` running requests plus at most
+`max_waiting` queued ones. A request counts from the moment it is admitted, whether or not the
+engine thread has picked it up yet, but it only counts as *waiting* once the running slots are
+full: a burst on an idle server fills the free slots first (requests admitted but not yet picked up
+are not "waiting" while a slot is free for them). KV memory can still make a request wait with a
+slot free; the bound is on requests, not blocks. A request that needs more engine requests (its
+prompts x n) than running slots + max_waiting could ever hold is refused as invalid, not 429.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvflow.engine.engine import LLMEngine
-from kvflow.errors import EngineOverloadedError, KVFlowError, RequestFailedError
+from kvflow.errors import EngineOverloadedError, InvalidRequestError, KVFlowError, RequestFailedError
 from kvflow.outputs import RequestOutput
 from kvflow.request import Request
 from kvflow.stats import StepStats
@@ -97,8 +105,15 @@ class _Abort:
     request_id: str
 
 
+class _AbortAll:
+    """Abort every unfinished request; each stream then ends with finish_reason "abort"."""
+
+
 class _Shutdown:
     pass
+
+
+_Command = _Add | _Abort | _AbortAll | _Shutdown
 
 
 class AsyncLLMEngine:
@@ -110,12 +125,13 @@ class AsyncLLMEngine:
     ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
         self._step_observer = step_observer
-        self._commands: queue.Queue[_Add | _Abort | _Shutdown] = queue.Queue()
+        self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, OutputStream] = {}  # request id -> its group's stream; engine thread only
         self._admission_lock = threading.Lock()
         self._num_pending_adds = 0  # submitted, not yet seen by the engine thread
-        self._num_waiting = 0  # the scheduler's waiting queue after the last step
+        self._num_unfinished = 0  # the scheduler's running + waiting requests after the last step
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: str | None = None
@@ -141,26 +157,41 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive() and self._dead is None
 
     @property
-    def num_waiting(self) -> int:
-        """Requests admitted but not yet running (queued commands included)."""
+    def num_admitted(self) -> int:
+        """Requests admitted and not finished (those the engine thread has not picked up included)."""
         with self._admission_lock:
-            return self._num_pending_adds + self._num_waiting
+            return self._num_pending_adds + self._num_unfinished
+
+    @property
+    def capacity(self) -> int | None:
+        """How many unfinished requests admission allows: running slots + max_waiting (None: no bound)."""
+        return None if self.max_waiting is None else self.max_num_seqs + self.max_waiting
 
     # ------------------------------------------------------------------ requests (event loop side)
 
     def add_requests(self, requests: Sequence[Request]) -> OutputStream:
         """Admit all of `requests` or none (a request with n choices is n engine requests).
 
-        Raises EngineOverloadedError when they would take the waiting queue past `max_waiting`:
-        requests already admitted are never dropped to make room."""
+        Raises EngineOverloadedError when they would take the waiting queue past `max_waiting`
+        (requests already admitted are never dropped to make room), InvalidRequestError when they
+        could not fit even on an idle engine (module docstring)."""
         if not self.is_running:
             raise EngineDeadError(self._dead or "the engine is not running")
+        capacity = self.capacity
+        if capacity is not None and len(requests) > capacity:
+            raise InvalidRequestError(
+                f"this request needs {len(requests)} engine requests (prompts x n) and the server holds at "
+                f"most {capacity} ({self.max_num_seqs} running + max_waiting {self.max_waiting}): "
+                "send fewer prompts or a smaller n"
+            )
         with self._admission_lock:
-            num_waiting = self._num_pending_adds + self._num_waiting
-            if self.max_waiting is not None and num_waiting + len(requests) > self.max_waiting:
+            admitted = self._num_pending_adds + self._num_unfinished
+            if capacity is not None and admitted + len(requests) > capacity:
+                num_waiting = max(0, admitted - self.max_num_seqs)
                 raise EngineOverloadedError(
-                    f"{num_waiting} requests are waiting and max_waiting is {self.max_waiting}; "
-                    f"this request needs {len(requests)} more slot(s): retry later"
+                    f"{num_waiting} requests are waiting for one of {self.max_num_seqs} running slots and "
+                    f"max_waiting is {self.max_waiting}; this request needs {len(requests)} more "
+                    "slot(s): retry later"
                 )
             self._num_pending_adds += len(requests)
         stream = OutputStream([r.request_id for r in requests], self.abort)
@@ -171,6 +202,11 @@ class AsyncLLMEngine:
     def abort(self, request_id: str) -> None:
         """Abort a request (thread-safe); its KV blocks return to the pool at the next drain."""
         self._commands.put(_Abort(request_id))
+
+    def abort_all(self) -> None:
+        """Abort every unfinished request (thread-safe): the server's shutdown cut. Their streams
+        still receive a final output (finish_reason "abort"), so each response ends properly."""
+        self._commands.put(_AbortAll())
 
     # ------------------------------------------------------------------------------- engine thread
 
@@ -200,9 +236,12 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return True
 
-    def _apply(self, command: _Add | _Abort) -> None:
+    def _apply(self, command: _Add | _Abort | _AbortAll) -> None:
         if isinstance(command, _Abort):
             self.engine.abort_request(command.request_id)
+            return
+        if isinstance(command, _AbortAll):
+            self.engine.abort_request(list(self.engine.scheduler.requests))
             return
         try:
             if command.stream.is_open(command.request.request_id):  # else closed before admission
@@ -210,10 +249,14 @@ class AsyncLLMEngine:
                 self._streams[command.request.request_id] = command.stream
         except KVFlowError as exc:
             self._deliver([(command.stream, exc)])
+        except Exception as exc:  # one request's input must never stop the engine thread
+            logger.exception("adding request %s failed", command.request.request_id)
+            failure = RequestFailedError(f"adding the request failed: {type(exc).__name__}: {exc}")
+            self._deliver([(command.stream, failure)])
         finally:
             with self._admission_lock:
                 self._num_pending_adds -= 1
-                self._num_waiting = self.engine.scheduler.num_waiting
+                self._num_unfinished = self.engine.get_num_unfinished_requests()
 
     def _step(self) -> None:
         try:
@@ -223,9 +266,11 @@ class AsyncLLMEngine:
             self._fail_all(RequestFailedError(f"engine step failed: {type(exc).__name__}: {exc}"))
             self.engine.abort_request(list(self.engine.scheduler.requests))
             self.engine.step()  # flush the aborts (their outputs have no stream left)
+            with self._admission_lock:
+                self._num_unfinished = self.engine.get_num_unfinished_requests()
             return
         with self._admission_lock:
-            self._num_waiting = self.engine.scheduler.num_waiting
+            self._num_unfinished = self.engine.get_num_unfinished_requests()
         deliveries: list[tuple[OutputStream, RequestOutput | BaseException]] = []
         for output in outputs:
             stream = self._streams.pop(output.request_id) if output.finished else None

@@ -1,8 +1,13 @@
-"""The FastAPI application: middlewares, error rendering, and the route groups.
+"""The FastAPI application: middlewares, error rendering, the route groups and their schema.
 
 `build_app(ctx)` returns an app bound to one `ServingContext` (no module-level state); the engine
 thread starts with the app's lifespan and stops with it. The routes live in route groups:
 routes_openai.py (the OpenAI API), routes_utility.py (tokenizer, health, version, metrics).
+
+A request passes, outermost first: RequestIdMiddleware (every answer carries x-request-id),
+DrainMiddleware (503 while shutting down; counts requests in flight), ApiKeyMiddleware (401 before
+a byte of the body is read), BodyLimitMiddleware (413 / 408: the body is received whole, within
+limits, before it is parsed), then FastAPI's validation and the route.
 """
 
 from __future__ import annotations
@@ -11,27 +16,35 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from http import HTTPStatus
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvflow.errors import KVFlowError
 from kvflow.server.errors import APIError, error_response, to_api_error, validation_message
-from kvflow.server.middleware import RequestIdMiddleware, api_key_check
+from kvflow.server.limits import BodyLimitMiddleware
+from kvflow.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
+from kvflow.server.openapi import install_openapi
 from kvflow.server.routes_openai import openai_router
 from kvflow.server.routes_utility import probe_router, tokenizer_router
 from kvflow.server.serving import ServingContext
+from kvflow.server.shutdown import DrainMiddleware
+from kvflow.version import __version__
 
 
 def build_app(ctx: ServingContext) -> FastAPI:
-    app = FastAPI(title="kvflow", lifespan=_engine_lifespan(ctx))
+    app = FastAPI(title="kvflow", version=__version__, lifespan=_engine_lifespan(ctx))
+    # add_middleware wraps the app built so far: the last one added is the outermost.
+    app.add_middleware(BodyLimitMiddleware, limits=ctx.limits)
+    app.add_middleware(ApiKeyMiddleware, api_key=ctx.api_key)
+    app.add_middleware(DrainMiddleware, state=ctx.drain)
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
-    protected = [Depends(api_key_check(ctx))]
-    app.include_router(openai_router(ctx, protected))
-    app.include_router(tokenizer_router(ctx, protected))
+    app.include_router(openai_router(ctx))
+    app.include_router(tokenizer_router(ctx))
     app.include_router(probe_router(ctx))
+    install_openapi(app, protected=ctx.api_key is not None)
     return app
 
 
@@ -70,4 +83,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(KVFlowError)
     async def on_kvflow_error(request: Request, exc: KVFlowError) -> JSONResponse:
+        return error_response(to_api_error(exc))
+
+    # The last resort (Starlette calls it from its outermost middleware, so without x-request-id):
+    # even a bug answers with the OpenAI error body, never with Starlette's plain-text 500.
+    @app.exception_handler(Exception)
+    async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
         return error_response(to_api_error(exc))

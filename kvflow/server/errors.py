@@ -1,14 +1,20 @@
 """OpenAI-style error bodies and the mapping from kvflow's exceptions to HTTP status codes.
 
 Every error answer is `{"error": {"message", "type", "param", "code"}}` with the status below:
-    400  malformed JSON, a wrong type or value (the field is named), prompt + max_tokens > context
-    401  missing or wrong API key (when the server has one)
+    400  malformed JSON, a wrong type or value (the field is named), prompt + max_tokens > context,
+         more work than one request may ask for (prompts x n)
+    401  missing or wrong API key (when the server has one), with `WWW-Authenticate: Bearer`
     404  unknown model name, unknown route
+    405  a known route with the wrong method
+    408  the client did not send its request body in time (`--client-timeout-seconds`)
+    413  the request body is larger than `--max-request-body-bytes`
     429  the waiting queue is full (`--max-waiting`), with a Retry-After header
     500  one request's processing failed inside the engine (the others keep being served)
-    503  the engine has stopped
+    503  the engine has stopped, or the server is shutting down
     499  (nginx's "client closed request") the client left before a non-streamed answer was ready;
          nobody receives it, but access logs show it for what it was
+Bodies are written with every non-ASCII character escaped, so that a message quoting the request
+(a model name holding a lone surrogate) can always be encoded.
 """
 
 from __future__ import annotations
@@ -35,10 +41,17 @@ _ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "invalid_request_error",
     HTTPStatus.UNAUTHORIZED: "authentication_error",
     HTTPStatus.NOT_FOUND: "invalid_request_error",
+    HTTPStatus.METHOD_NOT_ALLOWED: "invalid_request_error",
+    HTTPStatus.REQUEST_TIMEOUT: "invalid_request_error",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "invalid_request_error",
     HTTPStatus.TOO_MANY_REQUESTS: "rate_limit_error",
     HTTPStatus.INTERNAL_SERVER_ERROR: "server_error",
     HTTPStatus.SERVICE_UNAVAILABLE: "service_unavailable",
 }
+# Parts of a pydantic error location that name a member of a union, not a field: "str",
+# "list[int]", "function-after[_unicode(), str]", "constrained-int".
+_UNION_TAG_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none", "json-or-python"})
+_UNION_TAG_PREFIXES = ("function-", "constrained-", "tagged-union")
 
 
 class APIError(Exception):
@@ -73,8 +86,16 @@ def error_body(
     }
 
 
+class ErrorJSONResponse(JSONResponse):
+    """JSONResponse with non-ASCII escaped: Starlette's writes raw UTF-8, which fails (a 500 from the
+    error handler itself) when the message quotes a lone surrogate from the request."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
+
+
 def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(
+    return ErrorJSONResponse(
         error_body(error.status, error.message, error.param, error.code),
         status_code=int(error.status),
         headers=error.headers,
@@ -116,11 +137,25 @@ def validation_message(errors: Sequence[Any]) -> tuple[str, str | None]:
         return f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if tuple(first.get("loc", ())) == ("body",):
         return "the request body must be a JSON object (send Content-Type: application/json)", None
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    param = ".".join(loc) or None
-    messages = []
-    for err in errors[:3]:
-        where = ".".join(str(p) for p in err.get("loc", ()) if p != "body") or "body"
-        messages.append(f"{where}: {err.get('msg')}")
-    more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
-    return "invalid request: " + "; ".join(messages) + more, param
+    # A value that fits no member of a union gets one error per member; the ones about its value
+    # (out of range, not valid Unicode) say more than "should be a valid list", so they come first.
+    ordered = sorted(errors, key=lambda e: str(e.get("type", "")).endswith("_type"))
+    described: list[tuple[str, str]] = []
+    for err in ordered:
+        entry = (_field_path(err.get("loc", ())), str(err.get("msg")))
+        if entry not in described:
+            described.append(entry)
+    messages = [f"{where or 'body'}: {msg}" for where, msg in described[:3]]
+    more = f" (and {len(described) - 3} more)" if len(described) > 3 else ""
+    return "invalid request: " + "; ".join(messages) + more, described[0][0] or None
+
+
+def _field_path(loc: Sequence[Any]) -> str:
+    """("body", "prompt", "list[function-after[...]]", 1) -> "prompt.1": fields and indices only."""
+    return ".".join(str(part) for part in loc if part != "body" and not _is_union_tag(part))
+
+
+def _is_union_tag(part: Any) -> bool:
+    if not isinstance(part, str):
+        return False
+    return "[" in part or part in _UNION_TAG_NAMES or part.startswith(_UNION_TAG_PREFIXES)

@@ -1,8 +1,10 @@
 """`kvflow serve`: load the model, then run uvicorn with the app and the engine thread.
 
-SIGINT/SIGTERM: uvicorn stops accepting connections, lets in-flight requests finish for
-`shutdown_grace_s` (--shutdown-grace-seconds), cancels the rest (their handlers abort their engine
-requests), then the app's lifespan stops the engine thread; the process exits with status 0.
+SIGINT/SIGTERM: new requests get 503 while in-flight ones get `shutdown_grace_s`
+(--shutdown-grace-seconds) to finish; the rest are ended with a final chunk (finish_reason abort)
+and [DONE]; then the app's lifespan stops the engine thread and the process exits with status 0
+(shutdown.py). Connections must send their request head and body within `client_timeout_s`
+(connections.py, limits.py) and are at most `max_connections`.
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from kvflow.models.loader import load_model
 from kvflow.outputs import RequestOutput
 from kvflow.quality.online_probe import QualityProbe
 from kvflow.server.api import build_app
+from kvflow.server.connections import header_deadline_protocol
+from kvflow.server.limits import RequestLimits
 from kvflow.server.metrics import EngineMetrics
 from kvflow.server.serving import ServingContext
+from kvflow.server.shutdown import DrainingServer
 from kvflow.stats import StepStats
 
 logger = logging.getLogger(__name__)
@@ -56,6 +61,7 @@ def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any
         tokenizer=engine.tokenizer,
         metrics=metrics,
         api_key=config.api_key,
+        limits=RequestLimits.from_config(config),
     )
 
 
@@ -94,17 +100,25 @@ def engine_info(engine: LLMEngine) -> dict[str, str]:
     }
 
 
-def run_server(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
-    ctx = build_context(model, config, engine_kwargs)
-    app = build_app(ctx)
+def make_server(ctx: ServingContext, config: ServerConfig, port: int | None = None) -> DrainingServer:
+    """The uvicorn server of `kvflow serve` (and of the tests' live servers) for this context."""
     uv_config = uvicorn.Config(
-        app,
+        build_app(ctx),
         host=config.host,
-        port=config.port,
-        timeout_graceful_shutdown=max(1, round(config.shutdown_grace_s)),
+        port=config.port if port is None else port,
+        http=header_deadline_protocol(config.client_timeout_s),
+        limit_concurrency=config.max_connections,
+        # The drain (shutdown.py) has ended every request before uvicorn's own shutdown starts.
+        timeout_graceful_shutdown=1,
         log_level=config.log_level.lower(),
         access_log=False,
     )
+    return DrainingServer(uv_config, ctx.drain, ctx.engine, config.shutdown_grace_s)
+
+
+def run_server(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
+    ctx = build_context(model, config, engine_kwargs)
+    server = make_server(ctx, config)
     base = f"http://{config.host}:{config.port}"
     print(f"[kvflow serve] {ctx.served_model_name} at {base}/v1 (metrics: {base}/metrics)", file=sys.stderr)
     print(f"[kvflow serve] {ctx.engine.engine.kv_pool_summary}", file=sys.stderr)
@@ -112,7 +126,7 @@ def run_server(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) 
     # handlers it found: these no-ops make the drained shutdown an ordinary exit with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _after_graceful_shutdown)
-    uvicorn.Server(uv_config).run()
+    server.run()
     print("[kvflow serve] stopped", file=sys.stderr)
     return 0
 

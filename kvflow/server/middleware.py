@@ -1,18 +1,16 @@
 """What a request passes through before its route: the x-request-id every answer carries, and the
-API-key check of the protected routes."""
+API-key check of every route but the public probes."""
 
 from __future__ import annotations
 
 import hmac
 import uuid
-from collections.abc import Awaitable, Callable
 from http import HTTPStatus
 
-from fastapi import Request
+from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from kvflow.server.errors import APIError
-from kvflow.server.serving import ServingContext
+from kvflow.server.errors import APIError, error_response
 
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -45,22 +43,51 @@ class RequestIdMiddleware:
         await self.app(scope, receive, send_with_id)
 
 
-def api_key_check(ctx: ServingContext) -> Callable[[Request], Awaitable[None]]:
-    """The FastAPI dependency of protected routes: 401 unless `Authorization: Bearer <key>` matches the
-    server's key (everything passes when the server has none)."""
+# Reached without the API key: liveness and metrics (load balancers and scrapers send none), and the
+# API's own description.
+PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"})
 
-    async def check_api_key(request: Request) -> None:
-        if ctx.api_key is None:
+
+class ApiKeyMiddleware:
+    """401 unless `Authorization: Bearer <key>` matches the server's key, on every path but
+    PUBLIC_PATHS. A middleware rather than a route dependency: it runs before the body is received
+    or parsed, so a client without the key cannot make the server read megabytes first. The scheme
+    is case-insensitive (RFC 7235: `bearer` is `Bearer`); a 401 says how to authenticate
+    (`WWW-Authenticate: Bearer`, RFC 6750)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or self.api_key is None or scope["path"] in PUBLIC_PATHS:
+            await self.app(scope, receive, send)
             return
-        given = request.headers.get("authorization", "")
-        expected = f"Bearer {ctx.api_key}"
+        given = _header(scope, b"authorization")
+        if given is None:
+            await _unauthorized("missing API key", 'Bearer realm="kvflow"')(scope, receive, send)
+            return
+        scheme, _, token = given.strip().partition(" ")
         # Constant-time comparison: the time taken must not tell how many leading characters matched.
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            message = "missing API key" if not given else "invalid API key"
-            raise APIError(
-                HTTPStatus.UNAUTHORIZED,
-                f"{message}: send 'Authorization: Bearer <key>'",
-                code="invalid_api_key",
-            )
+        matches = hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+        if scheme.lower() != "bearer" or not matches:
+            await _unauthorized("invalid API key", 'Bearer error="invalid_token"')(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
-    return check_api_key
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return bytes(value).decode("latin-1")
+    return None
+
+
+def _unauthorized(what: str, challenge: str) -> JSONResponse:
+    error = APIError(
+        HTTPStatus.UNAUTHORIZED,
+        f"{what}: send 'Authorization: Bearer <key>'",
+        code="invalid_api_key",
+        headers={"WWW-Authenticate": challenge},
+    )
+    return error_response(error)

@@ -4,22 +4,51 @@ Requests are validated here: a wrong type or an out-of-range value becomes HTTP 
 Fields OpenAI defines that kvflow cannot honour (`logit_bias`, `suffix`, tools, `best_of` > n) are
 accepted by the schema and refused by the serving layer with a message, never silently ignored.
 Unknown fields are ignored, as OpenAI and vLLM do.
+
+Types are strict, so that the published schema is the server: `"n": "2"`, `"echo": 0` or
+`"max_tokens": true` are refused, not coerced. Exactly what JSON Schema calls an integer is one:
+2 and 2.0 (a number with no fractional part), so `Int` accepts an integral float; a JSON integer is
+still a valid number. Floats must be finite (Python's JSON reader accepts NaN and Infinity). Text
+must be valid Unicode: a lone surrogate ("\\ud800" in JSON) is refused here, naming the field,
+instead of failing inside the tokenizer.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field
+
+from kvflow.tokenizer import check_unicode
 
 # OpenAI's bounds: top_logprobs in [0, 20]; the legacy completions `logprobs` in [0, 5], which vLLM
 # (and kvflow) loosen to 20 as well.
 MAX_TOP_LOGPROBS = 20
+# A seed is a signed 64-bit integer (OpenAI's and vLLM's range); choice j of n samples with seed + j.
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+
+
+def _unicode(text: str) -> str:
+    check_unicode(text, "the text")  # its ValueError becomes a 400 naming the field
+    return text
+
+
+def _integral(value: Any) -> Any:
+    """2.0 -> 2 (JSON Schema's integer); anything else is left to the strict int check."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# Text that reaches the tokenizer or the detokenizer.
+Text = Annotated[str, AfterValidator(_unicode)]
+Int = Annotated[int, BeforeValidator(_integral)]
+TokenId = Annotated[Int, Field(ge=0)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Request):
@@ -35,22 +64,22 @@ class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    best_of: int | None = None
+    n: Int = Field(1, ge=1, le=128)
+    best_of: Int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: Int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: Int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
+    stop: Text | list[Text] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: Int = Field(0, ge=0)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
@@ -59,25 +88,35 @@ class _SamplingFields(_Request):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for the legacy endpoint
-    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
+    max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for the legacy endpoint
+    logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 
 
+class ContentPart(_Request):
+    """One part of a message's content, as current clients send it: {"type": "text", "text": ...}.
+    Other types (image_url, input_audio, ...) are named in a 400 by the chat endpoint."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    type: str
+    text: Text | None = None
+
+
 class ChatMessage(_Request):
-    model_config = ConfigDict(extra="allow")  # name, tool_call_id, ... reach the template as they are
+    # name, tool_call_id, ... reach the template as they are
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    content: Text | list[ContentPart] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: Int | None = Field(None, ge=1)
+    max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
@@ -85,7 +124,7 @@ class ChatCompletionRequest(_SamplingFields):
 
 class TokenizeRequest(_Request):
     model: str | None = None
-    prompt: str | None = None
+    prompt: Text | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
@@ -93,7 +132,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 # --------------------------------------------------------------------------------------- responses
@@ -204,3 +243,16 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every error answer's body (server/errors.py)."""
+
+    error: ErrorInfo

@@ -1,34 +1,54 @@
-"""The OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models (all behind the API key)."""
+"""The OpenAI routes: /v1/completions, /v1/chat/completions, /v1/models (all behind the API key,
+which middleware.py checks before the body is read)."""
 
 from __future__ import annotations
 
 from collections.abc import Awaitable
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.params import Depends
 from fastapi.responses import Response
 
 from kvflow.server.errors import CLIENT_CLOSED_REQUEST, to_api_error
-from kvflow.server.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from kvflow.server.openapi import responses, streamed_or_json
+from kvflow.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+)
 from kvflow.server.serving import ServingContext
 from kvflow.server.serving_chat import create_chat_completion
 from kvflow.server.serving_completion import create_completion
 from kvflow.server.serving_response import ClientDisconnectedError
 
+# What a generation route may answer besides its 200 (401, 500 and 503 are added to every route).
+_GENERATION_ERRORS = (HTTPStatus.NOT_FOUND, HTTPStatus.TOO_MANY_REQUESTS)
 
-def openai_router(ctx: ServingContext, protected: list[Depends]) -> APIRouter:
+
+def openai_router(ctx: ServingContext) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/completions", dependencies=protected)
+    @router.post(
+        "/v1/completions",
+        responses=responses(*_GENERATION_ERRORS, ok=streamed_or_json(CompletionResponse, "the completion")),
+    )
     async def completions(body: CompletionRequest, raw: Request) -> Any:
         return await _answer(create_completion(ctx, body, raw))
 
-    @router.post("/v1/chat/completions", dependencies=protected)
+    @router.post(
+        "/v1/chat/completions",
+        responses=responses(
+            *_GENERATION_ERRORS, ok=streamed_or_json(ChatCompletionResponse, "the chat completion")
+        ),
+    )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
         return await _answer(create_chat_completion(ctx, body, raw))
 
-    @router.get("/v1/models", dependencies=protected)
+    @router.get("/v1/models", responses=responses())
     async def models() -> ModelList:
         card = ModelCard(id=ctx.served_model_name, root=ctx.model_dir, max_model_len=ctx.max_model_len)
         return ModelList(data=[card])

@@ -1,14 +1,21 @@
 """The request side that completions and chat completions share: the serving context, validation of
 what kvflow cannot honour, request -> SamplingParams, the context-length check, fan-out of `n` choices.
 
+Tokenizing and templating are CPU work proportional to the prompt (seconds for megabytes): each
+endpoint runs them with `off_loop`, in a worker thread, so that one large prompt never stalls the
+event loop that streams everyone else's tokens (the tokenizer releases the GIL for long texts).
+
 The response side (SSE, usage, disconnects, aggregation) is in serving_response.py."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import TypeVar
 
 from fastapi import Request as HTTPRequest
 
@@ -17,11 +24,14 @@ from kvflow.errors import PromptTooLongError
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 from kvflow.server.errors import APIError
+from kvflow.server.limits import RequestLimits
 from kvflow.server.metrics import EngineMetrics
 from kvflow.server.protocol import _SamplingFields
+from kvflow.server.shutdown import DrainState
 from kvflow.tokenizer import Tokenizer
 
 TIMING_HEADER = "x-kvflow-timing"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -35,6 +45,8 @@ class ServingContext:
     tokenizer: Tokenizer
     metrics: EngineMetrics
     api_key: str | None = None
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    drain: DrainState = field(default_factory=DrainState)  # shared by the drain middleware and server
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -114,6 +126,7 @@ def build_requests(
 ) -> list[Request]:
     """One engine request per (prompt, choice): choice index = prompt index * n + j, as OpenAI orders
     them. With a seed, choice j samples with seed + j (identical choices would be pointless)."""
+    ctx.limits.check_choices(len(prompts), body.n)
     requests = []
     group = uuid.uuid4().hex[:12]  # engine ids are unique even when clients reuse x-request-id
     for p_index, prompt in enumerate(prompts):
@@ -142,3 +155,8 @@ def wants_timing(body: _SamplingFields, raw: HTTPRequest) -> bool:
 def now() -> float:
     """Arrival timestamps share the engine timelines' clock."""
     return time.monotonic()
+
+
+async def off_loop(work: Callable[[], T]) -> T:
+    """Run CPU work proportional to the request's size (tokenizing, templating) in a worker thread."""
+    return await asyncio.to_thread(work)

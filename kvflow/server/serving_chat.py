@@ -10,6 +10,8 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kvflow.outputs import RequestOutput, TokenLogprobs
+from kvflow.request import Request
+from kvflow.server.chat_content import check_template_kwargs, template_messages
 from kvflow.server.errors import APIError
 from kvflow.server.protocol import (
     ChatChoice,
@@ -17,7 +19,6 @@ from kvflow.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
     ChatTokenLogprob,
@@ -25,7 +26,14 @@ from kvflow.server.protocol import (
     TopLogprob,
     UsageInfo,
 )
-from kvflow.server.serving import PromptInput, ServingContext, build_requests, now, unsupported_fields
+from kvflow.server.serving import (
+    PromptInput,
+    ServingContext,
+    build_requests,
+    now,
+    off_loop,
+    unsupported_fields,
+)
 from kvflow.server.serving_response import ResponseBuilder, serve_choices
 
 # Prefix of the response id and of the engine request ids.
@@ -34,16 +42,16 @@ ID_PREFIX = "chatcmpl"
 
 def render_chat_prompt(
     ctx: ServingContext,
-    messages: list[ChatMessage],
+    messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
 ) -> PromptInput:
-    """Template -> text -> token ids. The rendered text already holds the special tokens the template
-    writes (BOS for Llama-3), so it is encoded without adding them again (as vLLM does)."""
+    """Template -> text -> token ids. `messages` come from `template_messages`; `template_kwargs`
+    passed `check_template_kwargs`. The rendered text already holds the special tokens the template
+    writes (BOS for Llama-3), so it is encoded without adding them again (as vLLM does). CPU work
+    proportional to the conversation: call it through `off_loop`."""
     text = ctx.tokenizer.apply_chat_template(
-        [m.model_dump(exclude_none=True) for m in messages],
-        add_generation_prompt=add_generation_prompt,
-        **(template_kwargs or {}),
+        messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
     )
     return PromptInput(text, ctx.tokenizer.encode(text, add_special_tokens=False))
 
@@ -72,6 +80,7 @@ def chat_logprobs(
 
 def _check(body: ChatCompletionRequest) -> None:
     unsupported_fields(body)
+    check_template_kwargs(body.chat_template_kwargs)
     if body.tools:
         raise APIError(HTTPStatus.BAD_REQUEST, "tools (function calling) are not supported", param="tools")
     if body.top_logprobs is not None and not body.logprobs:
@@ -157,10 +166,16 @@ async def create_chat_completion(
     arrival = now()
     ctx.check_model(body.model)
     _check(body)
-    prompt = render_chat_prompt(ctx, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+    ctx.limits.check_choices(1, body.n)
+    messages = template_messages(body.messages)
     top_n = body.top_logprobs or 0
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = top_n if body.logprobs else None
-    requests = build_requests(ctx, ID_PREFIX, [prompt], body, requested, logprobs, arrival)
+
+    def prepare() -> tuple[PromptInput, list[Request]]:
+        prompt = render_chat_prompt(ctx, messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return prompt, build_requests(ctx, ID_PREFIX, [prompt], body, requested, logprobs, arrival)
+
+    prompt, requests = await off_loop(prepare)
     builder = ChatResponseBuilder(ctx, body.n, top_n, f"{ID_PREFIX}-{raw.state.request_id}")
     return await serve_choices(ctx, raw, body, [prompt], requests, builder)

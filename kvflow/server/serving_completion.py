@@ -9,6 +9,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
 
 from kvflow.outputs import RequestOutput, TokenLogprobs
+from kvflow.request import Request
 from kvflow.server.errors import APIError
 from kvflow.server.protocol import (
     CompletionChoice,
@@ -17,7 +18,14 @@ from kvflow.server.protocol import (
     CompletionResponse,
     UsageInfo,
 )
-from kvflow.server.serving import PromptInput, ServingContext, build_requests, now, unsupported_fields
+from kvflow.server.serving import (
+    PromptInput,
+    ServingContext,
+    build_requests,
+    now,
+    off_loop,
+    unsupported_fields,
+)
 from kvflow.server.serving_response import ResponseBuilder, serve_choices
 
 # Prefix of the response id and of the engine request ids.
@@ -36,7 +44,8 @@ def _check(body: CompletionRequest) -> None:
         )
 
 
-def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[PromptInput]:
+def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts, each text or token ids (not tokenized yet)."""
     prompt = body.prompt
     if isinstance(prompt, str):
         items: list[str | list[int]] = [prompt]
@@ -47,6 +56,10 @@ def _prompts(ctx: ServingContext, body: CompletionRequest) -> list[PromptInput]:
         items = list(prompt)  # type: ignore[arg-type]
     if not items:
         raise APIError(HTTPStatus.BAD_REQUEST, "prompt must not be empty", param="prompt")
+    return items
+
+
+def _tokenize(ctx: ServingContext, items: list[str | list[int]]) -> list[PromptInput]:
     result = []
     for item in items:
         if isinstance(item, str):
@@ -154,7 +167,13 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: H
     arrival = now()
     ctx.check_model(body.model)
     _check(body)
-    prompts = _prompts(ctx, body)
-    requests = build_requests(ctx, ID_PREFIX, prompts, body, body.max_tokens, body.logprobs, arrival)
+    items = _prompt_items(body)
+    ctx.limits.check_choices(len(items), body.n)  # before tokenizing what would be refused anyway
+
+    def prepare() -> tuple[list[PromptInput], list[Request]]:
+        prompts = _tokenize(ctx, items)
+        return prompts, build_requests(ctx, ID_PREFIX, prompts, body, body.max_tokens, body.logprobs, arrival)
+
+    prompts, requests = await off_loop(prepare)
     builder = CompletionResponseBuilder(ctx, body, prompts, f"{ID_PREFIX}-{raw.state.request_id}")
     return await serve_choices(ctx, raw, body, prompts, requests, builder)
