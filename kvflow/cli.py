@@ -214,6 +214,21 @@ def _cmd_quant_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_build_kernels(args: argparse.Namespace) -> int:
+    """Build (or find) the native CPU kernels now, so that a server's first request is not the build."""
+    from kvflow.kernels import native_build
+
+    build = native_build()
+    if build.module is not None:
+        print(f"[kvflow] native CPU kernels ready: {build.build_dir}", file=sys.stderr)
+        return 0
+    print(
+        f"[kvflow] native CPU kernels unavailable ({build.reason}): kvflow uses its torch paths",
+        file=sys.stderr,
+    )
+    return 1 if build.build_dir is not None else 0  # a failed build is an error; an unsuited CPU is not
+
+
 def _add_quant_eval_parser(sub: Any) -> None:
     qe = sub.add_parser(
         "quant-eval", help="quality and speed of quantized weights against the unquantized model"
@@ -263,6 +278,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(demo)
     demo.set_defaults(func=_cmd_demo)
     _add_serve_parser(sub)
+    kernels = sub.add_parser(
+        "build-kernels",
+        help="build the native CPU kernels now (otherwise the first model load does, for a few minutes)",
+    )
+    kernels.set_defaults(func=_cmd_build_kernels)
     from kvflow.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

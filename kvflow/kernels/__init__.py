@@ -9,8 +9,10 @@
 - `native_decoder_classes()`: the decoder layers of a decode step in one native call, over the
   kernels above (decode_forward.cpp; built by kvflow/models/native_decoder.py).
 Each returns None when this CPU lacks AVX512-BF16, no compiler is available, or the build fails;
-callers then keep the generic torch path. The build (~1 min, once) is cached under
-~/.cache/kvflow/kernels (KVFLOW_KERNEL_CACHE); KVFLOW_DISABLE_KERNELS=1 skips it.
+callers then keep the generic torch path. The build (~2.5 min on 2 cores, once per sources, torch and
+compiler; `kvflow build-kernels` does it ahead of time) is cached under ~/.cache/kvflow/kernels
+(KVFLOW_KERNEL_CACHE), one process at a time under a lock that dies with its process
+(build_cache.py); KVFLOW_DISABLE_KERNELS=1 skips it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ from types import ModuleType
 from typing import Any, NamedTuple
 
 import torch
+
+from kvflow.kernels.build_cache import build_dir_for, cache_root, locked_build, sources_key, toolchain_key
 
 logger = logging.getLogger(__name__)
 
@@ -76,43 +80,66 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
+_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mbmi2", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
+_MODULE_NAME = "kvflow_cpu_kernels"
+_HERE = Path(__file__).parent
+
+
+class NativeBuild(NamedTuple):
+    """The native module, or None and why not."""
+
+    module: ModuleType | None
+    reason: str
+    build_dir: Path | None = None
+
+
+def native_build_dir() -> Path:
+    """Where this kvflow's kernels are built for this torch, Python, compiler and flags."""
+    inputs = [*(_HERE / s for s in _SOURCES), *sorted(_HERE.glob("*.h"))]
+    return build_dir_for(cache_root(), toolchain_key(_CFLAGS, _LDFLAGS), sources_key(inputs))
+
+
 @functools.cache
-def _native_module() -> ModuleType | None:
+def native_build() -> NativeBuild:
+    """Load the native kernels, building them first if this key has no build (once per process)."""
     if os.environ.get("KVFLOW_DISABLE_KERNELS") == "1":
-        return None
+        return NativeBuild(None, "disabled by KVFLOW_DISABLE_KERNELS=1")
     missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
     if missing:
         logger.info("native bf16 kernels disabled: CPU lacks %s", ", ".join(missing))
-        return None
-    default_cache = Path.home() / ".cache" / "kvflow" / "kernels"
-    build_dir = Path(os.environ.get("KVFLOW_KERNEL_CACHE", default_cache))
-    build_dir.mkdir(parents=True, exist_ok=True)
-    here = Path(__file__).parent
-    if not (build_dir / "kvflow_cpu_kernels.so").exists():
-        logger.info("building kvflow's native CPU kernels in %s (first use only, about a minute)", build_dir)
+        return NativeBuild(None, f"this CPU lacks {', '.join(missing)}")
+    sources = [_HERE / s for s in _SOURCES]
+    build_dir: Path | None = None
     try:
         from torch.utils.cpp_extension import load
 
-        return load(
-            name="kvflow_cpu_kernels",
-            sources=[str(here / s) for s in _SOURCES],
-            extra_cflags=[
-                "-O3",
-                "-mavx512f",
-                "-mavx512bw",
-                "-mavx512vl",
-                "-mavx512bf16",
-                "-mf16c",
-                "-mbmi2",
-                "-fopenmp",
-            ],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            verbose=False,
+        build_dir = native_build_dir()
+
+        def build(directory: Path) -> ModuleType:
+            return load(
+                name=_MODULE_NAME,
+                sources=[str(s) for s in sources],
+                extra_cflags=list(_CFLAGS),
+                extra_ldflags=list(_LDFLAGS),
+                build_directory=str(directory),
+                verbose=False,
+            )
+
+        module = locked_build(
+            build_dir,
+            build,
+            "kvflow's native CPU kernels",
+            is_built=lambda d: (d / f"{_MODULE_NAME}.so").exists(),
         )
-    except Exception as e:  # a missing compiler or ninja must not stop the engine
+        return NativeBuild(module, "built", build_dir)
+    except Exception as e:  # a missing compiler or ninja, or a stuck build, must not stop the engine
         logger.warning("native bf16 kernels unavailable (build failed: %s); using torch paths", e)
-        return None
+        return NativeBuild(None, f"the build failed: {e}", build_dir)
+
+
+def _native_module() -> ModuleType | None:
+    return native_build().module
 
 
 def skinny_linear_bf16() -> tuple[SkinnyLinear, TileBf16Weight] | None:
