@@ -61,6 +61,14 @@ def test_generate_reports_a_missing_model_clearly(tmp_path: Path) -> None:
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_doctor_without_model_diagnoses_the_bundled_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """As the README says of every command: MODEL omitted means the bundled model."""
+    from kvflow.cli import main
+
+    assert main(["doctor", "--hardware", "h100", "--context", "64"]) == 0
+    assert "kvflow doctor: tiny-target" in capsys.readouterr().out
+
+
 def test_demo_generates_with_timing(tiny_checkpoint_factory: Callable[..., Path]) -> None:
     path = tiny_checkpoint_factory("llama")
     result = _kvflow("demo", "--model", str(path), "--max-tokens", "4", "--dtype", "float32")

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvflow.assets import bundled_model_dir
 from kvflow.doctor.evidence import (
     EngineSettings,
     RunEvidence,
@@ -31,7 +32,11 @@ def add_doctor_parser(sub: Any) -> None:
         help="diagnose latency: input, TTFT, ITL, KV memory, quantization, serving features",
         description="The six-step latency diagnosis from a kvflow bench result and a model's config.json.",
     )
-    doctor.add_argument("model", help="checkpoint directory (config.json alone is enough without --verify)")
+    doctor.add_argument(
+        "model",
+        nargs="?",
+        help="checkpoint directory (config.json alone is enough without --verify); default: bundled model",
+    )
     doctor.add_argument(
         "--hardware",
         type=str.lower,  # named_hardware's names are case-insensitive: H100 is h100
@@ -90,6 +95,8 @@ def _settings(args: argparse.Namespace, result: dict[str, Any] | None) -> Engine
 
 
 def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:
+    if args.model is None:  # as every command: the bundled model when MODEL is omitted
+        args.model = str(bundled_model_dir("target"))
     model = ModelSpec.from_dir(args.model)
     result = json.loads(Path(args.bench).read_text()) if args.bench else None
     settings = _settings(args, result)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from kvflow.arch_config import ArchConfig, load_hf_config, parse_arch_config
+from kvflow.arch_config import ArchConfig, load_arch_config
 from kvflow.attention.kv_store import kv_bytes_per_token
 from kvflow.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ConfigError, EngineConfig
 from kvflow.errors import ModelLoadError
@@ -52,7 +52,7 @@ def load_checkpoint(config: EngineConfig) -> LoadedModel:
     model_dir = Path(mc.model).expanduser()
     if not model_dir.is_dir():
         raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist (or is not a directory)")
-    arch = parse_arch_config(load_hf_config(model_dir))
+    arch = load_arch_config(model_dir)
     max_model_len = mc.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
         raise ConfigError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -57,9 +58,24 @@ def resolve_weight_files(model_dir: Path) -> dict[str, Path]:
         raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
     files = {}
     for path in shards:
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path) as f:
             files.update({name: path for name in f.keys()})  # noqa: SIM118 (safe_open has no __iter__)
     return files
+
+
+def open_safetensors(path: Path) -> Any:
+    """safe_open(path), or a ModelLoadError naming the file (a truncated download, a corrupt header)."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises its own SafetensorError, OSError, ValueError
+        raise ModelLoadError(_unreadable(path, exc)) from exc
+
+
+def _unreadable(path: Path, exc: Exception) -> str:
+    return (
+        f"{path}: not a readable safetensors file ({type(exc).__name__}: {exc}); the download may be "
+        "truncated or corrupt: fetch it again"
+    )
 
 
 def _sources(param_name: str, cfg: ArchConfig, available: set[str]) -> list[str]:
@@ -84,8 +100,11 @@ class _ShardReader:
     def read(self, name: str) -> torch.Tensor:
         path = self.files[name]
         if path not in self._handles:
-            self._handles[path] = safe_open(str(path), framework="pt")
-        return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
+            self._handles[path] = open_safetensors(path)
+        try:
+            return self._handles[path].get_tensor(name)  # type: ignore[attr-defined]
+        except Exception as exc:  # the header lists bytes the file does not hold (truncated)
+            raise ModelLoadError(f"{_unreadable(path, exc)} (reading tensor {name!r})") from exc
 
 
 def _load_param(name: str, param: torch.Tensor, sources: list[str], reader: _ShardReader) -> None:
