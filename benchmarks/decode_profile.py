@@ -1,12 +1,13 @@
 """Where one single-stream decode step's time goes: kernels against everything else.
 
     python benchmarks/decode_profile.py [--quantization none|int8|int4] [--group-size 32]
-                                        [--quantize-lm-head] [--context 512] [--repeats 200]
+                                        [--quantize-lm-head] [--context 512] [--enforce-eager]
 
 On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it), one
 request decodes after a `--context`-token prompt; the last decode step's exact inputs are captured
 and replayed, each piece timed alone (median of `--repeats`, microseconds):
     engine step     LLMEngine.step(): schedule -> input batch -> forward -> logits -> sample -> outputs
+                    (the median gap between one request's tokens)
     forward         the model over the 24 layers (embedding to final norm)
     kernels         every layer's linears (GEMVs) and its decode attention, called alone on the
                     same inputs: the work that cannot shrink without fewer bytes
@@ -78,21 +79,30 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def profile(llm: LLM, context: int, repeats: int) -> dict[str, float]:
+def profile(llm: LLM, context: int, repeats: int, rounds: int) -> dict[str, float]:
+    """Each piece timed `rounds` times, the pieces interleaved round by round (the machine's
+    bandwidth drifts within minutes), medians across rounds."""
     engine = llm.llm_engine
     model = engine.model_runner.model
+    runner = engine.model_runner
     input_ids, meta, store = capture_decode_inputs(llm, context)
-    times: dict[str, float] = {}
+    prompt = [random.Random(1).randrange(QWEN25_05B["vocab_size"]) for _ in range(context)]
     with torch.inference_mode():
         hidden = model(input_ids, meta, store)
-        times["forward"] = median_us(lambda: model(input_ids, meta, store), repeats)
-        times["LM head"] = median_us(lambda: model.compute_logits(hidden), repeats)
         logits = model.compute_logits(hidden)
-        runner = engine.model_runner
-        times["kernels"] = layer_kernels_us(model, hidden, meta, store, repeats)
-    prompt = [random.Random(1).randrange(QWEN25_05B["vocab_size"]) for _ in range(context)]
-    times["engine step"] = engine_step_us(llm, prompt, repeats)
-    times["sample"] = sample_us(runner, logits, repeats)
+    pieces: dict[str, Callable[[], float]] = {
+        "engine step": lambda: engine_step_us(llm, prompt, repeats),
+        "forward": lambda: median_us(lambda: model(input_ids, meta, store), repeats),
+        "kernels": lambda: layer_kernels_us(model, hidden, meta, store, repeats),
+        "LM head": lambda: median_us(lambda: model.compute_logits(hidden), repeats),
+        "sample": lambda: sample_us(runner, logits, repeats),
+    }
+    samples: dict[str, list[float]] = {name: [] for name in pieces}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for name, measure in pieces.items():
+                samples[name].append(measure())
+    times = {name: statistics.median(values) for name, values in samples.items()}
     times["layer glue"] = times["forward"] - times["kernels"]
     times["step overhead"] = times["engine step"] - times["forward"] - times["LM head"] - times["sample"]
     return times
@@ -146,7 +156,9 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--context", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--repeats", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--enforce-eager", action="store_true", help="the Python layer path (the reference)")
     args = ap.parse_args()
     path = build_checkpoint(torch.bfloat16)
     llm = LLM(
@@ -156,15 +168,17 @@ def main() -> None:
         quantization=args.quantization,
         quantization_group_size=args.group_size,
         quantize_lm_head=args.quantize_lm_head,
+        enforce_eager=args.enforce_eager,
     )
-    times = profile(llm, args.context, args.repeats)
+    times = profile(llm, args.context, args.repeats, args.rounds)
     bandwidth = measure_bandwidth_gbs()
     nbytes = weight_bytes(llm.llm_engine.model_runner.model)
     roofline_us = nbytes / (bandwidth * 1e9) * 1e6
     head = "quantized" if args.quantize_lm_head else "bf16"
     print(
-        f"{args.quantization} (group {args.group_size}, head {head}), "
-        f"context {args.context}, {torch.get_num_threads()} threads"
+        f"{args.quantization} (group {args.group_size}, head {head}), context {args.context}, "
+        f"{'Python layers (--enforce-eager)' if args.enforce_eager else 'native decode'}, "
+        f"{torch.get_num_threads()} threads, medians of {args.rounds} interleaved rounds"
     )
     step = times["engine step"]
     for key in ("engine step", "forward", "kernels", "layer glue", "LM head", "sample", "step overhead"):

@@ -1,5 +1,6 @@
-// What kvflow's decode GEMVs share (gemv_bf16.cpp, gemv_int8.cpp, gemv_int4.cpp): the loop over
-// output rows and blocks of activation rows, and the streamed dot product of one weight row.
+// The plain-layout decode GEMV (gemv_int8.cpp; bf16 and int4 moved to 16-row tiles, see their
+// files): the loop over output rows and blocks of activation rows, and the streamed dot product of
+// one weight row.
 // Note: torch's JIT builder hashes the .cpp sources, not headers: after editing this file, touch
 // a .cpp (or clear ~/.cache/kvflow/kernels) to force a rebuild.
 #pragma once
