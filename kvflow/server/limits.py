@@ -62,9 +62,12 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        declared = _header_int(scope, b"content-length")
         if declared is not None and declared > self.limits.max_body_bytes:
-            await _discard_body(receive, time.monotonic() + self.limits.client_timeout_s)
+            # A client that asked `Expect: 100-continue` (curl does past 1 MB) waits for our go-ahead
+            # before uploading: answer at once. Receiving would send the "100 Continue".
+            if _header(scope, b"expect") != b"100-continue":
+                await _discard_body(receive, time.monotonic() + self.limits.client_timeout_s)
             await self._too_large(scope, receive, send, f" ({declared} bytes)")
             return
         try:
@@ -115,14 +118,19 @@ class _ClientGone(Exception):
     pass
 
 
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", []):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None  # the HTTP parser has already refused a malformed one
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope.get("headers", []):
+        if key == name:
+            return bytes(value).lower()
     return None
+
+
+def _header_int(scope: Scope, name: bytes) -> int | None:
+    value = _header(scope, name)
+    try:
+        return None if value is None else int(value)
+    except ValueError:
+        return None  # the HTTP parser has already refused a malformed Content-Length
 
 
 async def _receive_before(receive: Receive, deadline: float) -> Message:

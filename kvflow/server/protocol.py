@@ -10,7 +10,8 @@ Types are strict, so that the published schema is the server: `"n": "2"`, `"echo
 2 and 2.0 (a number with no fractional part), so `Int` accepts an integral float; a JSON integer is
 still a valid number. Floats must be finite (Python's JSON reader accepts NaN and Infinity). Text
 must be valid Unicode: a lone surrogate ("\\ud800" in JSON) is refused here, naming the field,
-instead of failing inside the tokenizer.
+instead of failing inside the tokenizer. Lists whose every item costs the shared engine thread work
+per token (stop strings, stop token ids) are bounded.
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from kvflow.tokenizer import check_unicode
 MAX_TOP_LOGPROBS = 20
 # A seed is a signed 64-bit integer (OpenAI's and vLLM's range); choice j of n samples with seed + j.
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1
+# Every stop string is searched for after every token, in the engine thread that serves everyone:
+# a request with a million of them would slow every stream. OpenAI allows 4; this is generous.
+MAX_STOP_SEQUENCES = 64
+MAX_STOP_TOKEN_IDS = 1024
 
 
 def _unicode(text: str) -> str:
@@ -76,8 +81,8 @@ class _SamplingFields(_Request):
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     seed: Int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
-    stop: Text | list[Text] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_STOP_SEQUENCES)] | None = None
+    stop_token_ids: list[TokenId] | None = Field(None, max_length=MAX_STOP_TOKEN_IDS)
     ignore_eos: bool = False
     min_tokens: Int = Field(0, ge=0)
     skip_special_tokens: bool = True

@@ -63,6 +63,18 @@ def test_a_body_that_never_arrives_gets_408(strict_server: LiveServer) -> None:
     assert "did not arrive within 0.5 s" in body["error"]["message"]
 
 
+def test_a_declared_oversized_body_is_refused_before_it_is_uploaded(server: LiveServer) -> None:
+    """A client waiting for `100 Continue` gets the 413 instead, and never sends the 20 MB."""
+    with connect(server) as sock:
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: 20000000\r\n\r\n"
+        )
+        response = read_until_closed(sock)
+    assert response.startswith(b"HTTP/1.1 413"), response[:200]
+    assert b"larger than this server accepts" in response
+
+
 def test_abandoned_streams_and_half_sent_bodies_leave_nothing_behind(
     server: LiveServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:

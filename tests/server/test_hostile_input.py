@@ -3,6 +3,7 @@ and a published schema (/openapi.json) that says what the server does."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,9 @@ def error_of(response: httpx.Response, status: int) -> dict[str, Any]:
         ("/v1/completions", '{"prompt": "x", "temperature": "0.5"}', "temperature"),
         ("/v1/completions", '{"prompt": "x", "seed": 9223372036854775808}', "seed"),
         ("/detokenize", '{"tokens": ["5"]}', "tokens.0"),
+        # Work one request could put on the engine thread that serves everyone.
+        ("/v1/completions", json.dumps({"prompt": "x", "stop": ["s"] * 65}), "stop"),
+        ("/v1/completions", json.dumps({"prompt": "x", "stop_token_ids": [5] * 1025}), "stop_token_ids"),
     ],
 )
 def test_schema_violations_are_refused_naming_the_field(
