@@ -56,6 +56,15 @@ class ModelConfig:
             "steps of bf16 models run all layers in one native call, bit-identical (vLLM's flag name)"
         },
     )
+    batch_invariant: bool = field(
+        default=False,
+        metadata={
+            "help": "a request's tokens depend only on its prompt, parameters and seed, never on what else "
+            "is batched with it: every linear runs the row-invariant GEMVs and every query row attends "
+            "alone (vLLM's term; bf16 models with the native kernels; slower prefill, see "
+            "benchmarks/NOTES.md)"
+        },
+    )
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DType)

@@ -76,6 +76,7 @@ class LLMEngine:
             self.tokenizer.eos_token_ids,
             config.model_config.seed,
             config.model_config.enforce_eager,
+            config.model_config.batch_invariant,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = build_proposer(
@@ -86,6 +87,7 @@ class LLMEngine:
             num_blocks,
             cache.block_size,
             config.model_config.enforce_eager,
+            config.model_config.batch_invariant,
         )
         self.spec_stats = SpecDecodeStats()  # cumulative since start (kvflow generate prints it)
         self.spec_controller = SpecController(config.speculative_config.speculative_auto_disable)

@@ -26,29 +26,32 @@ void bind_decode_forward(py::module& m) {
   py::class_<NativeLinear, std::shared_ptr<NativeLinear>>(m, "NativeLinear")
       .def_static(
           "bf16",
-          [](torch::Tensor tiles, torch::Tensor packed, int64_t out_features, OptTensor bias) {
+          [](torch::Tensor tiles, torch::Tensor packed, int64_t out_features, OptTensor bias, int64_t max_gemv_rows) {
             auto l = make_linear(NativeLinear::Kind::kBf16, tiles, tiles.size(1) * 2);
             l->out_features = out_features;
             l->packed = packed;
             l->bias = bias;
+            l->max_gemv_rows = max_gemv_rows;
             return l;
           },
-          "bf16 16-row tiles (tile_bf16_weight), the oneDNN-blocked weight, N, optional bias")
+          "bf16 16-row tiles (tile_bf16_weight), the oneDNN-blocked weight, N, bias, GEMV row limit")
       .def_static(
           "int8",
-          [](torch::Tensor qweight, torch::Tensor scales, OptTensor bias) {
+          [](torch::Tensor qweight, torch::Tensor scales, OptTensor bias, int64_t max_gemv_rows) {
             auto l = make_linear(NativeLinear::Kind::kInt8, qweight, qweight.size(1));
             l->scales = scales.contiguous();
             l->bias = bias;
+            l->max_gemv_rows = max_gemv_rows;
             return l;
           },
-          "int8 [N, K] weight, fp32 row scales [N], optional bias")
+          "int8 [N, K] weight, fp32 row scales [N], optional bias, GEMV row limit")
       .def_static(
           "int4",
           [](torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size, int64_t out_features,
-             OptTensor bias, OptTensor perm) {
+             OptTensor bias, OptTensor perm, int64_t max_gemv_rows) {
             auto l = make_linear(NativeLinear::Kind::kInt4, packed, packed.size(1) / 8);
             l->out_features = out_features;
+            l->max_gemv_rows = max_gemv_rows;
             l->scales = scales.contiguous();
             l->mins = mins.contiguous();
             l->group_size = group_size;
@@ -56,7 +59,7 @@ void bind_decode_forward(py::module& m) {
             l->perm = perm;
             return l;
           },
-          "int4 16-row tiles [N_pad / 16, 8K], bf16 scales and mins [N_pad / 16, K / g, 16], g, N, bias, act-order perm")
+          "int4 16-row tiles [N_pad / 16, 8K], bf16 scales/mins [N_pad / 16, K / g, 16], g, N, bias, perm, GEMV rows")
       .def("forward", &NativeLinear::forward, py::call_guard<py::gil_scoped_release>());
 
   py::class_<NativeDecoder, std::shared_ptr<NativeDecoder>>(m, "NativeDecoder")

@@ -6,8 +6,8 @@
 //
 // Numerics: bit-identical to the Python path (kvflow/models/llama.py), by construction:
 //   - the linears call the very functions the Python modules call (the native GEMVs, oneDNN's
-//     blocked GEMM for bf16 above kSkinnyMaxRows rows, dequantize-and-GEMM tiles for int8/int4
-//     above kQuantGemvMaxRows), with the same dispatch thresholds;
+//     blocked GEMM for bf16 and dequantize-and-GEMM tiles for int8/int4 above max_gemv_rows),
+//     with the same dispatch threshold, which each Python module hands over;
 //   - RMSNorm and SiLU are the ATen ops F.rms_norm and F.silu call (their reductions and exp
 //     approximations are not reimplemented);
 //   - the element-wise steps are done here with ATen's bf16 rounding: every bf16 op computes in
@@ -39,8 +39,6 @@
 namespace kvflow {
 namespace {
 
-constexpr int64_t kSkinnyMaxRows = 8;      // kvflow/layers/linear.py SKINNY_MAX_ROWS
-constexpr int64_t kQuantGemvMaxRows = 8;   // kvflow/quant/linear.py NATIVE_GEMV_MAX_ROWS
 constexpr int64_t kPrefillTileElements = 4 << 20;  // kvflow/quant/linear.py PREFILL_TILE_ELEMENTS
 constexpr int64_t kInt4TileRows = 16;              // kvflow/quant/linear.py INT4_TILE_ROWS
 constexpr float kInt8Max = 127.0f;         // kvflow/attention/kv_layer.py INT8_MAX
@@ -89,16 +87,16 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
   const int64_t M = x_in.size(0);
   switch (kind) {
     case Kind::kBf16:
-      if (M <= kSkinnyMaxRows) return skinny_linear_bf16(x_in, weight, out_features, bias);
+      if (M <= max_gemv_rows) return skinny_linear_bf16(x_in, weight, out_features, bias);
       return onednn_linear(x_in, packed, bias);
     case Kind::kInt8:
-      if (M <= kQuantGemvMaxRows) return skinny_linear_int8(x_in, weight, scales, bias);
+      if (M <= max_gemv_rows) return skinny_linear_int8(x_in, weight, scales, bias);
       return gemm_over_tiles(
           x_in, out_features, in_features, 1,
           [&](int64_t n0, int64_t n1) { return dequantize_int8_rows(weight, scales, n0, n1); }, bias);
     case Kind::kInt4: {
       const torch::Tensor x = perm.has_value() ? x_in.index_select(1, *perm) : x_in;
-      if (M <= kQuantGemvMaxRows) return skinny_linear_int4(x, weight, scales, mins, group_size, out_features, bias);
+      if (M <= max_gemv_rows) return skinny_linear_int4(x, weight, scales, mins, group_size, out_features, bias);
       return gemm_over_tiles(
           x, out_features, in_features, kInt4TileRows,
           [&](int64_t n0, int64_t n1) {

@@ -41,6 +41,9 @@ struct NativeLinear {
   c10::optional<torch::Tensor> perm;  // int4 act-order: input permutation [K]
   int64_t group_size = 0;
   int64_t out_features = 0, in_features = 0;
+  // Rows up to which the GEMV runs (beyond: oneDNN / dequantize-and-GEMM tiles). Batch-invariant
+  // mode sets it unbounded: the GEMVs' rows do not depend on each other.
+  int64_t max_gemv_rows = 8;
 
   torch::Tensor forward(const torch::Tensor& x) const;  // [M, K] bf16 -> [M, N] bf16
 };

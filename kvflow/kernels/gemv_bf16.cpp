@@ -1,4 +1,4 @@
-// Skinny bf16 matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= 8 rows.
+// Skinny bf16 matmul for decode: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), passes of <= 8 rows.
 //
 // Why: decode reads every weight once per step, so it is bound by memory bandwidth at one row
 // and, with a plain [N, K] layout, by compute at a few: each weight row's dot product with each
@@ -14,8 +14,10 @@
 // vdpbf16ps per activation row. Each tile is one sequential stream (~28 KiB at K = 896).
 //
 // Batch invariance: output (m, n) is lane n % 16 of two accumulators (even and odd pairs) summed
-// at the end, in the same order whatever M is (<= 8), so a token's logits do not depend on what
-// else is decoded with it (speculative verification reproduces plain decoding bit for bit).
+// at the end, in the same order whatever M is, so a token's logits do not depend on what else is
+// decoded with it (speculative verification reproduces plain decoding bit for bit). Up to 8 rows
+// share one pass over the weights (registers: 2 accumulators per row); more rows take more passes,
+// which only batch-invariant mode asks for (kvflow/layers/linear.py: oneDNN is faster there).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -38,8 +40,9 @@ struct TiledGemv {
   uint16_t* y;        // [M, N]
   int64_t M, K, N;
 
+  // Rows [m0, m0 + MB) of y for tile t.
   template <int64_t MB>
-  inline void tile(int64_t t) const {
+  inline void tile(int64_t t, int64_t m0) const {
     const int64_t pairs = K / 2;
     const uint16_t* wt = w + t * pairs * 2 * kTileRows;
     __m512 even[MB], odd[MB];
@@ -53,8 +56,8 @@ struct TiledGemv {
       const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 2 * kTileRows);
       for (int64_t m = 0; m < MB; ++m) {
         int32_t x0, x1;  // the pair's 2 activations, broadcast to every row's lane
-        std::memcpy(&x0, x + m * K + 2 * p, 4);
-        std::memcpy(&x1, x + m * K + 2 * p + 2, 4);
+        std::memcpy(&x0, x + (m0 + m) * K + 2 * p, 4);
+        std::memcpy(&x1, x + (m0 + m) * K + 2 * p + 2, 4);
         even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x0));
         odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(x1));
       }
@@ -63,7 +66,7 @@ struct TiledGemv {
       const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wt + p * 2 * kTileRows);
       for (int64_t m = 0; m < MB; ++m) {
         int32_t x0;
-        std::memcpy(&x0, x + m * K + 2 * p, 4);
+        std::memcpy(&x0, x + (m0 + m) * K + 2 * p, 4);
         even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x0));
       }
     }
@@ -72,21 +75,23 @@ struct TiledGemv {
     const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
     for (int64_t m = 0; m < MB; ++m) {  // bf16(even + odd + bias), round to nearest even
       const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_add_ps(even[m], odd[m]), b));
-      _mm256_mask_storeu_epi16(y + m * N + n0, keep, out);
+      _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
     }
   }
 
   void tiles(int64_t t_begin, int64_t t_end) const {
     for (int64_t t = t_begin; t < t_end; ++t) {
-      switch (M) {
-        case 1: tile<1>(t); break;
-        case 2: tile<2>(t); break;
-        case 3: tile<3>(t); break;
-        case 4: tile<4>(t); break;
-        case 5: tile<5>(t); break;
-        case 6: tile<6>(t); break;
-        case 7: tile<7>(t); break;
-        default: tile<8>(t); break;
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
+        switch (std::min(kMaxRows, M - m0)) {
+          case 1: tile<1>(t, m0); break;
+          case 2: tile<2>(t, m0); break;
+          case 3: tile<3>(t, m0); break;
+          case 4: tile<4>(t, m0); break;
+          case 5: tile<5>(t, m0); break;
+          case 6: tile<6>(t, m0); break;
+          case 7: tile<7>(t, m0); break;
+          default: tile<8>(t, m0); break;
+        }
       }
     }
   }
@@ -104,15 +109,14 @@ torch::Tensor tile_bf16_weight(torch::Tensor w) {
   return padded.view({tiles, kTileRows, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// x: [M, K] bf16 (M <= 8), w_tiles: tile_bf16_weight(W), N = out_features, bias: optional [N]
-// (any float dtype) -> [M, N] bf16.
+// x: [M, K] bf16, w_tiles: tile_bf16_weight(W), N = out_features, bias: optional [N] (any float
+// dtype) -> [M, N] bf16.
 torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
                                  c10::optional<torch::Tensor> bias) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w_tiles.dtype() == torch::kBFloat16, "bf16 inputs expected");
   TORCH_CHECK(w_tiles.dim() == 4 && w_tiles.size(2) == kTileRows && w_tiles.size(3) == 2 && w_tiles.is_contiguous(),
               "weights must be tiles [N_pad / 16, K / 2, 16, 2] (tile_bf16_weight)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == 2 * w_tiles.size(1), "x must be [M, K]");
-  TORCH_CHECK(x.size(0) <= kMaxRows, "at most 8 rows (larger batches go to oneDNN)");
   const int64_t tiles = w_tiles.size(0);
   TORCH_CHECK(0 < out_features && out_features <= tiles * kTileRows && out_features > (tiles - 1) * kTileRows,
               "out_features does not match the tiles");

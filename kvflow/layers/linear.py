@@ -16,6 +16,7 @@ Without the native kernels only the blocked copy is kept; float32/float16 keep `
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -26,6 +27,8 @@ from kvflow.kernels import NativeDecoderClasses, SkinnyLinear, skinny_linear_bf1
 
 # Up to this many rows the native GEMV runs (module docstring; kvflow/kernels/gemv_bf16.cpp kMaxRows).
 SKINNY_MAX_ROWS = 8
+# A row limit of "every row": batch-invariant mode runs all rows through the row-invariant GEMVs.
+ALL_ROWS = sys.maxsize
 
 
 def _onednn_bf16_available() -> bool:
@@ -45,6 +48,8 @@ class Linear(nn.Module):
         )
         self._packed_weight: torch.Tensor | None = None
         self._skinny: SkinnyLinear | None = None
+        # Rows up to which the GEMV runs; ALL_ROWS in batch-invariant mode (set_batch_invariant).
+        self.max_gemv_rows = SKINNY_MAX_ROWS
         # [out_pad / 16, in / 2, 16, 2] for the GEMV; a buffer (not in the state dict) so that the
         # module's tensors count the bytes decode reads.
         self._tiles: torch.Tensor | None
@@ -63,7 +68,7 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        if self._skinny is not None and self._tiles is not None and x.shape[0] <= SKINNY_MAX_ROWS:
+        if self._skinny is not None and self._tiles is not None and x.shape[0] <= self.max_gemv_rows:
             return self._skinny(x, self._tiles, self.out_features, self.bias)
         if self._packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
@@ -74,7 +79,9 @@ class Linear(nn.Module):
         it runs only in torch (not bf16, or a kernel missing): the same kernels as `forward`."""
         if self._tiles is None or self._packed_weight is None:
             return None
-        return classes.linear.bf16(self._tiles, self._packed_weight, self.out_features, self.bias)
+        return classes.linear.bf16(
+            self._tiles, self._packed_weight, self.out_features, self.bias, self.max_gemv_rows
+        )
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, bias={self.bias is not None}"

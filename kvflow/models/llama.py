@@ -19,10 +19,11 @@ from kvflow.attention.kv_store import KVStore
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.attention.paged_attention import paged_attention
 from kvflow.layers.activation import silu_and_mul
-from kvflow.layers.linear import Linear
+from kvflow.layers.linear import ALL_ROWS, Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
 from kvflow.models.native_decoder import build_native_decoder
+from kvflow.quant.linear import Int4Linear, Int8Linear
 
 
 class Attention(nn.Module):
@@ -131,3 +132,11 @@ class LlamaFamilyForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.prepare_for_inference()
+
+    def set_batch_invariant(self) -> None:
+        """Every linear through its row-invariant GEMV, whatever the row count (batch-invariant mode,
+        kvflow/worker/input_batch.py has the attention half): a row's result no longer depends on
+        how many rows share the call. Call before bind_native_decoder, which copies the limits."""
+        for module in self.modules():
+            if isinstance(module, Linear | Int8Linear | Int4Linear):
+                module.max_gemv_rows = ALL_ROWS

@@ -73,6 +73,7 @@ class Int8Linear(nn.Module):
             int8_weight_kernels() if dtype == torch.bfloat16 else None
         )
         scale_dtype = torch.float32 if self._native is not None else dtype
+        self.max_gemv_rows = NATIVE_GEMV_MAX_ROWS  # ALL_ROWS in batch-invariant mode
         self.register_buffer("qweight", weight.qweight.contiguous())
         self.register_buffer("scales", weight.scales.to(scale_dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
@@ -80,7 +81,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self._native is not None:
             gemv, dequantize_rows = self._native
-            if x.shape[0] <= NATIVE_GEMV_MAX_ROWS:
+            if x.shape[0] <= self.max_gemv_rows:
                 return gemv(x, self.qweight, self.scales, self.bias)
             tiles = (
                 dequantize_rows(self.qweight, self.scales, n0, n1)
@@ -94,7 +95,7 @@ class Int8Linear(nn.Module):
         """This layer for the native decode forward: the same kernels as `forward` (None: torch only)."""
         if self._native is None:
             return None
-        return classes.linear.int8(self.qweight, self.scales, self.bias)
+        return classes.linear.int8(self.qweight, self.scales, self.bias, self.max_gemv_rows)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per channel"
@@ -160,6 +161,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weight.qweight.shape
         self.group_size = weight.group_size
         self.dtype = dtype
+        self.max_gemv_rows = NATIVE_GEMV_MAX_ROWS  # ALL_ROWS in batch-invariant mode
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         native_layout = self.group_size in INT4_NATIVE_GROUP_SIZES
         self._native: tuple[SkinnyLinearInt4, DequantizeInt4Rows] | None = (
@@ -186,7 +188,7 @@ class Int4Linear(nn.Module):
             gemv, dequantize_rows = self._native
             g = self.group_size
             n = self.out_features
-            if x.shape[0] <= NATIVE_GEMV_MAX_ROWS:
+            if x.shape[0] <= self.max_gemv_rows:
                 return gemv(x, self.qweight, self.scales, self.mins, g, n, self.bias)
             blocks = _row_blocks(n, self.in_features, INT4_TILE_ROWS)
             tiles = (dequantize_rows(self.qweight, self.scales, self.mins, g, n, n0, n1) for n0, n1 in blocks)
@@ -201,7 +203,8 @@ class Int4Linear(nn.Module):
         if self._native is None:
             return None
         g, n = self.group_size, self.out_features
-        return classes.linear.int4(self.qweight, self.scales, self.mins, g, n, self.bias, self.perm)
+        rows = self.max_gemv_rows
+        return classes.linear.int4(self.qweight, self.scales, self.mins, g, n, self.bias, self.perm, rows)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int4 group {self.group_size}"

@@ -27,6 +27,7 @@ from kvflow.sample.sampler import filtered_probs
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvflow.spec_decode.proposer import eligible
 from kvflow.worker.input_batch import build_input_batch
+from kvflow.worker.model_runner import enable_batch_invariance
 
 
 @dataclass
@@ -51,6 +52,7 @@ class DraftModelProposer:
         num_blocks: int,
         block_size: int,
         max_model_len: int,
+        batch_invariant: bool = False,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -66,6 +68,11 @@ class DraftModelProposer:
             cfg.head_dim,
             model.dtype,
         )
+        # Batch-invariant mode: the drafts of a request, and so which random draws its verification
+        # takes, must not depend on the batch either.
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            enable_batch_invariance(model, self.kv_store)
         self.free_blocks = list(range(num_blocks, 0, -1))
         self.states: dict[str, _DraftState] = {}
         self.generator = torch.Generator().manual_seed(0)
@@ -149,6 +156,7 @@ class DraftModelProposer:
             SchedulerOutput(scheduled, sum(len(t) for _, _, t in items)),
             self.block_size,
             self.model.config.sliding_window,
+            all_query_rows=self.batch_invariant,
         )
         hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))

@@ -26,6 +26,7 @@ def build_proposer(
     num_blocks: int,
     block_size: int,
     enforce_eager: bool = False,
+    batch_invariant: bool = False,
 ) -> NgramProposer | DraftModelProposer | None:
     if config.speculative_method == "ngram":
         return NgramProposer(config)
@@ -51,7 +52,9 @@ def build_proposer(
     logger.info(
         "speculative decoding: draft model %s, %d tokens per step", draft_dir, config.num_speculative_tokens
     )
-    proposer = DraftModelProposer(model, config.num_speculative_tokens, num_blocks, block_size, max_model_len)
+    proposer = DraftModelProposer(
+        model, config.num_speculative_tokens, num_blocks, block_size, max_model_len, batch_invariant
+    )
     if not enforce_eager:  # the draft's k forwards per step are decode steps too
         model.bind_native_decoder(proposer.kv_store)
     return proposer

@@ -13,6 +13,7 @@ query never needs keys before q - W + 1 and blocks released by the KV manager ar
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -94,10 +95,17 @@ def _prefill_metadata(
 
 
 def build_input_batch(
-    scheduler_output: SchedulerOutput, block_size: int, sliding_window: int | None
+    scheduler_output: SchedulerOutput,
+    block_size: int,
+    sliding_window: int | None,
+    all_query_rows: bool = False,
 ) -> InputBatch:
-    as_rows = [r for r in scheduler_output.scheduled if r.num_tokens <= MAX_QUERY_ROWS_PER_CHUNK]
-    chunks = [r for r in scheduler_output.scheduled if r.num_tokens > MAX_QUERY_ROWS_PER_CHUNK]
+    """`all_query_rows` (batch-invariant mode): every token a query row, prefill chunks included, so
+    that a token's attention never depends on how its prompt was chunked or what shared the step
+    (one row's keys and summation order are the same in any batch)."""
+    row_limit = sys.maxsize if all_query_rows else MAX_QUERY_ROWS_PER_CHUNK
+    as_rows = [r for r in scheduler_output.scheduled if r.num_tokens <= row_limit]
+    chunks = [r for r in scheduler_output.scheduled if r.num_tokens > row_limit]
     ordered = as_rows + chunks
     query_rows = [
         _QueryRow(r.block_ids, p)
@@ -115,7 +123,7 @@ def build_input_batch(
         input_ids.extend(req.token_ids)
         positions.extend(range(start, end))
         slot_mapping.extend(_slots(req.block_ids, start, end, block_size))
-        if req.num_tokens > MAX_QUERY_ROWS_PER_CHUNK:
+        if req.num_tokens > row_limit:
             prefills.append(_prefill_metadata(req, token_start, block_size, sliding_window))
         if req.do_sample:  # the last position; with drafts, the k + 1 positions that verify them
             logits_indices.extend(range(len(input_ids) - 1 - req.num_spec_tokens, len(input_ids)))

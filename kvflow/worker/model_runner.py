@@ -16,12 +16,26 @@ from __future__ import annotations
 import torch
 
 from kvflow.attention.kv_store import KVStore
+from kvflow.config import ConfigError
 from kvflow.models.llama import LlamaFamilyForCausalLM
+from kvflow.models.native_decoder import build_native_decoder
 from kvflow.outputs import ModelRunnerOutput, TokenLogprobs
 from kvflow.sample.rejection_sampler import sample_one
 from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvflow.worker.input_batch import build_input_batch
+
+
+def enable_batch_invariance(model: LlamaFamilyForCausalLM, kv_store: KVStore) -> None:
+    """Batch-invariant mode's model half: every linear through its row-invariant GEMV (the attention
+    half is in build_input_batch: every query a row of its own). Only the native kernels promise
+    row invariance, so a model with a part on a torch path is refused."""
+    model.set_batch_invariant()
+    if build_native_decoder(model, kv_store) is None:
+        raise ConfigError(
+            "batch_invariant needs every layer on kvflow's native kernels: a bfloat16 model (dtype "
+            "bfloat16), a CPU with AVX512-BF16, int4 group sizes 32/64/128, and no act-order parts"
+        )
 
 
 class ModelRunner:
@@ -32,9 +46,13 @@ class ModelRunner:
         eos_token_ids: frozenset[int],
         seed: int,
         enforce_eager: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         self.model = model
         self.kv_store = kv_store
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            enable_batch_invariance(model, kv_store)
         # Decode-only steps in one native call unless the Python path is asked for (or the only one).
         self.native_decode = not enforce_eager and model.bind_native_decoder(kv_store)
         self.block_size = kv_store.block_size
@@ -74,7 +92,9 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
-        batch = build_input_batch(scheduler_output, self.block_size, self.sliding_window)
+        batch = build_input_batch(
+            scheduler_output, self.block_size, self.sliding_window, all_query_rows=self.batch_invariant
+        )
         hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)  # [T, hidden]
         if not batch.sampling_requests:
             return ModelRunnerOutput()

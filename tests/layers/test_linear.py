@@ -45,10 +45,9 @@ def test_native_kernel_handles_every_row_count_up_to_the_threshold() -> None:
     tiles = tile(w)
     assert tiles.shape == (4, 65, 16, 2)
     bias = torch.randn(50, dtype=torch.bfloat16)
-    for m in range(1, SKINNY_MAX_ROWS + 1):
+    # Past 8 rows the kernel takes more passes over the weights (batch-invariant mode asks for that).
+    for m in range(1, 2 * SKINNY_MAX_ROWS + 3):
         x = torch.randn(m, 130, dtype=torch.bfloat16)
         y = kernel(x, tiles, 50, bias)
         assert _relative_error(y, x.float() @ w.float().T + bias.float()) < 8e-3
         assert torch.equal(kernel(x[-1:], tiles, 50, bias)[0], y[-1])  # batch-invariant
-    with pytest.raises(RuntimeError, match="at most 8 rows"):
-        kernel(torch.randn(SKINNY_MAX_ROWS + 1, 130, dtype=torch.bfloat16), tiles, 50, None)
