@@ -1,10 +1,16 @@
 """The streaming client: sends one request to an OpenAI-compatible server and records raw events.
 
-Token counts per chunk come from `usage` when the server streams it on every chunk (vLLM's and
-kvflow's `continuous_usage_stats`), otherwise from tokenizing the chunk's text with the model's
-tokenizer (exact for whole requests, approximate across a chunk boundary that splits a multi-byte
-character). The request's output count: the final `usage` first, then the server's `/tokenize`,
-then the local tokenizer (kvflow/bench/runner.py fills in the last two and warns on disagreement).
+Token counts per chunk. A `usage` block is a running total on some servers (vLLM's and kvflow's
+`continuous_usage_stats`: every chunk) and the request's final total on others (llama.cpp's
+llama-server puts it on its last chunk, which has no text and a `finish_reason`; OpenAI on a
+`choices: []` chunk). Either way a chunk carrying text is booked `completion_tokens` minus what the
+earlier chunks already account for (at least one: text is a token), and a chunk without text is
+booked none unless the server streams running totals, so a final total never piles every token
+on the last chunk. Without usage, the chunk's
+text is tokenized with the model's tokenizer (approximate across a chunk boundary that splits a
+multi-byte character), else counted as one token. The request's output count: the final `usage`
+first, then the server's `/tokenize`, then the local tokenizer (kvflow/bench/runner.py fills in the
+last two and warns on disagreement).
 """
 
 from __future__ import annotations
@@ -81,6 +87,10 @@ class StreamParser:
         self.endpoint = endpoint
         self.count_tokens = count_tokens
         self.usage_tokens: int | None = None  # completion tokens per the last usage seen
+        self.booked_tokens = 0  # tokens booked on the chunks so far
+        # Content chunks with text, or without text before the last one (a token whose text is held
+        # back: half a UTF-8 character): the chunks a token-by-token stream sends one per token.
+        self.token_chunks: list[int] = []
 
     def feed(self, data: str, now: float) -> bool:
         """One `data:` payload; returns False at [DONE]."""
@@ -93,25 +103,52 @@ class StreamParser:
             self.record.error = f"error event mid-stream: {message}"[:MAX_ERROR_CHARS]
             return True
         usage = payload.get("usage") or None
+        running_total = self.usage_tokens is not None  # usage came before: a running total
+        if usage is not None:
+            self._set_usage(usage)
+        if isinstance(payload.get("timings"), dict):  # llama-server's own per-request timings
+            self.record.server_timings = payload["timings"]
         choices = payload.get("choices") or []
         if not choices:
             if usage is not None:
-                self._set_usage(usage)
                 self.record.chunks.append(ChunkEvent(now, "usage", 0))
             return True
         text, kind = self._text_and_kind(choices[0])
-        num_tokens = 0
-        if usage is not None and "completion_tokens" in usage:
-            before = self.usage_tokens or 0
-            self._set_usage(usage)
-            num_tokens = (self.usage_tokens or 0) - before
-        elif text and self.count_tokens is not None:
-            num_tokens = self.count_tokens(text)
-        elif text:
-            num_tokens = 1  # no usage, no tokenizer: one token per chunk (what most servers send)
+        # A usage block before the stream's last chunk is a running total too.
+        running_total = running_total or choices[0].get("finish_reason") is None
+        num_tokens = self._chunk_tokens(text, usage, running_total)
+        self.booked_tokens += num_tokens
         self.record.output_text += text
+        if kind == "content" and (text or choices[0].get("finish_reason") is None):
+            self.token_chunks.append(len(self.record.chunks))  # may carry a token, see finish()
         self.record.chunks.append(ChunkEvent(now, kind, num_tokens, text))
         return True
+
+    def _chunk_tokens(self, text: str, usage: dict[str, Any] | None, running_total: bool) -> int:
+        """Tokens a chunk carries: with usage, the total minus what the earlier chunks were booked
+        (a running total and a final total both read right), at least one when there is text. A
+        chunk without text carries none, except an increment of a running total: a token the server
+        produced then whose text is not out yet (a special token, half a character)."""
+        if usage is not None and "completion_tokens" in usage:
+            unbooked = int(usage["completion_tokens"]) - self.booked_tokens
+            if text:
+                return max(unbooked, 1)
+            return max(unbooked, 0) if running_total else 0
+        if not text:
+            return 0
+        if self.count_tokens is not None:
+            return max(self.count_tokens(text), 1)  # text is at least a token
+        return 1  # no usage, no tokenizer: one token per chunk (what most servers send)
+
+    def _one_token_per_chunk_when_forced(self) -> None:
+        """A final total equal to the number of token-carrying chunks means one token each (a
+        server streaming token by token, as llama-server does): it replaces the local tokenizer's
+        per-chunk guesses, which split the same text differently."""
+        n = len(self.token_chunks)
+        if n and self.usage_tokens == n and self.booked_tokens != n:
+            for i, chunk in enumerate(self.record.chunks):
+                chunk.num_tokens = 1 if i in self.token_chunks else 0
+            self.booked_tokens = n
 
     def _text_and_kind(self, choice: dict[str, Any]) -> tuple[str, ChunkKind]:
         if self.endpoint == "chat":
@@ -133,6 +170,7 @@ class StreamParser:
         if self.usage_tokens is not None:
             self.record.output_tokens = self.usage_tokens
             self.record.token_count_source = "usage"
+            self._one_token_per_chunk_when_forced()
         else:
             self.record.output_tokens = sum(c.num_tokens for c in self.record.chunks)
             self.record.token_count_source = "local"

@@ -5,14 +5,21 @@ Random text is built from token ids and re-encoded until it is exactly the reque
 under the server's tokenizer (decode -> encode is not the identity for BPE: merges across the
 boundaries of random ids change the count). For the completions endpoint the token ids themselves are
 sent, exact by construction on any server that accepts token-id prompts.
+
+Prompts never repeat across what a server could cache: the random generators are seeded with the
+user's seed mixed with the run's shape (every DatasetSpec field; the token content also with a salt
+naming the load), so two runs that differ only in lengths or load share no prefix (runs that differ
+only in load draw the same lengths); and the warm-up requests are drawn from their own generator,
+so no measured request finds a warm-up prompt in a prefix cache.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,6 +31,8 @@ MAX_EXACT_LENGTH_ATTEMPTS = 16
 # long-context prompts leave this many tokens of the context unused (chat templates add a few).
 LONG_CONTEXT_MARGIN = 64
 LONG_CONTEXT_MAX_REQUESTS = 4
+# Warm-up requests need the shape of the run's prompts (kernels, allocations), not its full outputs.
+WARMUP_MAX_OUTPUT_TOKENS = 16
 
 
 class BenchTokenizer(Protocol):
@@ -75,10 +84,18 @@ class DatasetSpec:
 class Workload:
     conversations: list[Conversation]
     notes: list[str] = field(default_factory=list)
+    warmup: list[Conversation] = field(default_factory=list)  # sent first, excluded, never measured
 
     @property
     def num_requests(self) -> int:
         return sum(len(c.turns) for c in self.conversations)
+
+
+def workload_seed(spec: DatasetSpec, salt: str = "") -> int:
+    """The generator's seed: the user's seed mixed with the run's shape and `salt` (stable across
+    processes, unlike hash()), so a different length, count or load draws different prompts."""
+    shape = json.dumps({**asdict(spec), "salt": salt}, sort_keys=True)
+    return int.from_bytes(hashlib.sha256(shape.encode()).digest()[:8], "big")
 
 
 def _lengths(rng: random.Random, mean: int, ratio: float, n: int) -> list[int]:
@@ -100,6 +117,12 @@ class RandomText:
         ]
         if not self.candidates:
             raise ValueError("the tokenizer has no ordinary tokens to build random prompts from")
+
+    def with_rng(self, rng: random.Random) -> RandomText:
+        """The same candidate tokens (the vocabulary scan is the slow part), another generator."""
+        other = RandomText.__new__(RandomText)
+        other.tokenizer, other.rng, other.candidates = self.tokenizer, rng, self.candidates
+        return other
 
     def ids(self, n: int) -> list[int]:
         return [self.rng.choice(self.candidates) for _ in range(n)]
@@ -129,24 +152,64 @@ def _round_trips(tokenizer: BenchTokenizer, token_id: int) -> bool:
     )
 
 
-def build_workload(spec: DatasetSpec, tokenizer: BenchTokenizer | None) -> Workload:
-    if spec.name.startswith("jsonl:"):
-        return _jsonl(Path(spec.name[len("jsonl:") :]), spec)
+def build_workload(
+    spec: DatasetSpec, tokenizer: BenchTokenizer | None, num_warmup: int = 0, salt: str = ""
+) -> Workload:
+    """The run's conversations and `num_warmup` warm-up conversations that share no prefix with
+    them; `salt` names what else makes this run distinct (the load), see workload_seed."""
+    seed = workload_seed(spec, salt)
+    if spec.name.startswith("jsonl:") or spec.name == "multilingual":
+        if spec.name == "multilingual":
+            workload = _multilingual(spec)
+        else:
+            workload = _jsonl(Path(spec.name[len("jsonl:") :]), spec)
+        workload.warmup = _text_warmup(workload, num_warmup, random.Random(seed + 1))
+        return workload
     if spec.name not in DATASETS:
         raise ValueError(f"unknown dataset {spec.name!r}; known: {', '.join(DATASETS)}, jsonl:PATH")
-    if spec.name == "multilingual":
-        return _multilingual(spec)
     if tokenizer is None:
         raise ValueError(f"the {spec.name} dataset builds prompts from token ids: give --tokenizer MODEL_DIR")
-    rng = random.Random(spec.seed)
-    text = RandomText(tokenizer, rng)
+    # Lengths from the user's seed and the run's shape; token content salted too (the load): runs at
+    # other loads get other prompts of the same lengths, paired workloads without shared prefixes.
+    rng = random.Random(workload_seed(spec))
+    text = RandomText(tokenizer, random.Random(seed))
     if spec.name == "random":
-        return _random(spec, text, rng)
-    if spec.name == "shared-prefix":
-        return _shared_prefix(spec, text, rng)
-    if spec.name == "multi-turn":
-        return _multi_turn(spec, text, rng)
-    return _long_context(spec, text)
+        workload = _random(spec, text, rng)
+    elif spec.name == "shared-prefix":
+        workload = _shared_prefix(spec, text, rng)
+    elif spec.name == "multi-turn":
+        workload = _multi_turn(spec, text, rng)
+    else:
+        workload = _long_context(spec, text)
+    workload.warmup = _random_warmup(workload, num_warmup, text.with_rng(random.Random(seed + 1)))
+    return workload
+
+
+def _random_warmup(workload: Workload, n: int, text: RandomText) -> list[Conversation]:
+    """Fresh random prompts as long as the run's first ones (its own generator: no shared prefix)."""
+    firsts = [c.turns[0] for c in workload.conversations]
+    warmup = []
+    for i in range(n):
+        turn = firsts[i % len(firsts)]
+        length = turn.num_tokens or len(turn.token_ids or ()) or 1
+        prompt, ids, text_len = text.exact(length)
+        warmup.append(
+            Conversation([Turn(prompt, min(turn.max_tokens, WARMUP_MAX_OUTPUT_TOKENS), ids, text_len)])
+        )
+    return warmup
+
+
+def _text_warmup(workload: Workload, n: int, rng: random.Random) -> list[Conversation]:
+    """Text datasets (no token ids): the first prompts' words shuffled behind a random tag, so a
+    prefix cache finds nothing of them (the tag differs in the first block)."""
+    warmup = []
+    for i in range(n):
+        turn = workload.conversations[i % len(workload.conversations)].turns[0]
+        words = turn.text.split()
+        rng.shuffle(words)
+        text = f"[warm-up {rng.randrange(10**9):09d}] " + " ".join(words)
+        warmup.append(Conversation([Turn(text, min(turn.max_tokens, WARMUP_MAX_OUTPUT_TOKENS))]))
+    return warmup
 
 
 def _random_turns(spec: DatasetSpec, text: RandomText, rng: random.Random, n: int) -> list[Turn]:

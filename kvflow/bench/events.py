@@ -8,7 +8,7 @@ into the JSON result, so any number can be recomputed by someone who disagrees w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 # role: a chunk carrying only the assistant role (chat streams start with one);
 # content: a chunk carrying output text and/or tokens; usage: a final chunk with only usage.
@@ -44,6 +44,9 @@ class RequestRecord:
     # PREFIX_BLOCK_TOKENS, as a prefix cache would find them); None without a tokenizer.
     shared_prefix_tokens: int | None = None
     output_text: str = ""
+    # The server's own timings of the request when it streams them (llama-server's `timings`:
+    # prompt_n, prompt_ms, predicted_n, predicted_ms, ...); None otherwise.
+    server_timings: dict[str, Any] | None = None
 
     @property
     def succeeded(self) -> bool:

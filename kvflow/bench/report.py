@@ -46,14 +46,7 @@ def console_table(result: dict[str, Any]) -> str:
     for key, label in LATENCY_ROWS:
         stats = result[key]
         lines.append(f"  {label:<28}" + "".join(f"{_fmt(stats[c]):>10}" for c in STAT_COLUMNS))
-    server = result.get("server") or {}
-    if server:
-        lines.append(
-            f"  server ({server['metrics_prefix']}): TTFT mean {_fmt(server['ttft_ms']['mean'])} ms "
-            f"(client - server {_fmt(server['client_minus_server_ttft_ms'])} ms), queue mean "
-            f"{_fmt(server['queue_time_ms']['mean'])} ms, prefix-cache hit rate "
-            f"{_fmt(server['prefix_cache_hit_rate'], 3)}, preemptions {_fmt(server['num_preemptions'], 0)}"
-        )
+    lines += _server_lines(result.get("server") or {})
     for language, row in (result.get("languages") or {}).items():
         lines.append(
             f"  {language}: {row['tokens']} tokens / {row['chars']} chars = {row['tokens_per_char']:.3f}"
@@ -63,6 +56,29 @@ def console_table(result: dict[str, Any]) -> str:
     for warning in result.get("warnings") or []:
         lines.append(f"  note: {warning}")
     return "\n".join(lines)
+
+
+def _server_lines(server: dict[str, Any]) -> list[str]:
+    """The server's own view in two lines; '-' is a number the server does not export (listed)."""
+    if not server.get("metrics_prefix"):
+        prefill = (server.get("prefill_time_ms") or {}).get("mean")
+        streamed = f" (its streamed timings: prefill mean {_fmt(prefill)} ms)" if prefill is not None else ""
+        return [f"  server: no /metrics in a known naming scheme{streamed}"]
+    running = (server.get("gauges") or {}).get("running") or {}
+    waiting = (server.get("gauges") or {}).get("waiting") or {}
+    lines = [
+        f"  server ({server['server']}, {server['metrics_prefix']}*): TTFT mean "
+        f"{_fmt(server['ttft_ms']['mean'])} ms "
+        f"(client - server {_fmt(server['client_minus_server_ttft_ms'])} ms), "
+        f"queue mean {_fmt(server['queue_time_ms']['mean'])} ms, prefill mean "
+        f"{_fmt(server['prefill_time_ms']['mean'])} ms, decode step {_fmt(server.get('decode_step_ms'))} ms, "
+        f"prefix-cache hit rate {_fmt(server['prefix_cache_hit_rate'], 3)}, preemptions "
+        f"{_fmt(server['num_preemptions'], 0)}, running max {_fmt(running.get('max'), 0)}, waiting max "
+        f"{_fmt(waiting.get('max'), 0)}"
+    ]
+    if server.get("not_exported"):
+        lines.append(f"  server does not export: {', '.join(server['not_exported'])}")
+    return lines
 
 
 def write_outputs(result: dict[str, Any], output: str | None, html: str | None, sweep: bool = False) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import sys
 import time
 from collections import Counter
@@ -19,8 +20,10 @@ from kvflow.bench.arrivals import LoadSpec, run_load
 from kvflow.bench.client import ClientConfig, Endpoint, Prompt, send_request
 from kvflow.bench.datasets import BenchTokenizer, Conversation, DatasetSpec, Workload, build_workload
 from kvflow.bench.events import RequestRecord
+from kvflow.bench.gauges import GaugeSamples, sample_gauges
 from kvflow.bench.metrics import aggregate, request_metrics
-from kvflow.bench.server_metrics import Snapshot, scrape, server_section
+from kvflow.bench.server_metrics import Snapshot, scrape
+from kvflow.bench.server_view import server_section
 
 # Granularity of the client-side repeated-prefix count: the block size of kvflow's and vLLM's
 # prefix caches (a prefix is reusable only in whole blocks).
@@ -69,6 +72,13 @@ class BenchConfig:
         },
     )
     temperature: float = field(default=0.0, metadata={"help": "sampling temperature of every request"})
+    metrics_interval: float = field(
+        default=0.5,
+        metadata={
+            "help": "seconds between /metrics samples during the run (gauges: running, waiting, "
+            "KV usage); 0: only before and after"
+        },
+    )
     progress: bool = True
 
     @property
@@ -76,27 +86,49 @@ class BenchConfig:
         return self.base_url.rstrip("/").removesuffix("/v1")
 
 
+# What llama-server's /props says that the doctor uses (slots = its max_num_seqs).
+PROPS_KEYS = ("total_slots", "model_ftype", "build_info")
+
+
 @dataclass
 class ServerInfo:
     model: str
     max_model_len: int | None
     root: str | None
+    meta: dict[str, Any] = field(default_factory=dict)  # llama-server's model card `meta`
+    props: dict[str, Any] = field(default_factory=dict)  # llama-server's /props, PROPS_KEYS only
+
+    def as_json(self) -> dict[str, Any]:
+        return {
+            "max_model_len": self.max_model_len,
+            "root": self.root,
+            "meta": self.meta,
+            "props": self.props,
+        }
+
+
+def _get_json(url: str, headers: dict[str, str]) -> Any:
+    try:
+        response = httpx.get(url, headers=headers, timeout=30)
+        return response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
 
 
 def discover(config: BenchConfig) -> ServerInfo:
-    """The model to use and what /v1/models says about it (vLLM and kvflow give max_model_len, root)."""
+    """The model to use and what /v1/models says about it (vLLM and kvflow give max_model_len, root;
+    llama-server its model's size and context in `meta`, and its slots in /props)."""
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-    try:
-        response = httpx.get(config.base_url.rstrip("/") + "/models", headers=headers, timeout=30)
-        cards = response.json().get("data", []) if response.status_code == 200 else []
-    except (httpx.HTTPError, ValueError):
-        cards = []
+    listed = _get_json(config.base_url.rstrip("/") + "/models", headers)
+    cards = listed.get("data", []) if isinstance(listed, dict) else []
     card = next((c for c in cards if config.model in (None, c.get("id"))), None)
     model = config.model or (card or {}).get("id")
     if model is None:
         raise ValueError(f"{config.base_url}/models lists no model: give --model")
     card = card or {}
-    return ServerInfo(model, card.get("max_model_len"), card.get("root"))
+    props = _get_json(config.server_root + "/props", headers) if isinstance(card.get("meta"), dict) else None
+    props = {k: props[k] for k in PROPS_KEYS if k in props} if isinstance(props, dict) else {}
+    return ServerInfo(model, card.get("max_model_len"), card.get("root"), card.get("meta") or {}, props)
 
 
 def load_tokenizer(config: BenchConfig, info: ServerInfo) -> BenchTokenizer | None:
@@ -182,6 +214,7 @@ class Runner:
         self.before: Snapshot | None = None  # /metrics around the measured part of the run
         self.after: Snapshot | None = None
         self._seen_prefix_blocks: set[int] = set()  # chained hashes of prompt blocks sent so far
+        self.gauges = GaugeSamples()  # /metrics gauges sampled during the measured requests
 
     def count_tokens(self) -> Callable[[str], int] | None:
         tokenizer = self.tokenizer
@@ -212,9 +245,13 @@ class Runner:
         return shared
 
     async def run_conversation(
-        self, http: httpx.AsyncClient, workload: Workload, index: int, warmup: bool, progress: Progress | None
+        self,
+        http: httpx.AsyncClient,
+        conversation: Conversation,
+        index: int,
+        warmup: bool,
+        progress: Progress | None,
     ) -> None:
-        conversation = workload.conversations[index]
         history: list[str] = []
         for t in range(len(conversation.turns)):
             prompt = turn_prompt(conversation, t, history, self.config.endpoint)
@@ -238,19 +275,31 @@ class Runner:
         async with httpx.AsyncClient(
             base_url=self.config.base_url, timeout=HTTP_TIMEOUT_S, limits=limits, headers=headers
         ) as http:
-            for i in range(self.config.warmup):
-                await self.run_conversation(http, workload, i % len(workload.conversations), True, None)
-            self.before = scrape(self.config.server_root + "/metrics", headers)
+            # Warm-up prompts share no prefix with the measured ones (kvflow/bench/datasets.py): a
+            # prefix cache must not serve measured requests from what the warm-up left behind.
+            for i, conversation in enumerate(workload.warmup):
+                await self.run_conversation(http, conversation, i, True, None)
+            metrics_url = self.config.server_root + "/metrics"
+            self.before = scrape(metrics_url, headers)
+            sampler = None
+            if self.before is not None and self.config.metrics_interval > 0:
+                sampler = asyncio.create_task(
+                    sample_gauges(http, metrics_url, self.config.metrics_interval, self.gauges)
+                )
             progress = Progress(workload.num_requests, self.config.progress)
             try:
                 duration = await run_load(
                     len(workload.conversations),
                     self.config.load,
-                    lambda i: self.run_conversation(http, workload, i, False, progress),
+                    lambda i: self.run_conversation(http, workload.conversations[i], i, False, progress),
                 )
             finally:
                 progress.close()
-            self.after = scrape(self.config.server_root + "/metrics", headers)
+                if sampler is not None:
+                    sampler.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await sampler
+            self.after = scrape(metrics_url, headers)
         return duration
 
 
@@ -359,7 +408,9 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     spec = config.dataset
     if spec.name == "long-context" and spec.max_model_len is None:
         spec = replace(spec, max_model_len=info.max_model_len)
-    workload = build_workload(spec, tokenizer)
+    # The load is part of the run's shape: a sweep's runs at different loads draw different prompts.
+    salt = json.dumps(asdict(config.load), sort_keys=True)
+    workload = build_workload(spec, tokenizer, num_warmup=config.warmup, salt=salt)
     runner = Runner(config, info, tokenizer)
     runner.warnings += workload.notes
     if config.endpoint == "chat":
@@ -371,7 +422,11 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     result: dict[str, Any] = {"config": _config_dict(config, info)}
     result.update(aggregate(measured, duration, config.slo))
     client_ttft = result["ttft_ms"]["mean"]
-    result["server"] = server_section(runner.before, runner.after, client_ttft)
+    timings = [r.server_timings for r in measured if r.succeeded and r.server_timings]
+    result["server"] = server_section(
+        runner.before, runner.after, client_ttft, runner.gauges, timings, result["completed"]
+    )
+    result["server_info"] = info.as_json()
     result["errors"] = dict(Counter(r.error for r in measured if r.error is not None))
     result["warnings"] = runner.warnings
     if spec.name == "multilingual":

@@ -112,4 +112,5 @@ def test_reported_latencies_match_the_known_delays(fixed_server: str, tmp_path: 
     assert all(
         r["output_tokens"] == NUM_TOKENS and r["token_count_source"] == "usage" for r in result["requests"]
     )
-    assert result["server"] == {}  # this server exports no /metrics
+    server = result["server"]  # this server exports no /metrics: every field is said to be missing
+    assert server["metrics_prefix"] is None and "ttft" in server["not_exported"]

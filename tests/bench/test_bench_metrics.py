@@ -151,3 +151,51 @@ def test_find_capacity_doubles_then_bisects() -> None:
     assert outcome["capacity"]["load"] == 5 and outcome["capacity"]["first_failing_load"] == 6
     assert probed == [1, 2, 4, 8, 6, 5]
     assert [r["load"] for r in outcome["runs"]] == sorted(probed)
+
+
+def feed_all(parser: StreamParser, payloads: list[dict], step: float = 0.05) -> None:  # type: ignore[type-arg]
+    for i, payload in enumerate(payloads):
+        parser.feed(sse(payload), (i + 1) * step)
+    parser.feed("[DONE]", (len(payloads) + 1) * step)
+    parser.finish((len(payloads) + 1) * step)
+
+
+def test_a_final_usage_total_on_a_textless_last_chunk_books_no_token_there() -> None:
+    # llama-server: one token per chunk, then a chunk with no text, a finish_reason and the total.
+    r = RequestRecord(index=0, send_time=0.0, prompt_tokens=0)
+    text = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("a", "bc", "d")]
+    final = {
+        "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+        "usage": {"completion_tokens": 3},
+    }
+    feed_all(StreamParser(r, "completions", count_tokens=len), [*text, final])  # "bc" would count 2
+    assert [c.num_tokens for c in r.chunks] == [1, 1, 1, 0]  # the total forces one token per chunk
+    m = request_metrics(r)
+    assert m.itl_ms == pytest.approx([50.0, 50.0]) and m.itl_chunk_ms == pytest.approx([50.0, 50.0])
+
+
+def test_a_final_total_on_a_text_chunk_is_the_difference_against_earlier_chunks() -> None:
+    r = RequestRecord(index=0, send_time=0.0, prompt_tokens=0)
+    chunks = [{"choices": [{"index": 0, "text": "a"}]}, {"choices": [{"index": 0, "text": "b"}]}]
+    last = {
+        "choices": [{"index": 0, "text": "cd", "finish_reason": "stop"}],
+        "usage": {"completion_tokens": 4},
+    }
+    feed_all(StreamParser(r, "completions", count_tokens=None), [*chunks, last])
+    assert [c.num_tokens for c in r.chunks] == [1, 1, 2] and r.output_tokens == 4
+
+
+def test_a_running_total_books_a_token_whose_text_is_held_back() -> None:
+    # kvflow / vLLM continuous usage: a token that is half a character arrives with no text yet.
+    r = RequestRecord(index=0, send_time=0.0, prompt_tokens=0)
+    payloads = [
+        {"choices": [{"index": 0, "text": ""}], "usage": {"completion_tokens": 1}},
+        {"choices": [{"index": 0, "text": "é"}], "usage": {"completion_tokens": 2}},
+        {
+            "choices": [{"index": 0, "text": "x", "finish_reason": "length"}],
+            "usage": {"completion_tokens": 3},
+        },
+    ]
+    feed_all(StreamParser(r, "completions", count_tokens=None), payloads)
+    assert [c.num_tokens for c in r.chunks] == [1, 1, 1]
+    assert len(request_metrics(r).itl_ms) == 2

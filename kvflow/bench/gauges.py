@@ -1,0 +1,56 @@
+"""The server's gauges sampled while the load runs: requests running and waiting, KV usage.
+
+Counters and histograms tell what happened over the run from two scrapes (before and after); gauges
+only say what holds at one instant, and after the run every queue is empty. So `/metrics` is also
+read every `interval_s` during the load, and the doctor sees whether running requests sat at the
+server's limit, how many waited, and how full the KV pool was.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass, field
+
+import httpx
+
+from kvflow.bench.metric_names import server_names
+from kvflow.bench.server_metrics import Snapshot, parse_metrics
+
+
+@dataclass
+class GaugeSamples:
+    """Every sampled value of each gauge sample name (full names, summed over label sets)."""
+
+    values: dict[str, list[float]] = field(default_factory=dict)
+    num_scrapes: int = 0
+
+    def add(self, snapshot: Snapshot) -> None:
+        self.num_scrapes += 1
+        names = server_names(snapshot)
+        if names is None:
+            return
+        for source in names.gauges.values():
+            for alternative in source:
+                for name in alternative:
+                    if name in snapshot:
+                        self.values.setdefault(name, []).append(sum(snapshot[name].values()))
+
+    def summary(self, name: str) -> dict[str, float] | None:
+        """{mean, max, samples} of one gauge, None when it was never seen."""
+        seen = self.values.get(name)
+        if not seen:
+            return None
+        return {"mean": sum(seen) / len(seen), "max": max(seen), "samples": float(len(seen))}
+
+
+async def sample_gauges(
+    http: httpx.AsyncClient, metrics_url: str, interval_s: float, samples: GaugeSamples
+) -> None:
+    """Scrape every `interval_s` until cancelled (the run's end); a failed scrape is skipped."""
+    while True:
+        await asyncio.sleep(interval_s)  # first sample once the load is under way
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            response = await http.get(metrics_url, timeout=10)
+            if response.status_code == 200:
+                samples.add(parse_metrics(response.text))
