@@ -4,23 +4,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
 
 from kvflow.assets import bundled_model_dir
-from kvflow.doctor.evidence import (
-    EngineSettings,
-    RunEvidence,
-    calculator_evidence,
-    evidence_from_bench,
-    settings_from_metrics,
-)
+from kvflow.doctor.evidence import RunEvidence, calculator_evidence, evidence_from_bench
 from kvflow.doctor.findings import Diagnosis, diagnose
 from kvflow.doctor.hardware import NAMED, named_hardware
 from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec
+from kvflow.doctor.quant_speed import load_speeds, measure_speeds
 from kvflow.doctor.report import doctor_json, html_report, text_report
 from kvflow.doctor.roofline import Roofline
+from kvflow.doctor.server_settings import EngineSettings, settings_from_metrics, settings_from_result
 
 DEFAULT_CONTEXT = 2048
 DEFAULT_OUTPUT_LEN = 256
@@ -77,6 +74,11 @@ def add_doctor_parser(sub: Any) -> None:
     doctor.add_argument("--output", default=None, help="also write the JSON document here")
     doctor.add_argument("--html", default=None, help="write an HTML report here")
     doctor.add_argument("--verify", action="store_true", help="kvflow only: apply and measure each what-if")
+    doctor.add_argument(
+        "--measure-quantization",
+        action="store_true",
+        help="measure int8/int4 decode speed with kvflow quant-eval (cached per model and machine)",
+    )
     doctor.set_defaults(func=cmd_doctor)
 
 
@@ -86,12 +88,23 @@ def _settings(args: argparse.Namespace, result: dict[str, Any] | None) -> Engine
     url = args.metrics_url
     if url is None and result is not None:  # the benchmarked server, if it is still there
         url = str(result["config"]["base_url"]).rstrip("/").removesuffix("/v1") + "/metrics"
+    recorded = settings_from_result(result) if result is not None else EngineSettings()
     if url is None:
-        return EngineSettings()
+        return recorded
     try:
-        return settings_from_metrics(url)
-    except Exception:  # the server may be gone: the diagnosis says the settings are unknown
-        return EngineSettings()
+        found = settings_from_metrics(url)
+    except Exception:  # the server may be gone: what the result recorded, else unknown
+        return recorded
+    return found if found.server != "unknown" else recorded
+
+
+def _quant_speeds(args: argparse.Namespace, weight_dtype: str) -> dict[str, float]:
+    """Measured decode tokens/s per weight format (cached), measured now on --measure-quantization."""
+    if not (Path(args.model) / "config.json").is_file() or not any(Path(args.model).glob("*.safetensors")):
+        return {}
+    if args.measure_quantization:
+        return measure_speeds(args.model, weight_dtype)
+    return load_speeds(args.model, weight_dtype)
 
 
 def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:
@@ -107,13 +120,22 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
         run = calculator_evidence(
             args.context or DEFAULT_CONTEXT, args.concurrency or 1, args.output_len or DEFAULT_OUTPUT_LEN
         )
-    weight_dtype = args.weight_dtype or settings.dtype or model.dtype
-    kv_dtype = args.kv_cache_dtype or settings.kv_cache_dtype or weight_dtype
+    weight_dtype = args.weight_dtype or settings.weight_dtype or model.dtype
+    # Weight-only quantization leaves the KV cache in the model's dtype.
+    float_dtype = settings.dtype if settings.dtype in DTYPE_BYTES else model.dtype
+    kv_dtype = (
+        args.kv_cache_dtype
+        or settings.kv_cache_dtype
+        or (weight_dtype if weight_dtype not in ("int8", "int4") else float_dtype)
+    )
     roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
-    return Diagnosis(model, roofline, run, settings, measured=result is not None), result
+    speeds = _quant_speeds(args, float_dtype)
+    diagnosis = Diagnosis(model, roofline, run, settings, measured=result is not None, quant_speeds=speeds)
+    return diagnosis, result
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape would mix into the report
     diagnosis, result = build_diagnosis(args)
     findings = diagnose(diagnosis)
     doc = doctor_json(diagnosis, findings)
@@ -133,6 +155,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 "predicted": c.predicted,
                 "measured": c.measured,
                 "agrees": c.agrees,
+                "verdict": c.verdict,
                 "explanation": c.explain(),
             }
             for c in checks

@@ -1,79 +1,25 @@
-"""The measured side of the diagnosis: numbers taken from a `kvflow bench` result and from the
-server's settings (kvflow's `cache_config_info` metric, or an engine-config JSON), or, in calculator
-mode, from `--context` / `--concurrency` alone."""
+"""The measured side of the diagnosis: numbers taken from a `kvflow bench` result (client side, the
+server's /metrics view of the run, every request's lengths and times), or, in calculator mode, the
+planned workload of `--context` / `--concurrency` alone."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvflow.bench.metrics import percentile
-from kvflow.bench.server_metrics import scrape
-
-ENGINE_INFO_METRICS = ("kvflow:cache_config_info", "vllm:cache_config_info")
 
 
-@dataclass
-class EngineSettings:
-    """What the server does; None = unknown (the finding then says so instead of guessing)."""
+@dataclass(frozen=True)
+class RequestSample:
+    """One measured request, as the simulator and the prefill estimate need it."""
 
-    server: str = "unknown"  # "kvflow", "vllm" or "unknown"
-    enable_prefix_caching: bool | None = None
-    max_num_batched_tokens: int | None = None  # the chunked-prefill chunk (token budget per step)
-    max_num_seqs: int | None = None
-    num_kv_blocks: int | None = None
-    block_size: int | None = None
-    kv_cache_dtype: str | None = None
-    dtype: str | None = None
-    max_model_len: int | None = None
-    continuous_batching: bool | None = None
-    speculative_decoding: bool | None = None
-
-    @property
-    def kv_pool_tokens(self) -> int | None:
-        if self.num_kv_blocks is None or self.block_size is None:
-            return None
-        return self.num_kv_blocks * self.block_size
-
-    @classmethod
-    def from_labels(cls, labels: dict[str, str], server: str) -> EngineSettings:
-        def num(key: str) -> int | None:
-            value = labels.get(key)
-            return int(value) if value not in (None, "", "None") else None
-
-        caching = labels.get("enable_prefix_caching")
-        return cls(
-            server=server,
-            enable_prefix_caching=None if caching is None else caching.lower() == "true",
-            max_num_batched_tokens=num("max_num_batched_tokens"),
-            max_num_seqs=num("max_num_seqs"),
-            num_kv_blocks=num("num_kv_blocks") or num("num_gpu_blocks"),
-            block_size=num("block_size"),
-            kv_cache_dtype=labels.get("kv_cache_dtype") or labels.get("cache_dtype"),
-            dtype=labels.get("dtype"),
-            max_model_len=num("max_model_len"),
-            continuous_batching=True if server in ("kvflow", "vllm") else None,
-            speculative_decoding=(labels.get("speculative_method", "none") != "none")
-            if server == "kvflow"
-            else None,
-        )
-
-    @classmethod
-    def from_json(cls, path: str) -> EngineSettings:
-        data: dict[str, Any] = json.loads(Path(path).read_text())
-        return cls.from_labels({k: str(v) for k, v in data.items()}, str(data.get("server", "unknown")))
-
-
-def settings_from_metrics(metrics_url: str) -> EngineSettings:
-    """Read the engine configuration a kvflow (or vLLM) server exports on /metrics: the labels of its
-    `cache_config_info` sample; unknown settings when the server has no /metrics or no such sample."""
-    snapshot = scrape(metrics_url) or {}
-    for name in ENGINE_INFO_METRICS:
-        for labels in snapshot.get(name, {}):
-            return EngineSettings.from_labels(dict(labels), server=name.split(":")[0])
-    return EngineSettings()
+    prompt_tokens: int
+    output_tokens: int
+    shared_prefix_tokens: int  # leading tokens an earlier request of the run already sent
+    send_s: float  # seconds after the run's first send
+    ttft_ms: float | None
+    e2e_ms: float | None
 
 
 @dataclass
@@ -98,6 +44,14 @@ class RunEvidence:
     languages: dict[str, dict[str, float]] = field(default_factory=dict)
     endpoint: str = "completions"
     config: dict[str, Any] = field(default_factory=dict)
+    e2e_p50_ms: float | None = None
+    requests: list[RequestSample] = field(default_factory=list)
+    closed_loop: bool = True
+    itl_gaps_ms: list[float] = field(default_factory=list)  # every per-token gap of every request
+
+    @property
+    def measured(self) -> bool:
+        return self.num_requests > 0
 
     @property
     def request_len_p95(self) -> float:
@@ -107,6 +61,14 @@ class RunEvidence:
     def decode_context(self) -> float:
         """Mean context of a decode step: the prompt plus half the output, at the median request."""
         return self.prompt_p50 + self.output_p50 / 2
+
+    @property
+    def server_family(self) -> str:
+        return str(self.server.get("server") or "unknown")
+
+    def not_exported(self, field_name: str) -> bool:
+        """True when the server's /metrics lacks this field of the server view (or has no /metrics)."""
+        return field_name in (self.server.get("not_exported") or ()) or not self.server
 
     @property
     def queue_ms(self) -> float | None:
@@ -121,19 +83,60 @@ class RunEvidence:
         prefill_only); None when the server does not export it (only kvflow does)."""
         return ((self.server.get("step_time_ms") or {}).get(kind) or {}).get("mean")
 
-    @property
-    def preemptions(self) -> float | None:
-        value = self.server.get("num_preemptions")
+    def step_count(self, kind: str) -> float:
+        return float(((self.server.get("step_time_ms") or {}).get(kind) or {}).get("count") or 0.0)
+
+    def gauge(self, name: str, stat: str = "max") -> float | None:
+        """A gauge sampled during the run (running, waiting, kv_usage): its max or mean."""
+        value = ((self.server.get("gauges") or {}).get(name) or {}).get(stat)
+        return None if value is None else float(value)
+
+    def counter(self, name: str) -> float | None:
+        value = self.server.get(name)
         return None if value is None else float(value)
 
     @property
+    def preemptions(self) -> float | None:
+        return self.counter("num_preemptions")
+
+    @property
     def prefix_hit_rate(self) -> float | None:
-        value = self.server.get("prefix_cache_hit_rate")
-        return None if value is None else float(value)
+        return self.counter("prefix_cache_hit_rate")
+
+    def prefill_busy_ms_per_token(self) -> float | None:
+        """Prefill cost per prompt token from the client's clock alone, for servers that export no
+        step times: the time during which at least one request waited for its first token (the union
+        of the [send, first token] intervals), over the prompt tokens of the run. Dividing one
+        request's TTFT by its own length instead is wrong under concurrency, where a server prefills
+        several prompts in one batch (llama-server: 4 slots -> about 4x too slow)."""
+        spans = sorted((r.send_s, r.send_s + r.ttft_ms / 1e3) for r in self.requests if r.ttft_ms is not None)
+        tokens = sum(r.prompt_tokens - r.shared_prefix_tokens for r in self.requests if r.ttft_ms is not None)
+        if not spans or tokens <= 0:
+            return None
+        busy, end = 0.0, float("-inf")
+        for start, stop in spans:
+            if stop > end:
+                busy += stop - max(start, end)
+                end = stop
+        return 1e3 * busy / tokens
 
 
 def _p(values: list[float], q: float) -> float:
     return percentile(values, q) if values else 0.0
+
+
+def _request_samples(ok: list[dict[str, Any]]) -> list[RequestSample]:
+    return [
+        RequestSample(
+            prompt_tokens=int(r["prompt_tokens"]),
+            output_tokens=int(r["output_tokens"]),
+            shared_prefix_tokens=int(r.get("shared_prefix_tokens") or 0),
+            send_s=float(r.get("send_s") or 0.0),
+            ttft_ms=r.get("ttft_ms"),
+            e2e_ms=r.get("e2e_ms"),
+        )
+        for r in sorted(ok, key=lambda r: r.get("send_s") or 0.0)
+    ]
 
 
 def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
@@ -148,6 +151,7 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
     config = result.get("config", {})
     tpot = result["tpot_ms"]["p50"]
     concurrency = config.get("concurrency")
+    closed_loop = concurrency is not None
     if concurrency is None and tpot:  # open loop: Little's law, tokens/s x s/token = streams in flight
         concurrency = result["output_throughput"] * tpot / 1e3
     return RunEvidence(
@@ -169,6 +173,10 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
         languages=result.get("languages") or {},
         endpoint=str(config.get("endpoint", "completions")),
         config=config,
+        e2e_p50_ms=(result.get("e2e_ms") or {}).get("p50"),
+        requests=_request_samples(ok),
+        closed_loop=closed_loop,
+        itl_gaps_ms=[float(g) for r in ok for g in r.get("itl_ms") or ()],
     )
 
 

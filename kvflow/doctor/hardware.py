@@ -2,7 +2,10 @@
 
 Named accelerators come from their vendors' datasheets (dense figures, no structured sparsity;
 SXM/OAM parts). `auto`/`cpu` measures this machine: bandwidth by copying a large tensor (read +
-write), FLOP/s by timing square matmuls per dtype, memory from the OS.
+write), FLOP/s by timing square matmuls per dtype, memory from the OS. One timing on a shared
+machine drifts by a quarter from run to run, enough to flip "compute-bound" and "memory-bound":
+each figure is the median of several short probes, and its spread ((max - min) / median) is
+reported so that no verdict is drawn from a difference within it (kvflow/doctor/roofline.py).
 """
 
 from __future__ import annotations
@@ -15,9 +18,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 # A copy of this many bytes is far beyond any CPU cache, so it measures DRAM bandwidth.
-BANDWIDTH_PROBE_BYTES = 1 << 30
-MATMUL_PROBE_SIZE = 2048  # n x n x n matmul: compute-bound on any CPU
-PROBE_REPEATS = 5
+BANDWIDTH_PROBE_BYTES = 256 << 20
+MATMUL_PROBE_SIZE = 1024  # n x n x n matmul: compute-bound on any CPU
+PROBE_REPEATS = 7  # short probes, many of them: the median resists a neighbour's burst
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,13 @@ class Hardware:
     memory_bytes: float
     source: str
     measured: dict[str, float] = field(default_factory=dict)
+    # Relative spread of each measured figure over its probes, (max - min) / median; 0 for datasheets.
+    spread: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def uncertainty(self) -> float:
+        """The largest relative spread of the figures a roofline verdict compares."""
+        return max(self.spread.values(), default=0.0)
 
     def flops_for(self, dtype: str) -> float:
         """Peak matmul FLOP/s for weights of `dtype`: weight-only int8/int4 compute in bf16 (dequantized)."""
@@ -92,13 +102,16 @@ def named_hardware(name: str) -> Hardware:
     return NAMED[key]
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int = PROBE_REPEATS) -> float:
+def _timings(fn: Callable[[], object], repeats: int = PROBE_REPEATS) -> tuple[float, float]:
+    """(median seconds, relative spread) of `repeats` timed calls after one warm-up call."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    median = statistics.median(times)
+    return median, (max(times) - min(times)) / median
 
 
 def probe_cpu() -> Hardware:
@@ -108,14 +121,16 @@ def probe_cpu() -> Hardware:
     src = torch.empty(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32)
     src.fill_(1.0)
     dst = torch.empty_like(src)
-    copy_s = _median_seconds(lambda: dst.copy_(src))
+    copy_s, copy_spread = _timings(lambda: dst.copy_(src))
     bandwidth = 2 * BANDWIDTH_PROBE_BYTES / copy_s  # read + write
     flops: dict[str, float] = {}
+    spread = {"bandwidth_bytes_s": copy_spread}
     n = MATMUL_PROBE_SIZE
     for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        torch.mm(a, b)  # warm-up (oneDNN picks its kernel)
-        flops[dtype_name] = 2 * n**3 / _median_seconds(partial(torch.mm, a, b), 3)
+        mm_s, mm_spread = _timings(partial(torch.mm, a, b))  # the warm-up lets oneDNN pick its kernel
+        flops[dtype_name] = 2 * n**3 / mm_s
+        spread[f"flops_{dtype_name}"] = mm_spread
     memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     threads = torch.get_num_threads()
     return Hardware(
@@ -123,6 +138,8 @@ def probe_cpu() -> Hardware:
         bandwidth,
         flops,
         memory,
-        f"measured now: {BANDWIDTH_PROBE_BYTES >> 20} MiB copy, {n}^3 matmuls, median of repeats",
+        f"measured now: {BANDWIDTH_PROBE_BYTES >> 20} MiB copies and {n}^3 matmuls, median of "
+        f"{PROBE_REPEATS} each (spread up to {max(spread.values()):.0%})",
         measured={"bandwidth_bytes_s": bandwidth, **{f"flops_{k}": v for k, v in flops.items()}},
+        spread=spread,
     )

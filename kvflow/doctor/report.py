@@ -7,7 +7,7 @@ import html
 from dataclasses import asdict
 from typing import Any
 
-from kvflow.doctor.findings import Diagnosis, Finding
+from kvflow.doctor.findings import Diagnosis, Finding, rank_causes
 
 SEVERITY_MARK = {"ok": "ok", "info": "info", "warning": "WARNING"}
 
@@ -21,6 +21,7 @@ def doctor_json(d: Diagnosis, findings: list[Finding]) -> dict[str, Any]:
         "roofline": _roofline_json(d),
         "measured": _measured_json(d),
         "settings": asdict(d.settings),
+        "causes": [{"step": f.step, "finding": f.id, **asdict(c)} for f, c in rank_causes(findings)],
         "findings": [asdict(f) for f in findings],
     }
 
@@ -51,17 +52,18 @@ def _hardware_json(d: Diagnosis) -> dict[str, Any]:
         "flops": hw.flops,
         "memory_bytes": hw.memory_bytes,
         "source": hw.source,
+        "spread": hw.spread,
     }
 
 
 def _memory_json(d: Diagnosis) -> dict[str, Any]:
     roof, run = d.roofline, d.run
-    pool = d.kv_pool_bytes()
     return {
-        "weights_bytes": d.model.weight_bytes(roof.weight_dtype),
-        "kv_pool_bytes": pool,
+        "weights_bytes": d.settings.weight_bytes or d.model.weight_bytes(roof.weight_dtype),
+        "kv_pool_bytes": d.kv_pool_bytes(),
+        "kv_pool_known": d.kv_pool_known,  # False: an estimate, the server does not say
         "request_len_p95": run.request_len_p95,
-        "max_concurrency": roof.max_concurrency(pool, max(1, round(run.request_len_p95))),
+        "max_concurrency": d.max_concurrency(),  # whole requests of p95 length
     }
 
 
@@ -70,12 +72,12 @@ def _roofline_json(d: Diagnosis) -> dict[str, Any]:
     roof, run = d.roofline, d.run
     prefill_n = max(1, round(run.prompt_p50))
     prefill = roof.prefill(prefill_n)
-    decode = roof.decode_step(d.decode_batch, round(run.decode_context))
+    decode = roof.decode_step(d.runnable_batch, round(run.decode_context))
     return {
         "prefill_tokens": prefill_n,
         "prefill_ms_per_token": 1e3 * prefill.seconds / prefill_n,
         "prefill_bound": prefill.bound,
-        "decode_batch": d.decode_batch,
+        "decode_batch": d.runnable_batch,
         "decode_context": run.decode_context,
         "decode_ms_per_step": 1e3 * decode.seconds,
         "decode_bound": decode.bound,
@@ -87,6 +89,8 @@ def _measured_json(d: Diagnosis) -> dict[str, Any]:
     return {
         "available": d.measured,
         "prefill_ms_per_token": d.measured_prefill_ms_per_token() if d.measured else None,
+        "prefill_ms_per_token_source": d.prefill_slope[1],
+        "simulator_fit": d.calibration.fit_report() if d.calibration is not None else None,
         "decode_ms_per_step": run.tpot_p50_ms,
         "ttft_p50_ms": run.ttft_p50_ms,
         "itl_p99_ms": run.itl_p99_ms,
@@ -115,10 +119,17 @@ def text_report(doc: dict[str, Any]) -> str:
             f"  measured: prefill {_num(meas['prefill_ms_per_token'])} ms/token, decode "
             f"{_num(meas['decode_ms_per_step'])} ms/step"
         )
+    estimate = "" if mem["kv_pool_known"] else " (an estimate: the server does not say)"
     lines.append(
-        f"  memory: KV pool {mem['kv_pool_bytes'] / 1e9:.3g} GB holds {mem['max_concurrency']:,.1f} "
+        f"  memory: KV pool {mem['kv_pool_bytes'] / 1e9:.3g} GB{estimate} holds {mem['max_concurrency']:,} "
         f"requests of {mem['request_len_p95']:,.0f} tokens"
     )
+    if doc["causes"]:
+        lines.append("\ncauses, most latency first:")
+        for i, c in enumerate(doc["causes"], 1):
+            where = f" -> {c['setting']}" if c["setting"] else ""
+            ms = f" ({c['explained_ms']:,.1f} ms/request)" if c["explained_ms"] else ""
+            lines.append(f"  {i}. [{c['id']}{where}]{ms} {c['summary']}")
     for f in doc["findings"]:
         lines.append(f"\n{f['step']}. {f['title']} [{SEVERITY_MARK[f['severity']]}] {f['summary']}")
         lines.append(f"   cause: {f['cause']}")

@@ -27,9 +27,15 @@ class PhaseTime:
     seconds: float
     compute_s: float
     memory_s: float
+    uncertainty: float = 0.0  # the hardware figures' relative spread
 
     @property
     def bound(self) -> str:
+        """compute / memory, or "either" when the two times differ by less than the figures behind
+        them are known: a measured machine's drift must not flip the verdict."""
+        lo, hi = sorted((self.compute_s, self.memory_s))
+        if hi <= lo * (1.0 + 2.0 * self.uncertainty):
+            return "either"
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
 
@@ -58,10 +64,11 @@ class Roofline:
         return 1e3 * self.prefill(num_tokens).seconds / num_tokens
 
     def decode_step(self, batch: int, context_len: int) -> PhaseTime:
+        return self._time(self.decode_flops(batch, context_len), self.decode_bytes(batch, context_len))
+
+    def decode_flops(self, batch: int, context_len: int) -> float:
         m = self.model
-        flops = 2.0 * (m.layer_params + m.embedding_params) * batch + m.attention_flops(batch, context_len)
-        kv_bytes = batch * m.kv_tokens_held(context_len) * m.kv_bytes_per_token(self.kv_dtype)
-        return self._time(flops, m.decode_weight_bytes(self.weight_dtype) + kv_bytes)
+        return 2.0 * (m.layer_params + m.embedding_params) * batch + m.attention_flops(batch, context_len)
 
     def decode_bytes(self, batch: int, context_len: int) -> float:
         m = self.model
@@ -71,7 +78,7 @@ class Roofline:
     def _time(self, flops: float, nbytes: float) -> PhaseTime:
         compute = flops / self.flops_per_s
         memory = nbytes / self.hardware.bandwidth_bytes_s
-        return PhaseTime(max(compute, memory), compute, memory)
+        return PhaseTime(max(compute, memory), compute, memory, self.hardware.uncertainty)
 
     # ---------------------------------------------------------------------------------- memory
 

@@ -1,5 +1,5 @@
-"""Planted problems, end to end: a live kvflow server with a tiny checkpoint, `kvflow bench`, then
-`kvflow doctor` must name the cause (and stay quiet on a healthy run)."""
+"""The doctor end to end on a live kvflow server: its JSON schema, and `--verify` restarting kvflow
+serve with a what-if applied (the planted scenarios are tests/doctor/test_planted_scenarios.py)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def test_schema_has_the_documented_fields(
         section, key = path.split(".")
         assert isinstance(doc[section][key], (int, float)), path
     assert [f["step"] for f in doc["findings"]] == [1, 2, 3, 4, 5, 6]
+    assert isinstance(doc["causes"], list) and isinstance(doc["memory"]["max_concurrency"], int)
     assert [f["id"] for f in doc["findings"]] == [
         "input_length", "ttft", "itl", "kv_memory", "quantization", "serving_features",
     ]  # fmt: skip
@@ -68,49 +69,11 @@ def test_schema_has_the_documented_fields(
     assert "Is the input too long?" in capsys.readouterr().out
 
 
-def test_healthy_run_raises_no_alarm(server: LiveServer, server_model_dir: Path, tmp_path: Path) -> None:
-    doc = doctor(server_model_dir, bench(server, DatasetSpec("random", 8, 32, 8), 1, tmp_path), tmp_path)
-    warnings = [(f["id"], f["summary"]) for f in doc["findings"] if f["severity"] == "warning"]
-    assert warnings == []
-
-
-def test_uncached_shared_system_prompt_names_prefix_caching(
-    start_server: Callable[..., LiveServer], server_model_dir: Path, tmp_path: Path
-) -> None:
-    server = start_server(engine={"enable_prefix_caching": False})
-    dataset = DatasetSpec("shared-prefix", 10, input_len=8, output_len=4, prefix_len=192)
-    doc = doctor(server_model_dir, bench(server, dataset, 1, tmp_path), tmp_path)
-    found = by_id(doc)
-    input_length, ttft = found["input_length"], found["ttft"]
-    assert input_length["severity"] == "warning" and ttft["severity"] == "warning"
-    assert input_length["evidence"]["repeated_prefix_share"] > 0.8
-    changes = [w["change"] for w in input_length["what_ifs"] + ttft["what_ifs"]]
-    assert any("prefix caching" in c for c in changes)
-    assert "prefix caching" in found["serving_features"]["summary"]
-    cache = next(w for w in ttft["what_ifs"] if "prefix caching" in w["change"])
-    assert cache["setting"] == {"enable_prefix_caching": True}
-    assert cache["predicted"]["ttft_p50_ms"] < ttft["evidence"]["ttft_p50_ms"]
-
-
-def test_small_kv_pool_reports_preemptions(
-    start_server: Callable[..., LiveServer], server_model_dir: Path, tmp_path: Path
-) -> None:
-    # 12 blocks of 16 tokens = 192 tokens for 4 requests of 64 + 64 tokens: they cannot all fit.
-    server = start_server(engine={"num_kv_blocks": 12, "block_size": 16})
-    dataset = DatasetSpec("random", 8, input_len=64, output_len=64)
-    doc = doctor(server_model_dir, bench(server, dataset, 4, tmp_path), tmp_path)
-    kv = by_id(doc)["kv_memory"]
-    assert kv["severity"] == "warning"
-    assert kv["evidence"]["preemptions"] > 0 and "preemptions" in kv["summary"]
-    assert kv["evidence"]["max_concurrency_at_p95"] < 4
-    assert any("int8 KV" in w["change"] for w in kv["what_ifs"])
-
-
 def test_verify_measures_the_prefix_caching_prediction(
     start_server: Callable[..., LiveServer], server_model_dir: Path, tmp_path: Path
 ) -> None:
-    """`--verify` restarts kvflow serve with and without the change and re-runs the benchmark: the
-    measured TTFT gain lands within 30% of the predicted one, or the output explains the miss."""
+    """`--verify` restarts kvflow serve with and without the change and re-runs the benchmark, and
+    says how the measured gain compares with the predicted one."""
     # A long prefix, so that the gain (a few ms on this tiny model) stands above timing noise.
     server = start_server(engine={"enable_prefix_caching": False, "max_model_len": 1024})
     dataset = DatasetSpec("shared-prefix", 10, input_len=8, output_len=4, prefix_len=768)
@@ -118,5 +81,5 @@ def test_verify_measures_the_prefix_caching_prediction(
     [check] = [v for v in doc["verification"] if "prefix caching" in v["change"]]
     assert check["metric"] == "ttft_p50_ms"
     assert check["measured"] < check["baseline"]  # caching the prefix did cut TTFT
-    assert check["agrees"] or "missed by more than 30%" in check["explanation"]
+    assert check["agrees"] or "missed" in check["explanation"]
     print(check["explanation"])

@@ -1,0 +1,166 @@
+"""Every what-if `kvflow doctor` offers on the planted scenarios, applied and measured: predicted gain
+against measured gain, per scenario, change and metric.
+
+    python benchmarks/doctor_verify.py [--scenarios max_num_seqs,kv_pool,...] [--output verify.json]
+
+For each scenario of tests/doctor/planted.py (plus `quantization`: the bundled model, where the int8
+and int4 what-ifs come from decode speeds measured by kvflow quant-eval): start `kvflow serve` with
+the planted settings, run the scenario's benchmark, diagnose it (settings read from the live
+server's /metrics), stop the server, then `--verify` (kvflow/doctor/verify.py): one fresh baseline
+server, one fresh server per what-if (or the baseline settings with the workload change), the same
+benchmark, and the prediction carried from the original run to the fresh baseline as a ratio.
+The target is a measured gain within 25% of the predicted gain for each what-if.
+Not in CI: it starts a dozen servers and takes a few minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "tests" / "doctor"))
+
+from fixtures.checkpoints import build_checkpoint  # noqa: E402
+from fixtures.live_server import ENGINE_KWARGS  # noqa: E402
+from planted import SCENARIOS, Scenario  # noqa: E402
+
+from kvflow.assets import bundled_model_dir  # noqa: E402
+from kvflow.bench.arrivals import LoadSpec  # noqa: E402
+from kvflow.bench.datasets import DatasetSpec  # noqa: E402
+from kvflow.bench.runner import BenchConfig, run_benchmark  # noqa: E402
+from kvflow.cli import build_parser  # noqa: E402
+from kvflow.doctor.cli import build_diagnosis  # noqa: E402
+from kvflow.doctor.findings import diagnose, rank_causes  # noqa: E402
+from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, verify  # noqa: E402
+from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
+
+CACHE = Path.home() / ".cache" / "kvflow-bench" / "doctor-verify"
+METRICS_INTERVAL_S = 0.1
+VERDICT_MARK = {"agrees": "yes", "missed": "no", "within noise": "noise"}
+QUANTIZATION = Scenario("quantization", {}, DatasetSpec("random", 8, input_len=32, output_len=96), 1, None)
+
+
+def checkpoint(scenario: Scenario) -> Path:
+    if scenario.name == "quantization":
+        return bundled_model_dir("target")
+    key = "tiny-llama" + "".join(f"-{k}{v}" for k, v in sorted(scenario.checkpoint.items()))
+    out = CACHE / key
+    if not (out / "config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        build_checkpoint(out, "llama", **scenario.checkpoint)
+    return out
+
+
+def serve_flags(scenario: Scenario) -> list[str]:
+    engine = {} if scenario.name == "quantization" else {**ENGINE_KWARGS, **scenario.engine}
+    flags = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else "--no-" + flag[2:])
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def diagnose_and_verify(scenario: Scenario, repeats: int) -> dict[str, Any]:
+    model = checkpoint(scenario)
+    server, base = spawn_server(model, serve_flags(scenario), cwd=REPO)
+    try:
+        config = BenchConfig(
+            base_url=base + "/v1",
+            dataset=scenario.dataset,
+            load=LoadSpec(concurrency=scenario.concurrency),
+            warmup=1,
+            metrics_interval=METRICS_INTERVAL_S,
+            progress=False,
+        )
+        result = run_benchmark(config)
+        bench_json = CACHE / f"{scenario.name}-bench.json"
+        bench_json.write_text(json.dumps(result))
+        argv = ["doctor", str(model), "--hardware", "cpu", "--bench", str(bench_json)]
+        if scenario.name == "quantization":
+            argv.append("--measure-quantization")
+        diagnosis, _ = build_diagnosis(build_parser().parse_args(argv))  # settings from the live server
+    finally:
+        stop_server(server)
+    findings = diagnose(diagnosis)
+    checks = verify(str(model), diagnosis.settings, findings, result, repeats=repeats)
+    causes = [(c.id, c.setting) for _, c in rank_causes(findings)]
+    return {"scenario": scenario.name, "causes": causes, "checks": checks}
+
+
+def row(scenario: str, check: Verification) -> dict[str, Any]:
+    ratio = check.measured_gain / check.predicted_gain if check.predicted_gain else None
+    return {
+        "scenario": scenario,
+        "change": check.change,
+        "metric": check.metric,
+        "baseline": check.baseline,
+        "predicted": check.predicted,
+        "measured": check.measured,
+        "predicted_gain": check.predicted_gain,
+        "measured_gain": check.measured_gain,
+        "measured_over_predicted": ratio,
+        "within_25pct": check.agrees,
+        "verdict": check.verdict,
+        "baseline_spread": check.noise,
+    }
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    print(
+        "| scenario | change | metric | baseline | predicted | measured | gain pred. | gain meas. "
+        f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | baseline spread |"
+    )
+    print("|" + " --- |" * 11)
+    for r in rows:
+        ratio = "-" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.2f}"
+        print(
+            f"| {r['scenario']} | {r['change']} | {r['metric']} | {r['baseline']:,.1f} | "
+            f"{r['predicted']:,.1f} | {r['measured']:,.1f} | {r['predicted_gain']:,.1f} | "
+            f"{r['measured_gain']:,.1f} | {ratio} | "
+            f"{VERDICT_MARK[r['verdict']]} | {r['baseline_spread']:.0%} |"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    names = [s.name for s in SCENARIOS if s.planted] + ["quantization"]
+    parser.add_argument(
+        "--scenarios", default=",".join(names), help="comma-separated, of: " + ", ".join(names)
+    )
+    parser.add_argument("--output", default=None, help="write the rows as JSON here")
+    parser.add_argument("--repeats", type=int, default=5, help="benchmark pairs per what-if (medians)")
+    args = parser.parse_args()
+    CACHE.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-m", "kvflow.cli", "build-kernels"], check=False, cwd=REPO)
+    table = {s.name: s for s in (*SCENARIOS, QUANTIZATION)}
+    rows = []
+    for name in args.scenarios.split(","):
+        outcome = diagnose_and_verify(replace(table[name]), args.repeats)
+        print(f"{name}: causes {outcome['causes']}", flush=True)
+        rows += [row(name, c) for c in outcome["checks"]]
+        for check in outcome["checks"]:
+            print("  " + check.explain(), flush=True)
+    print()
+    print_table(rows)
+    met = sum(r["within_25pct"] for r in rows)
+    noise = sum(r["verdict"] == "within noise" for r in rows)
+    print(
+        f"\n{met} of {len(rows) - noise} predictions within {AGREEMENT_TOLERANCE:.0%} of the measured gain; "
+        f"{noise} more with predicted and measured gains both within the baseline's spread"
+    )
+    if args.output:
+        Path(args.output).write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

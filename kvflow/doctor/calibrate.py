@@ -1,0 +1,220 @@
+"""Fit the step cost (kvflow/doctor/step_cost.py) to a kvflow server's measured step times by kind,
+and predict a setting's effect as the difference of two simulated runs.
+
+The server reports each kind's step count and mean time (decode_only, mixed, prefill_only) but not
+what the steps held; the simulator of the measured settings says that (mean decode rows, prefill
+tokens and attention work per kind). Then each kind's measured mean is one equation
+
+    mean_k = fixed + prefill_fixed x [k carries a prompt chunk] + per_token x (rows_k + work_k)
+
+solved for the coefficients (least squares, weighted by step counts; fit() says what is assumed
+with fewer kinds). Simulate again with the fitted costs, refit, a few times: the composition
+depends on the costs (long steps gather more arrivals).
+
+Predictions scale the simulated change onto the measurement: the client's number is the server's
+plus a delivery offset (client minus server TTFT, for TTFT and E2E), and the server's is the
+simulated one times a factor the baseline fixes (what the simulator leaves out, per-step work
+outside the step timer, grows with the steps): predicted = (simulated with the change) x
+(measured - offset) / (simulated now) + offset.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from kvflow.bench.metrics import percentile
+from kvflow.doctor.evidence import RunEvidence
+from kvflow.doctor.model_spec import ModelSpec
+from kvflow.doctor.server_settings import EngineSettings
+from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, simulate
+from kvflow.doctor.step_cost import StepCost
+
+FIT_ROUNDS = 4
+# What the doctor assumes when a server does not report them (kvflow's defaults).
+DEFAULT_BLOCK_SIZE = 16
+
+
+def attention_ratio(model: ModelSpec) -> float:
+    """Attention FLOPs per (query token x key) over linear FLOPs per token."""
+    a = model.arch
+    per_key = 4.0 * a.num_hidden_layers * a.num_attention_heads * a.head_dim
+    return per_key / max(2.0 * model.layer_params, 1.0)
+
+
+def sim_settings(settings: EngineSettings) -> SimSettings | None:
+    """The simulator's view of a kvflow server's settings (None when they are not known)."""
+    if (
+        settings.server != "kvflow"
+        or settings.max_num_batched_tokens is None
+        or settings.max_num_seqs is None
+    ):
+        return None
+    return SimSettings(
+        max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        num_kv_blocks=settings.num_kv_blocks,
+        block_size=settings.block_size or DEFAULT_BLOCK_SIZE,
+        enable_prefix_caching=bool(settings.enable_prefix_caching),
+    )
+
+
+def _solve(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when singular."""
+    n = len(rhs)
+    m = [[*r, v] for r, v in zip(rows, rhs, strict=True)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda i: abs(m[i][col]))
+        if abs(m[pivot][col]) < 1e-12:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for i in range(n):
+            if i != col:
+                f = m[i][col] / m[col][col]
+                m[i] = [x - f * y for x, y in zip(m[i], m[col], strict=True)]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def _least_squares(
+    design: list[list[float]], target: list[float], weights: list[float]
+) -> list[float] | None:
+    """argmin sum w (design . x - target)^2 through the normal equations."""
+    k = len(design[0])
+    ata = [
+        [sum(w * r[i] * r[j] for r, w in zip(design, weights, strict=True)) for j in range(k)]
+        for i in range(k)
+    ]
+    atb = [sum(w * r[i] * t for r, t, w in zip(design, target, weights, strict=True)) for i in range(k)]
+    return _solve(ata, atb)
+
+
+def fit(measured: dict[str, tuple[float, float]], run: SimRun, ratio: float) -> StepCost | None:
+    """Coefficients from the measured (count, mean ms) per kind and the simulated composition.
+
+    Tried in turn, the first that comes out non-negative: with all three kinds measured, (a) a
+    decode row and a prefill token cost the same (one pass through every matmul each) and steps
+    carrying a prompt chunk have a fixed cost of their own (the layer-by-layer path instead of the
+    native decode call); (b) decode rows and prefill tokens each their own cost; with fewer kinds,
+    (c) one per-token cost for both and no fixed cost of prefill steps (two kinds cannot tell it
+    from the per-token cost)."""
+    rows, work, prefill, target, weights = [], [], [], [], []
+    for kind in KINDS:
+        count, mean = measured.get(kind, (0.0, 0.0))
+        stats = run.kinds[kind]
+        if not count or not stats.count:
+            continue
+        rows.append(stats.rows / stats.count)
+        work.append((stats.prefill_tokens + ratio * stats.attention) / stats.count)
+        prefill.append(0.0 if kind == "decode_only" else 1.0)
+        target.append(mean)
+        weights.append(count**0.5)
+    if not target:
+        return None
+    n = len(target)
+    if n >= 3:
+        a = _least_squares([[1.0, prefill[i], rows[i] + work[i]] for i in range(n)], target, weights)
+        if a is not None and min(a) >= 0:
+            return StepCost(a[0], a[2], a[2], ratio, prefill_fixed_ms=a[1])
+        b = _least_squares([[1.0, rows[i], work[i]] for i in range(n)], target, weights)
+        if b is not None and min(b) >= 0:
+            return StepCost(b[0], b[1], b[2], ratio)
+    c = _least_squares([[1.0, rows[i] + work[i]] for i in range(n)], target, weights) if n >= 2 else None
+    if c is not None and min(c) >= 0:
+        return StepCost(c[0], c[1], c[1], ratio)
+    return StepCost(min(target), 0.0, 0.0, ratio)  # too little to separate: steps cost their floor
+
+
+@dataclass(frozen=True)
+class Calibration:
+    cost: StepCost
+    settings: SimSettings
+    baseline: SimRun
+    concurrency: int | None
+    evidence: RunEvidence
+    client_gap_ms: float
+
+    def run(self, **change: object) -> SimRun:
+        """The same requests under `change` (SimSettings fields), or with `prompt_scale` applied."""
+        scale = float(change.pop("prompt_scale", 1.0))  # type: ignore[arg-type]
+        settings = replace(self.settings, **change)  # type: ignore[arg-type]
+        samples = self.evidence.requests
+        if scale != 1.0:
+            samples = [
+                replace(
+                    s,
+                    prompt_tokens=max(1, round(s.prompt_tokens * scale)),
+                    shared_prefix_tokens=min(s.shared_prefix_tokens, round(s.prompt_tokens * scale)),
+                )
+                for s in samples
+            ]
+        return simulate(samples, settings, self.cost, self.concurrency, self.client_gap_ms)
+
+    def predict(self, metric: str, measured: float, changed: SimRun) -> float:
+        """`measured` carried to the change (see the module docstring); `metric` a key of SIM_METRICS."""
+        read = SIM_METRICS[metric]
+        now, then = read(self.baseline), read(changed)
+        offset = self.client_gap_ms if metric.startswith(("ttft", "e2e")) else 0.0
+        offset = min(offset, measured)
+        if now <= 0:
+            return max(measured - (now - then), 0.0)
+        return max(then * (measured - offset) / now + offset, 0.0)
+
+    def fit_report(self) -> dict[str, float | None]:
+        """How well the simulated baseline reproduces the measured run (evidence, not a gate)."""
+        run, ev = self.baseline, self.evidence
+        return {
+            "ttft_p50_ms_simulated": SIM_METRICS["ttft_p50_ms"](run),
+            "ttft_p50_ms_server": (ev.server.get("ttft_ms") or {}).get("p50"),
+            "preemptions_simulated": float(run.num_preemptions),
+            "preemptions_server": ev.preemptions,
+            "step_fixed_ms": self.cost.fixed_ms,
+            "step_per_row_ms": self.cost.per_row_ms,
+            "step_per_token_ms": self.cost.per_token_ms,
+            "step_prefill_fixed_ms": self.cost.prefill_fixed_ms,
+        }
+
+
+def _p(values: list[float], q: float) -> float:
+    return percentile(values, q) if values else 0.0
+
+
+SIM_METRICS: dict[str, Callable[[SimRun], float]] = {
+    "ttft_p50_ms": lambda r: _p(r.ttft_ms, 50),
+    "ttft_p95_ms": lambda r: _p(r.ttft_ms, 95),
+    "itl_p99_ms": lambda r: _p(r.itl_ms, 99),
+    "itl_p50_ms": lambda r: _p(r.itl_ms, 50),
+    "decode_ms_per_step": lambda r: _p(r.tpot_ms, 50),
+    "e2e_p50_ms": lambda r: _p(r.e2e_ms, 50),
+}
+
+
+def calibrate(evidence: RunEvidence, settings: EngineSettings, model: ModelSpec) -> Calibration | None:
+    """Fit the step cost to a kvflow run's step times; None without them (other servers, no /metrics)."""
+    sim = sim_settings(settings)
+    steps = evidence.server.get("step_time_ms") or {}
+    if sim is None or not steps or not evidence.requests:
+        return None
+    measured = {kind: (float(v["count"]), float(v["mean"])) for kind, v in steps.items() if v.get("count")}
+    ratio = attention_ratio(model)
+    floor = min(mean for _, mean in measured.values())
+    cost = StepCost(floor, 0.0, 0.0, ratio)
+    concurrency = max(1, round(evidence.concurrency)) if evidence.closed_loop else None
+    # Closed loop: between the server's last token of one request and the next request's arrival
+    # lie the delivery, the client and the trip back, about what the client adds to TTFT.
+    gap = max(float(evidence.server.get("client_minus_server_ttft_ms") or 0.0), 0.0)
+    run = simulate(evidence.requests, sim, cost, concurrency, gap)
+    for _ in range(FIT_ROUNDS):
+        fitted = fit(measured, run, ratio)
+        if fitted is None:
+            return None
+        cost = replace(fitted, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
+        run = simulate(evidence.requests, sim, cost, concurrency, gap)
+    return Calibration(cost, sim, run, concurrency, evidence, gap)
+
+
+def _overhead_ms(evidence: RunEvidence, run: SimRun, overhead_now: float) -> float:
+    """Time between steps: the client's TPOT p50 beyond the simulated one (which has only the
+    server's step times), kept when positive."""
+    if not evidence.tpot_p50_ms or not run.tpot_ms:
+        return overhead_now
+    return max(overhead_now + evidence.tpot_p50_ms - SIM_METRICS["decode_ms_per_step"](run), 0.0)

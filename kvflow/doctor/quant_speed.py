@@ -1,0 +1,98 @@
+"""Measured decode speed per weight format, for one model on one machine.
+
+Whether int8 or int4 weights decode faster than bf16 depends on the kernels and the machine, not
+on bytes alone: far below the bandwidth roofline, fewer bytes buy nothing (on one CPU int8 and int4
+were slower than bf16; after new GEMV kernels int4 became the fastest). So the quantization what-if
+uses speeds measured by `kvflow quant-eval` (single-stream decode tokens/s of each path), cached per
+model and machine in ~/.cache/kvflow/doctor/quant-speed/, or says the gain is unknown.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+QUANT_FORMATS = ("int8", "int4")
+# quant-eval scores a short text only: the speed probe is what the doctor needs.
+QUANT_EVAL_ARGS = ("--max-tokens", "128", "--window", "64", "--json")
+QUANT_EVAL_TIMEOUT_S = 900.0
+
+
+def cache_dir() -> Path:
+    return (
+        Path(os.environ.get("KVFLOW_CACHE_DIR", Path.home() / ".cache" / "kvflow")) / "doctor" / "quant-speed"
+    )
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def machine_key() -> str:
+    return f"{_cpu_name()}|{os.cpu_count()}|{platform.machine()}"
+
+
+def model_key(model_dir: str | Path) -> str:
+    """config.json and the weight files' names and sizes: a different checkpoint, a different key."""
+    path = Path(model_dir)
+    parts = [(path / "config.json").read_text()]
+    parts += [f"{f.name}:{f.stat().st_size}" for f in sorted(path.glob("*.safetensors"))]
+    return "\n".join(parts)
+
+
+def _cache_file(model_dir: str | Path, dtype: str) -> Path:
+    key = hashlib.sha256(f"{model_key(model_dir)}|{machine_key()}|{dtype}".encode()).hexdigest()[:20]
+    return cache_dir() / f"{Path(model_dir).name}-{key}.json"
+
+
+def load_speeds(model_dir: str | Path, dtype: str) -> dict[str, float]:
+    """{format: decode tokens/s} measured earlier for this model, machine and unquantized dtype
+    (the unquantized path under `dtype`); empty when never measured."""
+    try:
+        data = json.loads(_cache_file(model_dir, dtype).read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in data.get("decode_tokens_per_s", {}).items()}
+
+
+def measure_speeds(model_dir: str | Path, dtype: str) -> dict[str, float]:
+    """Run `kvflow quant-eval` for each format (a subprocess: the doctor imports no torch) and cache
+    the decode speeds; returns {dtype: reference tokens/s, format: tokens/s}."""
+    speeds: dict[str, list[float]] = {}
+    for fmt in QUANT_FORMATS:
+        command = [
+            sys.executable,
+            "-m",
+            "kvflow.cli",
+            "quant-eval",
+            str(model_dir),
+            "--quantization",
+            fmt,
+            "--dtype",
+            dtype,
+            *QUANT_EVAL_ARGS,
+        ]
+        out = subprocess.run(
+            command, capture_output=True, text=True, timeout=QUANT_EVAL_TIMEOUT_S, check=True
+        )
+        report = json.loads(out.stdout)
+        for path in report["paths"]:
+            label = dtype if path["label"] == "reference" else fmt
+            speeds.setdefault(label, []).append(float(path["decode_tokens_per_s"]))
+    # The reference runs once per format: its median is the steadier figure.
+    result = {label: sorted(v)[len(v) // 2] for label, v in speeds.items()}
+    target = _cache_file(model_dir, dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"decode_tokens_per_s": result, "machine": machine_key(), "dtype": dtype}))
+    return result

@@ -1,0 +1,348 @@
+"""A step-level model of kvflow's scheduler, replaying a benchmark's requests under other settings.
+
+The what-ifs that change how requests share steps (the token budget, the running cap, the KV pool,
+prefix caching) change queueing as much as step times, so a formula per setting misses: halving the
+chunk of a prompt shorter than the chunk changes nothing, and a larger budget lets new prompts stall
+more decodes at once. The simulator runs the same requests (their prompt, output and repeated-prefix
+lengths; the same closed-loop concurrency, or the same send times in an open loop) through the rules
+of kvflow/engine/scheduler.py, each step costing what kvflow/doctor/step_cost.py says:
+
+  each step: running requests first, in admission order (a decode is 1 token, an unfinished prompt
+  or a recompute a chunk of what is left), within max_num_batched_tokens; when KV blocks run out the
+  most recently admitted running request is preempted (its blocks freed, recomputed later from the
+  front of the queue); then, unless something was preempted, waiting requests FCFS while budget,
+  max_num_seqs and free blocks allow (a prefix-cache hit, whole blocks, skips that part of a prompt).
+  A request's token comes at the end of the step that computes its last pending token.
+
+It also says what each long gap was waiting for: a preemption of the request itself, or the prompt
+chunks and recomputes of other requests sharing its step (the attribution the ITL check ranks).
+Not modelled: speculative decoding, sliding windows, HTTP delivery (predictions are differences
+between two simulated runs, applied to the measured numbers, so what both share cancels).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvflow.doctor.evidence import RequestSample
+from kvflow.doctor.sim_blocks import SimBlockPool
+from kvflow.doctor.step_cost import StepCost, attention_work
+
+KINDS = ("decode_only", "mixed", "prefill_only")
+
+
+@dataclass(frozen=True)
+class SimSettings:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    num_kv_blocks: int | None  # None: never runs out
+    block_size: int
+    enable_prefix_caching: bool
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: int
+    output: int
+    hit: int  # prompt tokens a prefix cache serves at first admission (a prefix shared with others)
+    arrival: float
+    computed: int = 0
+    produced: int = 0
+    admitted: bool = False
+    recomputing: bool = False  # re-admitted after a preemption, prompt + outputs not recomputed yet
+    first_scheduled: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    preempted_since_token: bool = False
+
+    @property
+    def total(self) -> int:
+        return self.prompt + self.produced
+
+
+@dataclass
+class KindStats:
+    count: int = 0
+    time_ms: float = 0.0
+    rows: float = 0.0
+    prefill_tokens: float = 0.0
+    attention: float = 0.0
+
+    def add(self, ms: float, rows: int, tokens: int, attention: float) -> None:
+        self.count += 1
+        self.time_ms += ms
+        self.rows += rows
+        self.prefill_tokens += tokens
+        self.attention += attention
+
+
+@dataclass
+class SimRun:
+    ttft_ms: list[float]  # per request, server side (first token - arrival)
+    queue_ms: list[float]
+    itl_ms: list[float]  # every gap between consecutive tokens
+    tpot_ms: list[float]
+    e2e_ms: list[float]
+    kinds: dict[str, KindStats]
+    num_preemptions: int
+    computed_tokens: int
+    explained_ms: dict[str, float]  # cause -> stall excess summed over all gaps
+    num_capped: int  # requests the pool could not hold at all
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.ttft_ms)
+
+
+def _cacheable(sample: RequestSample, settings: SimSettings) -> int:
+    if not settings.enable_prefix_caching:
+        return 0
+    usable = min(sample.shared_prefix_tokens, sample.prompt_tokens - 1)  # one token is always computed
+    return settings.block_size * (max(usable, 0) // settings.block_size)
+
+
+class _Scheduler:
+    def __init__(self, settings: SimSettings, cost: StepCost) -> None:
+        self.s, self.cost = settings, cost
+        self.pool = SimBlockPool(settings.num_kv_blocks, settings.block_size, settings.enable_prefix_caching)
+        self.waiting: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.num_preemptions = 0
+        self.computed_tokens = 0
+        self.capped: list[_Request] = []
+
+    def shared_blocks(self, request: _Request) -> int:
+        """Leading token blocks shared with other requests (a prefix cache hit): not in its table."""
+        return request.hit // self.s.block_size
+
+    def blocks_for(self, request: _Request, tokens: int) -> int:
+        return math.ceil(tokens / self.s.block_size) - self.shared_blocks(request)
+
+    def table(self, request: _Request) -> int:
+        return len(self.pool.tables.get(request.index, ()))
+
+    def release(self, request: _Request) -> None:
+        self.running.remove(request)
+        self.pool.free(request.index)
+
+    def preempt(self, victim: _Request) -> None:
+        self.release(victim)
+        victim.computed = 0
+        victim.recomputing, victim.preempted_since_token = True, True
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def schedule(self, now: float) -> list[tuple[_Request, int]]:
+        scheduled: list[tuple[_Request, int]] = []
+        budget, preempted, i = self.s.max_num_batched_tokens, False, 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.total - request.computed, budget)
+            if n <= 0:
+                i += 1
+                continue
+            need = self.blocks_for(request, request.computed + n) - self.table(request)
+            while need > self.pool.num_free and request in self.running:
+                if len(self.running) == 1:  # alone and out of blocks: kvflow caps its length
+                    self.release(request)
+                    self.capped.append(request)
+                    break
+                self.preempt(self.running[-1])
+                preempted = True
+            if request not in self.running:
+                continue
+            self.pool.allocate(request.index, need)
+            scheduled.append((request, n))
+            budget -= n
+            i += 1
+        if not preempted:
+            self._admit(now, budget, scheduled)
+        return scheduled
+
+    def _admit(self, now: float, budget: int, scheduled: list[tuple[_Request, int]]) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.s.max_num_seqs:
+            request = self.waiting[0]
+            shared = self.shared_blocks(request)
+            # Its own blocks a preemption left cached come back as hits (never the last token).
+            own = []
+            if request.admitted:
+                own = self.pool.cached_prefix(request.index, shared, request.total - 1)
+            hit = (shared + len(own)) * self.s.block_size if shared or own else 0
+            n = min(request.total - hit, budget)
+            new = self.blocks_for(request, hit + n) - len(own)
+            if self.pool.free_needed(new, own) > self.pool.num_free:
+                if self.running:
+                    break
+                self.waiting.popleft()  # even an empty pool cannot hold it
+                self.capped.append(request)
+                continue
+            self.waiting.popleft()
+            self.pool.allocate(request.index, new, own)
+            request.computed, request.admitted = hit, True
+            if request.first_scheduled is None:
+                request.first_scheduled = now
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+
+
+Work = dict[str, tuple[int, float]]  # cause -> (prefill tokens, their attention work)
+
+
+def _step_parts(scheduled: list[tuple[_Request, int]]) -> tuple[int, int, float, Work]:
+    """(decode rows, prefill tokens, attention work, (prefill tokens, their attention) by cause)."""
+    rows, tokens, attention = 0, 0, 0.0
+    work: Work = {"prefill_chunks": (0, 0.0), "recompute": (0, 0.0)}
+    for request, n in scheduled:
+        # kvflow's rule: one pending token after an output is a decode, even when it ends a recompute.
+        is_decode = request.produced > 0 and request.computed == request.total - 1
+        a = attention_work(n, request.computed + n)
+        attention += a
+        if is_decode:
+            rows += 1
+        else:
+            tokens += n
+            cause = "recompute" if request.recomputing else "prefill_chunks"
+            work[cause] = (work[cause][0] + n, work[cause][1] + a)
+    return rows, tokens, attention, work
+
+
+def simulate(
+    samples: Sequence[RequestSample],
+    settings: SimSettings,
+    cost: StepCost,
+    concurrency: int | None,
+    client_gap_ms: float = 0.0,
+) -> SimRun:
+    """Replay `samples` (in send order): closed loop with `concurrency` clients, each sending its
+    next request `client_gap_ms` after the server finished its last (delivery, the client, the new
+    request's trip), else open loop at the samples' send times."""
+    requests = [
+        _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), s.send_s)
+        for i, s in enumerate(samples)
+    ]
+    closed = concurrency is not None
+    upcoming: deque[_Request] = deque(requests)
+    if closed:
+        for request in requests:
+            request.arrival = math.inf
+        for request in requests[: max(1, concurrency or 1)]:
+            request.arrival = 0.0
+    sched = _Scheduler(settings, cost)
+    kinds = {kind: KindStats() for kind in KINDS}
+    explained: dict[str, float] = {"preemption": 0.0, "prefill_chunks": 0.0, "recompute": 0.0}
+    done: list[_Request] = []
+    now = 0.0
+    while len(done) + len(sched.capped) < len(requests):
+        while upcoming and upcoming[0].arrival <= now:
+            sched.waiting.append(upcoming.popleft())
+        if not sched.running and not sched.waiting:
+            if not upcoming or math.isinf(upcoming[0].arrival):
+                break  # nothing left that can arrive (closed loop with every client capped)
+            now = upcoming[0].arrival
+            continue
+        num_capped = len(sched.capped)
+        scheduled = sched.schedule(now)
+        for _ in range(len(sched.capped) - num_capped):
+            if closed and upcoming:  # a capped request's client sends its next one
+                _next_arrival(upcoming, now + client_gap_ms)
+        if not scheduled:
+            if not sched.running and not sched.waiting:
+                continue
+            if not upcoming or math.isinf(upcoming[0].arrival):
+                break
+            now = max(now, upcoming[0].arrival)
+            continue
+        rows, tokens, attention, work = _step_parts(scheduled)
+        step_ms = cost.step_ms(rows, tokens, attention)
+        kind = "mixed" if rows and tokens else ("prefill_only" if tokens else "decode_only")
+        kinds[kind].add(step_ms, rows, tokens, attention)
+        now += step_ms
+        sched.computed_tokens += sum(n for _, n in scheduled)
+        prefill_ms = _prefill_ms_by_cause(cost, tokens, attention, work)
+        for request, n in scheduled:
+            request.computed += n
+            sched.pool.mark_full(request.index, sched.shared_blocks(request), request.computed)
+            if request.computed < request.total:
+                continue
+            request.recomputing = False
+            _produce(request, now, prefill_ms, explained, cost, rows)
+            if request.produced >= request.output:
+                sched.release(request)
+                done.append(request)
+                if closed and upcoming:
+                    _next_arrival(upcoming, now + client_gap_ms)
+    return _summary(requests, done, kinds, sched, explained)
+
+
+def _prefill_ms_by_cause(cost: StepCost, tokens: int, attention: float, work: Work) -> dict[str, float]:
+    """What the step's prefill added to it, split between its causes by their share of the work."""
+    total = cost.work(tokens, attention)
+    extra = cost.prefill_ms((tokens, attention))
+    if total <= 0:
+        return {cause: 0.0 for cause in work}
+    return {cause: extra * cost.work(*w) / total for cause, w in work.items()}
+
+
+def _next_arrival(upcoming: deque[_Request], now: float) -> None:
+    """Closed loop: the client that finished sends the next request of the workload at once."""
+    for request in upcoming:
+        if math.isinf(request.arrival):
+            request.arrival = now
+            return
+
+
+def _produce(
+    request: _Request,
+    now: float,
+    prefill_ms: dict[str, float],
+    explained: dict[str, float],
+    cost: StepCost,
+    rows: int,
+) -> None:
+    """A token for `request` at `now`; its gap since the last token is charged to what delayed it."""
+    if request.token_times:
+        gap = now - request.token_times[-1]
+        if request.preempted_since_token:
+            # The whole wait beyond one plain decode step: queued again, then recomputed.
+            causes = {"preemption": max(gap - cost.step_ms(max(rows, 1), 0, 0.0), 0.0)}
+        else:
+            causes = {cause: ms for cause, ms in prefill_ms.items() if ms > 0}
+        for cause, ms in causes.items():
+            explained[cause] += ms
+    request.preempted_since_token = False
+    request.token_times.append(now)
+    request.produced += 1
+
+
+def _summary(
+    requests: list[_Request],
+    done: list[_Request],
+    kinds: dict[str, KindStats],
+    sched: _Scheduler,
+    explained: dict[str, float],
+) -> SimRun:
+    ttft, queue, itl, tpot, e2e = [], [], [], [], []
+    for r in done:
+        ttft.append(r.token_times[0] - r.arrival)
+        queue.append((r.first_scheduled or r.arrival) - r.arrival)
+        gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
+        itl += gaps
+        if gaps:
+            tpot.append(sum(gaps) / len(gaps))
+        e2e.append(r.token_times[-1] - r.arrival)
+    return SimRun(
+        ttft_ms=ttft,
+        queue_ms=queue,
+        itl_ms=itl,
+        tpot_ms=tpot,
+        e2e_ms=e2e,
+        kinds=kinds,
+        num_preemptions=sched.num_preemptions,
+        computed_tokens=sched.computed_tokens,
+        explained_ms=explained,
+        num_capped=len(sched.capped),
+    )

@@ -1,0 +1,102 @@
+"""The doctor's simulator schedules what kvflow's scheduler schedules: the real Scheduler (pure
+Python) driven step by step with the same requests, closed loop, next to kvflow/doctor/simulate.py,
+must give the same step kinds, preemptions and computed tokens, on random workloads that exercise
+chunking, the running cap, preemption and prefix-cache hits of recomputed blocks."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.doctor.evidence import RequestSample
+from kvflow.doctor.simulate import SimSettings, simulate
+from kvflow.doctor.step_cost import StepCost
+from kvflow.engine.scheduler import Scheduler
+from kvflow.outputs import ModelRunnerOutput
+from kvflow.request import Request
+from kvflow.sampling_params import SamplingParams
+
+COST = StepCost(fixed_ms=1.0, per_row_ms=0.01, per_token_ms=0.02, attention_ratio=0.0)
+
+
+def run_real_scheduler(
+    samples: list[RequestSample], settings: SimSettings, concurrency: int
+) -> tuple[dict[str, int], int, int]:
+    """(step kinds, preemptions, computed tokens) of kvflow's Scheduler on a closed loop."""
+    scheduler = Scheduler(
+        SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens),
+        CacheConfig(block_size=settings.block_size, enable_prefix_caching=settings.enable_prefix_caching),
+        # "Unlimited": blocks for every token of the workload at once.
+        settings.num_kv_blocks
+        or sum(s.prompt_tokens + s.output_tokens for s in samples) // settings.block_size + 64,
+        max_model_len=1_000_000,
+    )
+    rng = random.Random(0)
+    requests = [
+        Request(str(i), [rng.randrange(10, 500) for _ in range(s.prompt_tokens)],
+                SamplingParams(max_tokens=s.output_tokens, ignore_eos=True))
+        for i, s in enumerate(samples)
+    ]  # fmt: skip
+    pending = iter(requests)
+    for request in [next(pending) for _ in range(min(concurrency, len(requests)))]:
+        scheduler.add_request(request)
+    kinds: Counter[str] = Counter()
+    preemptions = computed = 0
+    while scheduler.has_unfinished_requests():
+        out = scheduler.schedule()
+        preemptions += len(out.preempted_request_ids)
+        computed += out.num_batched_tokens
+        rows = sum(1 for s in out.scheduled if s.is_decode)
+        tokens = sum(s.num_tokens for s in out.scheduled if not s.is_decode)
+        kinds["mixed" if rows and tokens else "prefill_only" if tokens else "decode_only"] += 1
+        sampled = {s.request_id: [7] for s in out.scheduled if s.do_sample}
+        unfinished = {r.request_id for r in requests if not r.status.is_finished}
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
+        for request in requests:  # each finished client sends its next request
+            if request.request_id in unfinished and request.status.is_finished:
+                following = next(pending, None)
+                if following is not None:
+                    scheduler.add_request(following)
+    return dict(kinds), preemptions, computed
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_the_simulator_schedules_what_kvflow_schedules(seed: int) -> None:
+    rng = random.Random(seed)
+    samples = [
+        RequestSample(rng.randint(5, 300), rng.randint(1, 60), 0, 0.0, None, None)
+        for _ in range(rng.randint(5, 20))
+    ]
+    settings = SimSettings(
+        max_num_seqs=rng.choice([1, 2, 4, 64]),
+        max_num_batched_tokens=rng.choice([32, 64, 128, 512]),
+        num_kv_blocks=rng.choice([None, 30, 60, 200]),
+        block_size=16,
+        enable_prefix_caching=rng.random() < 0.5,
+    )
+    concurrency = rng.randint(1, 8)
+    run = simulate(samples, settings, COST, concurrency)
+    simulated = (
+        {k: v.count for k, v in run.kinds.items() if v.count},
+        run.num_preemptions,
+        run.computed_tokens,
+    )
+    assert simulated == run_real_scheduler(samples, settings, concurrency)
+
+
+def test_gaps_are_charged_to_what_delayed_them() -> None:
+    # One long prompt arrives while three requests decode: their gap in that step is the chunk's.
+    samples = [RequestSample(8, 40, 0, 0.0, None, None) for _ in range(3)]
+    samples.append(RequestSample(400, 2, 0, 0.005, None, None))
+    settings = SimSettings(8, 512, None, 16, True)
+    run = simulate(samples, settings, COST, concurrency=None)
+    assert run.explained_ms["prefill_chunks"] == pytest.approx(3 * 400 * COST.per_token_ms)
+    assert run.explained_ms["preemption"] == 0.0
+    # A pool too small for all of them: preemptions, and their waits explain the long gaps.
+    tight = simulate(samples[:3] * 2, SimSettings(8, 512, 8, 16, False), COST, concurrency=3)
+    assert (
+        tight.num_preemptions > 0 and tight.explained_ms["preemption"] > tight.explained_ms["prefill_chunks"]
+    )
