@@ -52,7 +52,8 @@ def _prompts(vocab: int) -> tuple[list[list[int]], list[SamplingParams]]:
     # Lengths past the fixture's 32-token sliding window; one prompt per output length 3..14.
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(1, 70))] for _ in range(NUM_PROMPTS)]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True, logprobs=3) for i in range(NUM_PROMPTS)
+        SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True, logprobs=3)
+        for i in range(NUM_PROMPTS)
     ]
     return prompts, params
 
@@ -65,7 +66,9 @@ def test_native_decode_matches_python_path_bit_for_bit(
     path = tiny_checkpoint_factory(arch, dtype=torch.bfloat16, **shape)
     runs = {}
     for eager in (True, False):
-        llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=1024, **engine_args)
+        llm = LLM(
+            str(path), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=1024, **engine_args
+        )
         assert llm.llm_engine.model_runner.native_decode is not eager
         prompts, params = _prompts(llm.llm_engine.arch.vocab_size)
         runs[eager] = llm.generate(prompts, params)
