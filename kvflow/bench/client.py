@@ -91,6 +91,7 @@ class StreamParser:
         # Content chunks with text, or without text before the last one (a token whose text is held
         # back: half a UTF-8 character): the chunks a token-by-token stream sends one per token.
         self.token_chunks: list[int] = []
+        self.local_counted = False  # some chunk was counted without usage (tokenizer or one each)
 
     def feed(self, data: str, now: float) -> bool:
         """One `data:` payload; returns False at [DONE]."""
@@ -136,6 +137,7 @@ class StreamParser:
             return max(unbooked, 0) if running_total else 0
         if not text:
             return 0
+        self.local_counted = True
         if self.count_tokens is not None:
             return max(self.count_tokens(text), 1)  # text is at least a token
         return 1  # no usage, no tokenizer: one token per chunk (what most servers send)
@@ -149,6 +151,22 @@ class StreamParser:
             for i, chunk in enumerate(self.record.chunks):
                 chunk.num_tokens = 1 if i in self.token_chunks else 0
             self.booked_tokens = n
+
+    def _reconcile_local_counts(self) -> None:
+        """Local per-chunk counts that add up to more or fewer tokens than the final total (the local
+        tokenizer splits the server's text its own way): trimmed from, or added to, the chunks
+        counted largest, so that the chunks add up to the request's total."""
+        if not self.local_counted:
+            return
+        chunks = sorted((c for c in self.record.chunks if c.text), key=lambda c: -c.num_tokens)
+        excess = self.booked_tokens - (self.usage_tokens or 0)
+        for chunk in chunks:
+            if excess == 0:
+                break
+            change = min(excess, chunk.num_tokens - 1) if excess > 0 else excess
+            chunk.num_tokens -= change
+            excess -= change
+        self.booked_tokens = (self.usage_tokens or 0) + excess
 
     def _text_and_kind(self, choice: dict[str, Any]) -> tuple[str, ChunkKind]:
         if self.endpoint == "chat":
@@ -171,6 +189,7 @@ class StreamParser:
             self.record.output_tokens = self.usage_tokens
             self.record.token_count_source = "usage"
             self._one_token_per_chunk_when_forced()
+            self._reconcile_local_counts()
         else:
             self.record.output_tokens = sum(c.num_tokens for c in self.record.chunks)
             self.record.token_count_source = "local"

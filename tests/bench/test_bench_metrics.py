@@ -199,3 +199,17 @@ def test_a_running_total_books_a_token_whose_text_is_held_back() -> None:
     feed_all(StreamParser(r, "completions", count_tokens=None), payloads)
     assert [c.num_tokens for c in r.chunks] == [1, 1, 1]
     assert len(request_metrics(r).itl_ms) == 2
+
+
+def test_local_counts_are_reconciled_with_the_final_total() -> None:
+    # llama-server sends a chunk per token, except that text held back for a whole UTF-8 character
+    # arrives with the next token: 3 chunks, 4 tokens; the local tokenizer counts 5.
+    r = RequestRecord(index=0, send_time=0.0, prompt_tokens=0)
+    text = [{"choices": [{"index": 0, "text": t, "finish_reason": None}]} for t in ("ab", "cde", "f")]
+    final = {
+        "choices": [{"index": 0, "text": "", "finish_reason": "length"}],
+        "usage": {"completion_tokens": 4},
+    }
+    feed_all(StreamParser(r, "completions", count_tokens=len), [*text, final])
+    assert sum(c.num_tokens for c in r.chunks) == 4 and all(c.num_tokens >= 1 for c in r.chunks if c.text)
+    assert len(request_metrics(r).itl_ms) == 4 - r.chunks[0].num_tokens

@@ -195,3 +195,47 @@ def test_sglang_names_map_onto_the_same_view() -> None:
     assert section["num_preemptions"] == 3  # SGLang calls them retractions
     assert section["queue_time_ms"]["mean"] == pytest.approx(200.0)  # 2 s over 10 requests
     assert "prefill_time" in section["not_exported"] and "queue_time" not in section["not_exported"]
+
+
+def test_doctor_reads_llama_server_as_llama_server(
+    llamacpp_replay: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The doctor on a llama-server run: its settings from /props and the model card (not "unknown"
+    with --metrics-url given), queueing said to be unknown, no log line in the report."""
+    from kvflow.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": f"question {i}"}) for i in range(8)))
+    config = BenchConfig(
+        base_url=llamacpp_replay,
+        dataset=DatasetSpec(name=f"jsonl:{prompts}", num_requests=8, output_len=24),
+        load=LoadSpec(concurrency=RECORDING["concurrency"]),
+        warmup=0,
+        progress=False,
+    )
+    bench_json, model_dir = tmp_path / "bench.json", tmp_path / "qwen"
+    bench_json.write_text(json.dumps(run_benchmark(config)))
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(
+        (Path(__file__).parents[1] / "doctor/configs/qwen2.5-0.5b.json").read_text()
+    )
+    metrics_url = llamacpp_replay.removesuffix("/v1") + "/metrics"
+    args = [
+        "doctor",
+        str(model_dir),
+        "--hardware",
+        "h100",
+        "--bench",
+        str(bench_json),
+        "--metrics-url",
+        metrics_url,
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    assert "INFO" not in out.out and "HTTP Request" not in out.out + out.err
+    assert "queueing unknown" in out.out and "no queueing" not in out.out
+    assert main([*args, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["settings"]["server"] == "llama.cpp" and doc["settings"]["max_num_seqs"] == 4
+    assert doc["model"]["weight_dtype"] == "int4" and doc["memory"]["kv_pool_known"]
+    assert doc["memory"]["max_concurrency"] == 8192 // (64 + 24)  # slots x n_ctx over p95 prompt + output
