@@ -5,11 +5,11 @@ The server reports each kind's step count and mean time (decode_only, mixed, pre
 what the steps held; the simulator of the measured settings says that (mean decode rows, prefill
 tokens and attention work per kind). Then each kind's measured mean is one equation
 
-    mean_k = fixed + prefill_fixed x [k carries a prompt chunk] + per_token x (rows_k + work_k)
+    mean_k = fixed + per_token x (rows_k + work_k)
 
-solved for the coefficients (least squares, weighted by step counts; fit() says what is assumed
-with fewer kinds). Simulate again with the fitted costs, refit, a few times: the composition
-depends on the costs (long steps gather more arrivals).
+solved for the two coefficients (least squares, weighted by step counts). Simulate again with the
+fitted costs, refit, a few times: the composition depends on the costs (long steps gather more
+arrivals).
 
 Predictions scale the simulated change onto the measurement: the client's number is the server's
 plus a delivery offset (client minus server TTFT, for TTFT and E2E), and the server's is the
@@ -89,39 +89,24 @@ def _least_squares(
 
 
 def fit(measured: dict[str, tuple[float, float]], run: SimRun, ratio: float) -> StepCost | None:
-    """Coefficients from the measured (count, mean ms) per kind and the simulated composition.
-
-    Tried in turn, the first that comes out non-negative: with all three kinds measured, (a) a
-    decode row and a prefill token cost the same (one pass through every matmul each) and steps
-    carrying a prompt chunk have a fixed cost of their own (the layer-by-layer path instead of the
-    native decode call); (b) decode rows and prefill tokens each their own cost; with fewer kinds,
-    (c) one per-token cost for both and no fixed cost of prefill steps (two kinds cannot tell it
-    from the per-token cost)."""
-    rows, work, prefill, target, weights = [], [], [], [], []
+    """fixed and per_token from the measured (count, mean ms) per kind and the simulated
+    composition (least squares weighted by step counts; one kind: every step costs its mean)."""
+    design, target, weights = [], [], []
     for kind in KINDS:
         count, mean = measured.get(kind, (0.0, 0.0))
         stats = run.kinds[kind]
         if not count or not stats.count:
             continue
-        rows.append(stats.rows / stats.count)
-        work.append((stats.prefill_tokens + ratio * stats.attention) / stats.count)
-        prefill.append(0.0 if kind == "decode_only" else 1.0)
+        tokens = stats.rows + stats.prefill_tokens + ratio * stats.attention
+        design.append([1.0, tokens / stats.count])
         target.append(mean)
         weights.append(count**0.5)
     if not target:
         return None
-    n = len(target)
-    if n >= 3:
-        a = _least_squares([[1.0, prefill[i], rows[i] + work[i]] for i in range(n)], target, weights)
-        if a is not None and min(a) >= 0:
-            return StepCost(a[0], a[2], a[2], ratio, prefill_fixed_ms=a[1])
-        b = _least_squares([[1.0, rows[i], work[i]] for i in range(n)], target, weights)
-        if b is not None and min(b) >= 0:
-            return StepCost(b[0], b[1], b[2], ratio)
-    c = _least_squares([[1.0, rows[i] + work[i]] for i in range(n)], target, weights) if n >= 2 else None
-    if c is not None and min(c) >= 0:
-        return StepCost(c[0], c[1], c[1], ratio)
-    return StepCost(min(target), 0.0, 0.0, ratio)  # too little to separate: steps cost their floor
+    solved = _least_squares(design, target, weights) if len(target) >= 2 else None
+    if solved is not None and min(solved) >= 0:
+        return StepCost(solved[0], solved[1], ratio)
+    return StepCost(min(target), 0.0, ratio)  # too little to separate: steps cost their floor
 
 
 @dataclass(frozen=True)
@@ -168,9 +153,8 @@ class Calibration:
             "preemptions_simulated": float(run.num_preemptions),
             "preemptions_server": ev.preemptions,
             "step_fixed_ms": self.cost.fixed_ms,
-            "step_per_row_ms": self.cost.per_row_ms,
             "step_per_token_ms": self.cost.per_token_ms,
-            "step_prefill_fixed_ms": self.cost.prefill_fixed_ms,
+            "step_overhead_ms": self.cost.overhead_ms,
         }
 
 
@@ -197,7 +181,7 @@ def calibrate(evidence: RunEvidence, settings: EngineSettings, model: ModelSpec)
     measured = {kind: (float(v["count"]), float(v["mean"])) for kind, v in steps.items() if v.get("count")}
     ratio = attention_ratio(model)
     floor = min(mean for _, mean in measured.values())
-    cost = StepCost(floor, 0.0, 0.0, ratio)
+    cost = StepCost(floor, 0.0, ratio)
     concurrency = max(1, round(evidence.concurrency)) if evidence.closed_loop else None
     # Closed loop: between the server's last token of one request and the next request's arrival
     # lie the delivery, the client and the trip back, about what the client adds to TTFT.

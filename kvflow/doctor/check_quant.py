@@ -1,7 +1,8 @@
 """Step 5: is there quantization headroom? Per smaller weight format: the weight memory saved, and the
 decode step predicted from measured per-format speed (kvflow/doctor/quant_speed.py) when there is
-one; from the bytes a step reads only where decode runs near the bandwidth roofline (there, and
-only there, fewer bytes make faster steps); otherwise the gain is unknown, and said to be."""
+one (the step minus the difference of the formats' measured ms/token); from the bytes a step reads
+only where decode runs near the bandwidth roofline (there, and only there, fewer bytes make faster
+steps); otherwise the gain is unknown, and said to be."""
 
 from __future__ import annotations
 
@@ -27,9 +28,13 @@ def _predict(d: Diagnosis, dtype: str, base: float, now_ms: float) -> tuple[floa
     """(decode ms/step with `dtype` weights, how it was predicted), None when unknown."""
     now = d.roofline.weight_dtype
     speeds = d.quant_speeds
-    if dtype in speeds and now in speeds and speeds[dtype] > 0:
-        return base * speeds[now] / speeds[dtype], (
-            f"measured per-format speed ({speeds[now]:,.0f} -> {speeds[dtype]:,.0f} tok/s, kvflow quant-eval)"
+    if dtype in speeds and now in speeds and speeds[dtype] > 0 and speeds[now] > 0:
+        # The formats differ in the forward's time per token; what a served step adds around it
+        # (scheduling, HTTP) stays: the difference of the measured ms/token carries over, not the ratio.
+        saved = 1e3 / speeds[now] - 1e3 / speeds[dtype]
+        return max(base - saved, 0.0), (
+            f"measured per-format speed: {speeds[now]:,.0f} -> {speeds[dtype]:,.0f} tok/s single-stream "
+            f"(kvflow quant-eval), {saved:+,.2f} ms/token"
         )
     utilization = _bandwidth_utilization(d)
     if utilization is None or utilization >= MEMORY_BOUND_UTILIZATION:

@@ -21,6 +21,8 @@ QUANT_FORMATS = ("int8", "int4")
 # quant-eval scores a short text only: the speed probe is what the doctor needs.
 QUANT_EVAL_ARGS = ("--max-tokens", "128", "--window", "64", "--json")
 QUANT_EVAL_TIMEOUT_S = 900.0
+# quant-eval's decode probe is one short generation per path: the median of a few runs per format.
+QUANT_EVAL_RUNS = 3
 
 
 def cache_dir() -> Path:
@@ -70,7 +72,7 @@ def measure_speeds(model_dir: str | Path, dtype: str) -> dict[str, float]:
     """Run `kvflow quant-eval` for each format (a subprocess: the doctor imports no torch) and cache
     the decode speeds; returns {dtype: reference tokens/s, format: tokens/s}."""
     speeds: dict[str, list[float]] = {}
-    for fmt in QUANT_FORMATS:
+    for fmt in [f for f in QUANT_FORMATS for _ in range(QUANT_EVAL_RUNS)]:
         command = [
             sys.executable,
             "-m",
@@ -90,7 +92,7 @@ def measure_speeds(model_dir: str | Path, dtype: str) -> dict[str, float]:
         for path in report["paths"]:
             label = dtype if path["label"] == "reference" else fmt
             speeds.setdefault(label, []).append(float(path["decode_tokens_per_s"]))
-    # The reference runs once per format: its median is the steadier figure.
+    # Medians over the runs (the reference runs once per format run: its median is the steadiest).
     result = {label: sorted(v)[len(v) // 2] for label, v in speeds.items()}
     target = _cache_file(model_dir, dtype)
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -155,12 +155,18 @@ def html_report(doc: dict[str, Any]) -> str:
             f"<td>{evidence}</td><td>{what_ifs}</td></tr>"
         )
     summary = esc(text_report(doc).split("\n\n")[0])
+    causes = "".join(
+        f"<li><b>{esc(c['id'])}</b>{' -> ' + esc(c['setting']) if c['setting'] else ''}: "
+        f"{esc(c['summary'])}</li>"
+        for c in doc["causes"]
+    )
+    causes_html = f"<h2>Causes, most latency first</h2><ol>{causes}</ol>" if causes else ""
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>kvflow doctor</title><style>"
         "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
         "padding:6px;vertical-align:top}.warning{background:#fff1e6}.info{background:#eef5ff}</style></head>"
-        f"<body><h1>kvflow doctor</h1><pre>{summary}</pre><table><tr><th>step</th><th>question</th>"
-        "<th>severity</th><th>finding</th><th>evidence</th><th>what-ifs</th></tr>"
+        f"<body><h1>kvflow doctor</h1><pre>{summary}</pre>{causes_html}<table><tr><th>step</th>"
+        "<th>question</th><th>severity</th><th>finding</th><th>evidence</th><th>what-ifs</th></tr>"
         + "".join(rows)
         + "</table></body></html>"
     )

@@ -262,7 +262,7 @@ def simulate(
         kinds[kind].add(step_ms, rows, tokens, attention)
         now += step_ms
         sched.computed_tokens += sum(n for _, n in scheduled)
-        prefill_ms = _prefill_ms_by_cause(cost, tokens, attention, work)
+        prefill_ms = _prefill_ms_by_cause(cost, work)
         for request, n in scheduled:
             request.computed += n
             sched.pool.mark_full(request.index, sched.shared_blocks(request), request.computed)
@@ -278,13 +278,9 @@ def simulate(
     return _summary(requests, done, kinds, sched, explained)
 
 
-def _prefill_ms_by_cause(cost: StepCost, tokens: int, attention: float, work: Work) -> dict[str, float]:
-    """What the step's prefill added to it, split between its causes by their share of the work."""
-    total = cost.work(tokens, attention)
-    extra = cost.prefill_ms((tokens, attention))
-    if total <= 0:
-        return {cause: 0.0 for cause in work}
-    return {cause: extra * cost.work(*w) / total for cause, w in work.items()}
+def _prefill_ms_by_cause(cost: StepCost, work: Work) -> dict[str, float]:
+    """What each cause's prompt chunks added to the step."""
+    return {cause: cost.prefill_ms(w) for cause, w in work.items()}
 
 
 def _next_arrival(upcoming: deque[_Request], now: float) -> None:

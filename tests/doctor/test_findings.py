@@ -196,7 +196,8 @@ def test_quantization_gain_is_unknown_far_below_the_roofline_unless_measured() -
     speeds = {"bfloat16": 100.0, "int8": 80.0, "int4": 125.0}  # int8 slower, int4 faster, as measured
     quant = finding(diagnose(diagnosis(ev, kvflow_settings(), quant_speeds=speeds)), "quantization")
     predicted = {w.change: w.predicted["decode_ms_per_step"] for w in quant.what_ifs}
-    assert predicted == {"int8 weights": pytest.approx(25.0), "int4 weights": pytest.approx(16.0)}
+    # 10 ms/token for bf16, 12.5 for int8, 8 for int4: the served step moves by the difference.
+    assert predicted == {"int8 weights": pytest.approx(22.5), "int4 weights": pytest.approx(18.0)}
     assert {w.setting["quantization"] for w in quant.what_ifs if w.setting} == {"int8", "int4"}
 
 

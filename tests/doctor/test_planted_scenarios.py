@@ -92,3 +92,6 @@ def test_the_planted_cause_is_named_first(
     finding = next(f for f in doc["findings"] if f["id"] == doc["causes"][0]["finding"])
     applicable = [w for w in finding["what_ifs"] if w["setting"] or w["workload"]]
     assert applicable, finding["what_ifs"]
+    if scenario.planted == "max_num_batched_tokens":  # the chunk is tried at three budgets
+        budgets = {w["setting"]["max_num_batched_tokens"] for w in applicable if w["setting"]}
+        assert len(budgets) >= 3 and all("itl_p99_ms" in w["predicted"] for w in applicable if w["setting"])

@@ -19,7 +19,7 @@ from kvflow.outputs import ModelRunnerOutput
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
-COST = StepCost(fixed_ms=1.0, per_row_ms=0.01, per_token_ms=0.02, attention_ratio=0.0)
+COST = StepCost(fixed_ms=1.0, per_token_ms=0.02, attention_ratio=0.0)
 
 
 def run_real_scheduler(

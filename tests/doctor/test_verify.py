@@ -1,0 +1,61 @@
+"""`--verify`'s arithmetic without servers: medians over repeated pairs, the prediction carried to the
+fresh baseline as a ratio, the 25% bar, gains within the noise, and which what-ifs it applies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from kvflow.bench.arrivals import LoadSpec
+from kvflow.bench.datasets import DatasetSpec
+from kvflow.bench.runner import BenchConfig
+from kvflow.doctor.finding import Finding, WhatIf
+from kvflow.doctor.verify import Verification, compare, reseeded, verifiable, with_workload
+
+
+def result(ttft: float) -> dict[str, Any]:
+    return {"ttft_ms": {"p50": ttft}}
+
+
+def test_the_prediction_is_carried_to_the_fresh_baseline_and_compared_on_medians() -> None:
+    what_if = WhatIf(
+        "max_num_seqs 1 -> 8", "...", {"ttft_p50_ms": 50.0, "not_a_metric": 1.0}, {"max_num_seqs": 8}
+    )
+    # Original run 200 ms, predicted 50; the fresh baseline is 10% slower: predicted 55 there.
+    pairs = [(result(220.0), result(60.0)), (result(230.0), result(70.0)), (result(210.0), result(50.0))]
+    [check] = compare(what_if, result(200.0), pairs)
+    assert (check.baseline, check.predicted, check.measured) == (220.0, pytest.approx(55.0), 60.0)
+    assert check.noise == pytest.approx(20.0 / 220.0)
+    assert check.agrees and check.verdict == "agrees"  # gain 160 against 165 predicted
+
+
+def test_the_bar_is_25_percent_of_the_predicted_gain_and_noise_is_no_verdict() -> None:
+    assert Verification("c", "m", 100.0, 60.0, 69.0).agrees  # gain 31 against 40: within 10
+    assert not Verification("c", "m", 100.0, 60.0, 71.0).agrees  # gain 29: missed
+    quiet = Verification("c", "m", 100.0, 97.0, 103.0, noise=0.1)  # both gains inside +-10 ms
+    assert quiet.verdict == "within noise" and not quiet.agrees
+    assert "both within the baseline's spread" in quiet.explain()
+    assert "0.29x" in Verification("c", "m", 100.0, 60.0, 88.4).explain()
+
+
+def test_repeats_draw_other_prompts_of_the_same_lengths_and_workload_changes_scale_prompts() -> None:
+    bench = BenchConfig(
+        "http://x/v1", DatasetSpec("random", 8, input_len=400, seed=3), LoadSpec(concurrency=2)
+    )
+    again = reseeded(bench, 11)
+    assert again.dataset == bench.dataset and again.load.seed == 11  # the load's seed salts the content
+    assert with_workload(bench, {"input_len_scale": 0.75}).dataset.input_len == 300
+
+
+def test_each_change_is_applied_once() -> None:
+    same = {"max_num_batched_tokens": 256}
+    findings = [
+        Finding(2, "ttft", "t", "warning", "s", "c", what_ifs=[WhatIf("a", "e", {"ttft_p50_ms": 1.0}, same)]),
+        Finding(3, "itl", "t", "warning", "s", "c", what_ifs=[
+            WhatIf("a", "e", {"itl_p99_ms": 1.0}, same),
+            WhatIf("cut", "e", {"ttft_p50_ms": 1.0}, workload={"input_len_scale": 0.75}),
+            WhatIf("fp8 KV", "e", {"max_concurrency_at_p95": 9.0}),  # nothing --verify can apply
+        ]),
+    ]  # fmt: skip
+    assert [w.change for w in verifiable(findings)] == ["a", "cut"]
