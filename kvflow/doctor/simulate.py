@@ -224,58 +224,86 @@ def simulate(
         _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), s.send_s)
         for i, s in enumerate(samples)
     ]
-    closed = concurrency is not None
-    upcoming: deque[_Request] = deque(requests)
-    if closed:
-        for request in requests:
-            request.arrival = math.inf
-        for request in requests[: max(1, concurrency or 1)]:
-            request.arrival = 0.0
-    sched = _Scheduler(settings, cost)
-    kinds = {kind: KindStats() for kind in KINDS}
-    explained: dict[str, float] = {"preemption": 0.0, "prefill_chunks": 0.0, "recompute": 0.0}
-    done: list[_Request] = []
+    replay = _Replay(requests, _Scheduler(settings, cost), cost, concurrency, client_gap_ms)
     now = 0.0
-    while len(done) + len(sched.capped) < len(requests):
+    while len(replay.done) + len(replay.sched.capped) < len(requests):
+        advanced = replay.advance(now)
+        if advanced is None:
+            break
+        now = advanced
+    return _summary(requests, replay.done, replay.kinds, replay.sched, replay.explained)
+
+
+class _Replay:
+    """The state of one replay: the scheduler, requests still to arrive, and what the steps did."""
+
+    def __init__(
+        self,
+        requests: list[_Request],
+        sched: _Scheduler,
+        cost: StepCost,
+        concurrency: int | None,
+        client_gap_ms: float,
+    ) -> None:
+        self.sched, self.cost, self.client_gap_ms = sched, cost, client_gap_ms
+        self.closed = concurrency is not None
+        self.upcoming: deque[_Request] = deque(requests)
+        if self.closed:  # the first `concurrency` clients send at once, the rest when one finishes
+            for request in requests:
+                request.arrival = math.inf
+            for request in requests[: max(1, concurrency or 1)]:
+                request.arrival = 0.0
+        self.kinds = {kind: KindStats() for kind in KINDS}
+        self.explained: dict[str, float] = {"preemption": 0.0, "prefill_chunks": 0.0, "recompute": 0.0}
+        self.done: list[_Request] = []
+
+    def advance(self, now: float) -> float | None:
+        """Admit arrivals, then run one step (or wait for the next arrival): the new time, or None
+        when nothing left can arrive."""
+        sched, upcoming = self.sched, self.upcoming
         while upcoming and upcoming[0].arrival <= now:
             sched.waiting.append(upcoming.popleft())
         if not sched.running and not sched.waiting:
             if not upcoming or math.isinf(upcoming[0].arrival):
-                break  # nothing left that can arrive (closed loop with every client capped)
-            now = upcoming[0].arrival
-            continue
+                return None  # nothing left that can arrive (closed loop with every client capped)
+            return upcoming[0].arrival
         num_capped = len(sched.capped)
         scheduled = sched.schedule(now)
         for _ in range(len(sched.capped) - num_capped):
-            if closed and upcoming:  # a capped request's client sends its next one
-                _next_arrival(upcoming, now + client_gap_ms)
-        if not scheduled:
-            if not sched.running and not sched.waiting:
-                continue
-            if not upcoming or math.isinf(upcoming[0].arrival):
-                break
-            now = max(now, upcoming[0].arrival)
-            continue
+            self._client_sends_next(now)  # a capped request's client sends its next one
+        if scheduled:
+            return self._step(now, scheduled)
+        if not sched.running and not sched.waiting:
+            return now
+        if not upcoming or math.isinf(upcoming[0].arrival):
+            return None
+        return max(now, upcoming[0].arrival)
+
+    def _step(self, now: float, scheduled: list[tuple[_Request, int]]) -> float:
+        """One engine step over `scheduled`: its cost, then each request's progress."""
         rows, tokens, attention, work = _step_parts(scheduled)
-        step_ms = cost.step_ms(rows, tokens, attention)
+        step_ms = self.cost.step_ms(rows, tokens, attention)
         kind = "mixed" if rows and tokens else ("prefill_only" if tokens else "decode_only")
-        kinds[kind].add(step_ms, rows, tokens, attention)
+        self.kinds[kind].add(step_ms, rows, tokens, attention)
         now += step_ms
-        sched.computed_tokens += sum(n for _, n in scheduled)
-        prefill_ms = _prefill_ms_by_cause(cost, work)
+        self.sched.computed_tokens += sum(n for _, n in scheduled)
+        prefill_ms = _prefill_ms_by_cause(self.cost, work)
         for request, n in scheduled:
             request.computed += n
-            sched.pool.mark_full(request.index, sched.shared_blocks(request), request.computed)
+            self.sched.pool.mark_full(request.index, self.sched.shared_blocks(request), request.computed)
             if request.computed < request.total:
                 continue
             request.recomputing = False
-            _produce(request, now, prefill_ms, explained, cost, rows)
+            _produce(request, now, prefill_ms, self.explained, self.cost, rows)
             if request.produced >= request.output:
-                sched.release(request)
-                done.append(request)
-                if closed and upcoming:
-                    _next_arrival(upcoming, now + client_gap_ms)
-    return _summary(requests, done, kinds, sched, explained)
+                self.sched.release(request)
+                self.done.append(request)
+                self._client_sends_next(now)
+        return now
+
+    def _client_sends_next(self, now: float) -> None:
+        if self.closed and self.upcoming:
+            _next_arrival(self.upcoming, now + self.client_gap_ms)
 
 
 def _prefill_ms_by_cause(cost: StepCost, work: Work) -> dict[str, float]:
