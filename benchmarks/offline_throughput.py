@@ -1,6 +1,7 @@
 """Offline throughput: kvflow vs transformers on a Qwen2.5-0.5B-shaped random checkpoint, in one run.
 
     python benchmarks/offline_throughput.py [--num-requests 64] [--dtype bfloat16] [--skip-hf]
+                                            [--batch-invariant]
 
 Workload (fixed seed): prompt lengths uniform in 128..512 tokens, output lengths uniform in
 64..256, greedy, ignore_eos. kvflow gets every request at once (continuous batching);
@@ -165,6 +166,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--skip-hf", action="store_true", help="skip transformers (it takes minutes)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--batch-invariant", action="store_true", help="kvflow's batch-invariant mode (its cost)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     path = build_checkpoint(dtype)
@@ -178,6 +180,7 @@ def main() -> None:
         max_model_len=4096,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=False,
+        batch_invariant=args.batch_invariant,
     )
     run_kvflow(llm, prompts[:2], [4, 4])  # warm-up (oneDNN primitive creation)
     bandwidth = measure_bandwidth_gbs()
