@@ -24,7 +24,6 @@ from kvflow.server.protocol import (
     ChatTokenLogprob,
     DeltaMessage,
     TopLogprob,
-    UsageInfo,
 )
 from kvflow.server.serving import (
     PromptInput,
@@ -91,6 +90,9 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
     """`chat.completion` / `chat.completion.chunk` objects: the response carries a `message`, a chunk a
     `delta` (the role once per choice at the head of the stream, then content)."""
 
+    chunk_type = ChatCompletionChunk
+    response_type = ChatCompletionResponse
+
     def __init__(self, ctx: ServingContext, n: int, top_n: int, response_id: str) -> None:
         super().__init__(response_id, ctx.served_model_name)
         self.ctx = ctx
@@ -119,21 +121,6 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
             stop_reason=out.stop_reason,
         )
 
-    def chunk(
-        self,
-        choices: list[ChatStreamChoice],
-        usage: UsageInfo | None = None,
-        kvflow: dict[str, Any] | None = None,
-    ) -> ChatCompletionChunk:
-        return ChatCompletionChunk(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            kvflow=kvflow,
-        )
-
     def final_choice(self, index: int, final: RequestOutput) -> ChatChoice:
         out = final.outputs[0]
         logprobs = None
@@ -145,18 +132,6 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
             logprobs=logprobs,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
-        )
-
-    def response(
-        self, choices: list[ChatChoice], usage: UsageInfo, kvflow: dict[str, Any] | None
-    ) -> ChatCompletionResponse:
-        return ChatCompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            kvflow=kvflow,
         )
 
 

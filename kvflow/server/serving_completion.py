@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
@@ -16,7 +15,6 @@ from kvflow.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    UsageInfo,
 )
 from kvflow.server.serving import (
     PromptInput,
@@ -91,6 +89,9 @@ class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoi
     """`text_completion` objects: chunks and the response share one shape, each choice carries `text`.
     With `echo`, a choice's text starts with its prompt: the first chunk of a streamed choice carries it."""
 
+    chunk_type = CompletionResponse
+    response_type = CompletionResponse
+
     def __init__(
         self, ctx: ServingContext, body: CompletionRequest, prompts: list[PromptInput], response_id: str
     ) -> None:
@@ -128,21 +129,6 @@ class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoi
             stop_reason=out.stop_reason,
         )
 
-    def chunk(
-        self,
-        choices: list[CompletionChoice],
-        usage: UsageInfo | None = None,
-        kvflow: dict[str, Any] | None = None,
-    ) -> CompletionResponse:
-        return CompletionResponse(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            kvflow=kvflow,
-        )
-
     def final_choice(self, index: int, final: RequestOutput) -> CompletionChoice:
         out = final.outputs[0]
         prefix = self._echo_text(index) if self.echo else ""
@@ -156,11 +142,6 @@ class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoi
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
         )
-
-    def response(
-        self, choices: list[CompletionChoice], usage: UsageInfo, kvflow: dict[str, Any] | None
-    ) -> CompletionResponse:
-        return self.chunk(choices, usage, kvflow)
 
 
 async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: HTTPRequest) -> Response:

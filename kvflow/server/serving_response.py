@@ -50,7 +50,13 @@ class ResponseBuilder(ABC, Generic[StreamChoiceT, ChoiceT]):
     """What one endpoint supplies to the shared loop, for one HTTP request: its chunk and response
     objects, and how an engine output becomes a choice. `StreamChoiceT` is a choice inside a chunk,
     `ChoiceT` one inside the non-streamed response. Choices are numbered as `build_requests` numbers
-    them (prompt index * n + j). A builder may keep per-choice state between the deltas of a stream."""
+    them (prompt index * n + j). A builder may keep per-choice state between the deltas of a stream.
+
+    `chunk_type` and `response_type` are the endpoint's pydantic objects: both take id, created,
+    model, choices, usage and kvflow (for completions they are one type)."""
+
+    chunk_type: type[BaseModel]
+    response_type: type[BaseModel]
 
     def __init__(self, response_id: str, model: str) -> None:
         self.response_id = response_id
@@ -68,7 +74,6 @@ class ResponseBuilder(ABC, Generic[StreamChoiceT, ChoiceT]):
         passes here in order, so a transform that holds text back until it can tell what the text is
         (a tool-call parser) keeps its buffer in the builder and returns None meanwhile."""
 
-    @abstractmethod
     def chunk(
         self,
         choices: list[StreamChoiceT],
@@ -76,14 +81,29 @@ class ResponseBuilder(ABC, Generic[StreamChoiceT, ChoiceT]):
         kvflow: dict[str, Any] | None = None,
     ) -> BaseModel:
         """A streamed chunk; the final usage chunk has no choices."""
+        return self.chunk_type(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            kvflow=kvflow,
+        )
 
     @abstractmethod
     def final_choice(self, index: int, final: RequestOutput) -> ChoiceT:
         """Choice `index` of a non-streamed response, from its request's final (cumulative) output."""
 
-    @abstractmethod
     def response(self, choices: list[ChoiceT], usage: UsageInfo, kvflow: dict[str, Any] | None) -> BaseModel:
         """The non-streamed response; `choices` are in index order."""
+        return self.response_type(
+            id=self.response_id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage,
+            kvflow=kvflow,
+        )
 
 
 async def serve_choices(
