@@ -5,21 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from fixtures.app_server import serve_app
 
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
-from kvflow.server.spawn import free_port
 
 TTFT_S = 0.200
 GAP_S = 0.050
@@ -71,17 +69,8 @@ def fixed_delay_app() -> FastAPI:
 
 @pytest.fixture(scope="module")
 def fixed_server() -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(fixed_delay_app(), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(fixed_delay_app()) as url:
+        yield url
 
 
 @pytest.mark.parametrize("endpoint", ["completions", "chat"])

@@ -12,16 +12,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse, StreamingResponse
+from fixtures.app_server import serve_app
 
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.client import StreamParser
@@ -30,7 +29,6 @@ from kvflow.bench.events import RequestRecord
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.bench.server_metrics import parse_metrics
 from kvflow.bench.server_view import server_section
-from kvflow.server.spawn import free_port
 
 RECORDING = json.loads((Path(__file__).parent / "data" / "llamacpp_run.json").read_text())
 SPEED = 2.0  # replay twice as fast as recorded: the gaps stay ~15 ms, far above loopback jitter
@@ -72,17 +70,8 @@ def replay_app(recording: dict[str, Any]) -> FastAPI:
 
 @pytest.fixture(scope="module")
 def llamacpp_replay() -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(replay_app(RECORDING), host="127.0.0.1", port=port, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(replay_app(RECORDING)) as url:
+        yield url
 
 
 def recorded_chunk_gaps_ms() -> list[float]:

@@ -7,22 +7,19 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
+from fixtures.app_server import serve_app
 
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
-from kvflow.server.spawn import free_port
 
 BLOCK = 16  # tokens of the first block the fake cache keys on (kvflow's and vLLM's block size)
 PREFILL_S = 0.15  # first token of a prompt the cache has not seen
@@ -59,15 +56,8 @@ def caching_app() -> FastAPI:
 
 @pytest.fixture()
 def caching_server() -> Iterator[str]:
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(caching_app(), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield f"http://127.0.0.1:{port}/v1"
-    server.should_exit = True
-    thread.join(10)
+    with serve_app(caching_app()) as url:
+        yield url
 
 
 def uncached_ttfts(result: dict[str, Any]) -> list[bool]:
