@@ -46,14 +46,6 @@ constexpr float kFp8E4m3Max = 448.0f;      // FP8_E4M3_MAX
 constexpr float kInt4Levels = 15.0f;       // INT4_LEVELS
 constexpr float kMinScale = 1e-8f;         // MIN_SCALE
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-inline uint16_t round_bf16(float f) { return float_to_bf16(f); }
 inline float through_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
 const uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -148,7 +140,7 @@ void NativeKVLayer::write_row(bool is_key, int64_t slot, int64_t head, const flo
   if (kind == "plain") {
     torch::Tensor pool = is_key ? key_data : value_data;
     auto* out = reinterpret_cast<uint16_t*>(pool.data_ptr<at::BFloat16>()) + (slot * num_kv_heads + head) * D;
-    for (int64_t d = 0; d < D; ++d) out[d] = round_bf16(x[d]);  // x holds bf16 values: exact
+    for (int64_t d = 0; d < D; ++d) out[d] = float_to_bf16(x[d]);  // x holds bf16 values: exact
     return;
   }
   const torch::Tensor& data = is_key ? key_data : value_data;
@@ -196,7 +188,7 @@ void rope_and_write_kv(const torch::Tensor& q_in, const torch::Tensor& k_in, con
     for (int64_t h = 0; h < Hq; ++h) {
       const uint16_t* x = bf16_ptr(q_in) + m * q_in.stride(0) + h * q_in.stride(1);
       rotate(x, c, s, row.data());
-      for (int64_t d = 0; d < D; ++d) qo[(m * Hq + h) * D + d] = round_bf16(row[d]);
+      for (int64_t d = 0; d < D; ++d) qo[(m * Hq + h) * D + d] = float_to_bf16(row[d]);
     }
     for (int64_t h = 0; h < Hkv; ++h) {
       rotate(bf16_ptr(k_in) + m * k_in.stride(0) + h * k_in.stride(1), c, s, row.data());
@@ -213,7 +205,7 @@ void add_into(torch::Tensor& a, const torch::Tensor& b) {
   uint16_t* ap = bf16_ptr_mut(a);
   const uint16_t* bp = bf16_ptr(b);
   const int64_t n = a.numel();
-  for (int64_t i = 0; i < n; ++i) ap[i] = round_bf16(bf16_to_float(ap[i]) + bf16_to_float(bp[i]));
+  for (int64_t i = 0; i < n; ++i) ap[i] = float_to_bf16(bf16_to_float(ap[i]) + bf16_to_float(bp[i]));
 }
 
 }  // namespace

@@ -45,19 +45,14 @@
 
 namespace {
 
+using kvflow::bf16_to_float;
+
 constexpr int64_t kTileRows = 16;          // output rows per tile: one per fp32/int32 lane
 constexpr int64_t kXBlock = 32;            // inputs per activation scale (llama.cpp's q8_0 block)
 constexpr int64_t kTileBlockBytes = 256;   // 16 rows x 32 int4 weights
 constexpr int64_t kMaxRowsPerPass = 8;     // activation rows sharing one pass over the weights
 constexpr float kInt8Max = 127.0f;
 constexpr int64_t kPrefetchBytes = 1024;   // packed weights prefetched ahead of the loads
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
-}
 
 inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));

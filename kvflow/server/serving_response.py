@@ -81,14 +81,7 @@ class ResponseBuilder(ABC, Generic[StreamChoiceT, ChoiceT]):
         kvflow: dict[str, Any] | None = None,
     ) -> BaseModel:
         """A streamed chunk; the final usage chunk has no choices."""
-        return self.chunk_type(
-            id=self.response_id,
-            created=self.created,
-            model=self.model,
-            choices=choices,
-            usage=usage,
-            kvflow=kvflow,
-        )
+        return self._envelope(self.chunk_type, choices, usage, kvflow)
 
     @abstractmethod
     def final_choice(self, index: int, final: RequestOutput) -> ChoiceT:
@@ -96,7 +89,13 @@ class ResponseBuilder(ABC, Generic[StreamChoiceT, ChoiceT]):
 
     def response(self, choices: list[ChoiceT], usage: UsageInfo, kvflow: dict[str, Any] | None) -> BaseModel:
         """The non-streamed response; `choices` are in index order."""
-        return self.response_type(
+        return self._envelope(self.response_type, choices, usage, kvflow)
+
+    def _envelope(
+        self, object_type: type[BaseModel], choices: list[Any], usage: UsageInfo | None, kvflow: Any
+    ) -> BaseModel:
+        """The fields every chunk and response of this request share, around its choices."""
+        return object_type(
             id=self.response_id,
             created=self.created,
             model=self.model,
