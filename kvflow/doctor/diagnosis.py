@@ -61,12 +61,6 @@ class Diagnosis:
 
     # ------------------------------------------------------------------------------- prefill
 
-    def step_fixed_cost_ms(self) -> float:
-        """The cost of a step that computes almost nothing: the server's decode-only step time when
-        it exports one (kvflow), else the client's TPOT (which adds HTTP delivery per token)."""
-        decode_step = self.run.step_time_ms("decode_only")
-        return float(decode_step if decode_step is not None else self.run.tpot_p50_ms or 0.0)
-
     @cached_property
     def prefill_slope(self) -> tuple[float | None, str]:
         """(ms per uncached prompt token, how it was measured): the marginal cost of a prompt token,

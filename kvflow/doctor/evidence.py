@@ -62,10 +62,6 @@ class RunEvidence:
         """Mean context of a decode step: the prompt plus half the output, at the median request."""
         return self.prompt_p50 + self.output_p50 / 2
 
-    @property
-    def server_family(self) -> str:
-        return str(self.server.get("server") or "unknown")
-
     def not_exported(self, field_name: str) -> bool:
         """True when the server's /metrics lacks this field of the server view (or has no /metrics)."""
         return field_name in (self.server.get("not_exported") or ()) or not self.server
