@@ -5,6 +5,9 @@ One model class covers Llama, Mistral, Qwen2 and Qwen3; they differ only in thes
     Mistral  sliding_window on every layer
     Qwen2    q/k/v bias (o without), optional sliding window (use_sliding_window)
     Qwen3    explicit head_dim, RMSNorm on q and k per head, attention_bias
+Mixture-of-experts variants of these (Mixtral, Qwen2MoE, Qwen3MoE) and DeepSeek V2/V3 with
+multi-head latent attention add a MoEConfig / MLAConfig (parsed below, with an error naming the
+config key for each variant kvflow does not run).
 Both spellings of RoPE are accepted: hub checkpoints' top-level `rope_theta` + `rope_scaling`
 and transformers 5's `rope_parameters`.
 """
@@ -12,18 +15,24 @@ and transformers 5's `rope_parameters`.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvflow.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = (
+DENSE_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
 )
+# Llama-family attention with a mixture-of-experts MLP (kvflow/models/moe.py).
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
+# Multi-head latent attention + DeepSeekMoE (kvflow/models/deepseek_v2.py).
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + MLA_ARCHITECTURES
 DEFAULT_ROPE_THETA = 10000.0  # the RoPE paper's base, HF's default when a config omits it
 
 
@@ -36,6 +45,64 @@ class RopeConfig:
     max_position_embeddings: int
     rope_type: str = "default"
     params: dict[str, Any] = field(default_factory=dict)  # the rest of rope_parameters / rope_scaling
+
+
+# The group-limited routers: how a group of experts is scored before the top groups are kept.
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The router and experts of a mixture-of-experts MLP (kvflow/layers/moe_routing.py, fused_moe.py).
+
+    Routing per token: scores = softmax or sigmoid of the router logits (float32); with groups, only
+    experts of the `topk_group` best of `num_groups` groups compete (a group scores its best expert:
+    group_limited_greedy, or its two best after adding the correction bias: noaux_tc); the top_k
+    experts are chosen (by score + bias under noaux_tc), their scores optionally renormalised to sum
+    to 1 and multiplied by routed_scaling_factor.
+    """
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    scoring_func: str = "softmax"  # one of SCORING_FUNCS
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    topk_method: str = "greedy"  # one of TOPK_METHODS
+    num_groups: int = 1
+    topk_group: int = 1
+    # Shared experts run on every token (Qwen2MoE: one, gated by sigmoid(shared_expert_gate(x));
+    # DeepSeek: n_shared_experts fused into one MLP of n x moe_intermediate_size, ungated). 0 = none.
+    shared_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    sparse_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense MLP (False)
+
+    @property
+    def has_score_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention: K and V are up-projected from one latent per token, of which the
+    KV pool stores kv_lora_rank (normed, position-free) + qk_rope_head_dim (rotated key) values."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None  # None: q comes from hidden by one projection (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rotary pairs are (x0, x1), (x2, x3), ... instead of the two halves
+    softmax_scale: float  # qk_head_dim^-0.5, times mscale^2 under YaRN with mscale_all_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -58,10 +125,18 @@ class ArchConfig:
     sliding_window: int | None  # same window on every layer, or None
     rope: RopeConfig
     torch_dtype: str | None
+    moe: MoEConfig | None = None  # mixture-of-experts MLP on the layers `moe.sparse_layers` marks
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek V2/V3) instead of q/k/v heads
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def kv_latent(self) -> tuple[int, int] | None:
+        """(kv_lora_rank, qk_rope_head_dim) when the KV pool holds one latent per token and layer
+        instead of K and V (latent attention), else None."""
+        return None if self.mla is None else (self.mla.kv_lora_rank, self.mla.qk_rope_head_dim)
 
 
 def load_hf_config(model_dir: Path) -> dict[str, Any]:
@@ -161,8 +236,13 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
     head_dim = _int(cfg, "head_dim", source) if cfg.get("head_dim") else hidden // num_heads
     num_layers = _int(cfg, "num_hidden_layers", source)
     max_pos = _int(cfg, "max_position_embeddings", source, 2048)
-    is_qwen2 = arch == "Qwen2ForCausalLM"
+    is_qwen2 = arch in ("Qwen2ForCausalLM",)
     attention_bias = bool(cfg.get("attention_bias", False))
+    mla = _mla_config(cfg, arch, source)
+    if arch == "Qwen2MoeForCausalLM":  # q/k/v bias by its own switch, o without
+        is_qwen2 = bool(cfg.get("qkv_bias", True))
+    if mla is not None and attention_bias:
+        raise ModelLoadError(f"{source}: attention_bias=true is not supported with latent attention")
     return ArchConfig(
         architecture=arch,
         vocab_size=_int(cfg, "vocab_size", source),
@@ -178,11 +258,129 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
         sliding_window=_sliding_window(cfg, arch, num_layers, source),
-        rope=_rope_config(cfg, head_dim, max_pos, source),
+        rope=_rope_config(cfg, head_dim if mla is None else mla.qk_rope_head_dim, max_pos, source),
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
+        moe=_moe_config(cfg, arch, num_layers, source),
+        mla=mla,
     )
+
+
+def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEConfig | None:
+    """The MoE switches of `arch`'s config.json; an unsupported variant names its config key."""
+    if arch not in MOE_ARCHITECTURES + MLA_ARCHITECTURES:
+        return None
+    if cfg.get("mlp_bias"):
+        raise ModelLoadError(f"{source}: mlp_bias=true is not supported for mixture-of-experts models")
+    if arch == "MixtralForCausalLM":
+        num_experts = _int(cfg, "num_local_experts", source)
+        top_k = _int(cfg, "num_experts_per_tok", source)
+        moe = MoEConfig(num_experts, top_k, _int(cfg, "intermediate_size", source), norm_topk_prob=True)
+        return _checked_moe(moe, (True,) * num_layers, source)
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        # Hub configs say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts.
+        num_experts = _int(cfg, "num_experts" if "num_experts" in cfg else "num_local_experts", source)
+        step = _int(cfg, "decoder_sparse_step", source, 1)
+        if step < 1:
+            raise ModelLoadError(f"{source}: field 'decoder_sparse_step' must be positive, got {step}")
+        dense = set(cfg.get("mlp_only_layers") or [])
+        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+        shared = _int(cfg, "shared_expert_intermediate_size", source, 0) if "Qwen2" in arch else 0
+        moe = MoEConfig(
+            num_experts,
+            _int(cfg, "num_experts_per_tok", source),
+            _int(cfg, "moe_intermediate_size", source),
+            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+            shared_intermediate_size=shared,
+            shared_expert_gate=shared > 0,
+        )
+        return _checked_moe(moe, sparse, source)
+    # DeepSeek V2 / V3. V3 always routes by sigmoid scores with a correction bias (noaux_tc).
+    is_v3 = arch == "DeepseekV3ForCausalLM"
+    topk_method = str(cfg.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"))
+    scoring = str(cfg.get("scoring_func") or ("sigmoid" if is_v3 else "softmax"))
+    if topk_method not in TOPK_METHODS or (is_v3 and topk_method != "noaux_tc"):
+        raise ModelLoadError(
+            f"{source}: topk_method {topk_method!r} is not supported ({arch}: {TOPK_METHODS})"
+        )
+    if scoring != ("sigmoid" if topk_method == "noaux_tc" else "softmax"):
+        raise ModelLoadError(f"{source}: scoring_func {scoring!r} is not supported with {topk_method}")
+    first_dense = _int(cfg, "first_k_dense_replace", source, 0)
+    freq = _int(cfg, "moe_layer_freq", source, 1)
+    if freq < 1:
+        raise ModelLoadError(f"{source}: field 'moe_layer_freq' must be positive, got {freq}")
+    expert_size = _int(cfg, "moe_intermediate_size", source)
+    grouped = topk_method != "greedy"
+    moe = MoEConfig(
+        _int(cfg, "n_routed_experts", source),
+        _int(cfg, "num_experts_per_tok", source),
+        expert_size,
+        scoring_func=scoring,
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        routed_scaling_factor=_as_float(
+            cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor", source
+        ),
+        topk_method=topk_method,
+        num_groups=_int(cfg, "n_group", source, 1) if grouped and cfg.get("n_group") else 1,
+        topk_group=_int(cfg, "topk_group", source, 1) if grouped and cfg.get("topk_group") else 1,
+        shared_intermediate_size=expert_size * _int(cfg, "n_shared_experts", source, 0),
+    )
+    sparse = tuple(i >= first_dense and i % freq == 0 for i in range(num_layers))
+    return _checked_moe(moe, sparse, source)
+
+
+def _checked_moe(moe: MoEConfig, sparse: tuple[bool, ...], source: str) -> MoEConfig:
+    if moe.num_experts < 1 or not 1 <= moe.top_k <= moe.num_experts:
+        raise ModelLoadError(
+            f"{source}: num_experts_per_tok={moe.top_k} must be between 1 and the {moe.num_experts} experts"
+        )
+    if moe.num_experts % moe.num_groups:
+        raise ModelLoadError(f"{source}: n_group={moe.num_groups} does not divide {moe.num_experts} experts")
+    if not 1 <= moe.topk_group <= moe.num_groups:
+        raise ModelLoadError(f"{source}: topk_group={moe.topk_group} must be between 1 and n_group")
+    per_group = moe.num_experts // moe.num_groups
+    if moe.top_k > moe.topk_group * per_group:
+        raise ModelLoadError(
+            f"{source}: num_experts_per_tok={moe.top_k} exceeds the experts of topk_group={moe.topk_group} "
+            f"groups ({per_group} each)"
+        )
+    if moe.topk_method == "noaux_tc" and per_group < 2:
+        raise ModelLoadError(f"{source}: n_group={moe.num_groups} leaves fewer than 2 experts per group")
+    return MoEConfig(**{**moe.__dict__, "sparse_layers": sparse})
+
+
+def _mla_config(cfg: dict[str, Any], arch: str, source: str) -> MLAConfig | None:
+    if arch not in MLA_ARCHITECTURES:
+        return None
+    nope, rope_dim = _int(cfg, "qk_nope_head_dim", source), _int(cfg, "qk_rope_head_dim", source)
+    if rope_dim % 2:
+        raise ModelLoadError(f"{source}: qk_rope_head_dim must be even, got {rope_dim}")
+    q_lora = _int(cfg, "q_lora_rank", source) if cfg.get("q_lora_rank") else None
+    scale = (nope + rope_dim) ** -0.5
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = (
+        rope.get("rope_type") or rope.get("type") or "default" if isinstance(rope, dict) else "default"
+    )
+    if rope_type != "default" and rope.get("mscale_all_dim"):
+        # DeepSeek's YaRN: the softmax scale grows with the context extension (transformers'
+        # yarn_apply_mscale), on top of the cos/sin attention_factor kvflow/layers/rotary.py applies.
+        mscale = _yarn_mscale(_as_float(rope["factor"], "factor", source), float(rope["mscale_all_dim"]))
+        scale *= mscale * mscale
+    return MLAConfig(
+        kv_lora_rank=_int(cfg, "kv_lora_rank", source),
+        q_lora_rank=q_lora,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=_int(cfg, "v_head_dim", source),
+        # V2 rotates by complex multiplication of consecutive pairs; V3 by its rope_interleave switch.
+        rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
+        softmax_scale=scale,
+    )
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 def load_arch_config(model_dir: Path) -> ArchConfig:

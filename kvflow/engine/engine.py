@@ -6,6 +6,7 @@ requests that produced tokens or finished in that step (with `delta_text` for st
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -24,23 +25,40 @@ from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.scheduler import RequestUpdate, Scheduler
 from kvflow.errors import InvalidRequestError, PromptTooLongError
 from kvflow.outputs import ModelRunnerOutput, RequestOutput, TokenLogprobs
+from kvflow.parallel.errors import WorkerDiedError
+from kvflow.parallel.executor import TensorParallelDriver
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
 from kvflow.scheduler_output import SchedulerOutput
 from kvflow.spec_decode.controller import SpecController
 from kvflow.spec_decode.factory import build_proposer
 from kvflow.stats import SpecDecodeStats, StepStats
+from kvflow.structured import StructuredOutputManager
 from kvflow.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
+# With only grammar-waiting requests, how long one step blocks for a compile to finish: short enough
+# that the async engine's commands (new requests, aborts) are still read promptly.
+GRAMMAR_IDLE_WAIT_S = 0.01
 
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        loaded = load_checkpoint(config)
+        # Tensor parallelism: ranks 1..N-1 started or joined first; they load their shards with ours.
+        tp = config.parallel_config.tensor_parallel_size
+        self.parallel = TensorParallelDriver(config) if tp > 1 else None
+        try:
+            self._init(config)
+        except BaseException:
+            if self.parallel is not None:
+                self.parallel.shutdown()
+            raise
+
+    def _init(self, config: EngineConfig) -> None:
+        loaded = load_checkpoint(config, self.parallel)
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
         self.max_model_len = loaded.max_model_len
@@ -55,6 +73,12 @@ class LLMEngine:
             cache.kv_cache_dtype,
             kv_pool_bytes_per_token(loaded),
         )
+        if self.parallel is not None:
+            self.kv_pool_summary += (
+                f"; per rank of {self.parallel.world_size} (tensor parallel): "
+                f"{loaded.model.config.num_key_value_heads} of {loaded.arch.num_key_value_heads} KV heads per layer"
+            )
+            logger.info("KV cache pool is per rank: %s", self.kv_pool_summary)
         self.kv_bytes_per_token = bytes_per_token
         self.num_kv_blocks = num_blocks  # usable blocks (the null block comes on top)
         self.dtype = loaded.dtype
@@ -64,19 +88,24 @@ class LLMEngine:
             a.num_hidden_layers,
             num_blocks + 1,
             cache.block_size,
-            a.num_key_value_heads,
+            loaded.model.config.num_key_value_heads,  # this rank's heads under tensor parallelism
             a.head_dim,
             loaded.dtype,
             cache.kv_cache_dtype,
+            latent=a.kv_latent,
         )
         self.scheduler = Scheduler(sched, cache, num_blocks + 1, self.max_model_len, a.sliding_window)
-        self.model_runner = ModelRunner(
-            loaded.model,
-            kv_store,
-            self.tokenizer.eos_token_ids,
-            config.model_config.seed,
-            config.model_config.enforce_eager,
-            config.model_config.batch_invariant,
+        self.model_runner = (
+            ModelRunner(
+                loaded.model,
+                kv_store,
+                self.tokenizer.eos_token_ids,
+                config.model_config.seed,
+                config.model_config.enforce_eager,
+                config.model_config.batch_invariant,
+            )
+            if self.parallel is None
+            else self.parallel.model_runner(loaded.model, kv_store, self.tokenizer.eos_token_ids, config.model_config.seed)
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = build_proposer(
@@ -95,6 +124,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._request_counter = itertools.count()
         self.last_step_stats: StepStats | None = None
+        self.structured = StructuredOutputManager(self.tokenizer)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
@@ -123,6 +153,7 @@ class LLMEngine:
         `add_special_tokens=False` for text that already carries them (a rendered chat template).
         Raises InvalidRequestError / PromptTooLongError."""
         params = sampling_params or SamplingParams()
+        grammar = StructuredOutputManager.prepare(params)  # a bad schema / regex / grammar raises here
         text, prompt_ids = self._tokenize(prompt, add_special_tokens)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
@@ -131,7 +162,7 @@ class LLMEngine:
                 f"the prompt has {len(prompt_ids)} tokens; with at least one output token it does not fit "
                 f"in max_model_len={self.max_model_len}"
             )
-        return Request(
+        request = Request(
             request_id if request_id is not None else f"req-{next(self._request_counter)}",
             prompt_ids,
             params,
@@ -139,6 +170,8 @@ class LLMEngine:
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=text,
         )
+        request.structured_state = grammar
+        return request
 
     def add_processed_request(self, request: Request) -> str:
         """Queue a request built by `make_request`; returns its id. Nothing is left behind when it
@@ -151,6 +184,8 @@ class LLMEngine:
         except BaseException:
             del self.output_processor.states[request.request_id]
             raise
+        if request.structured_state is not None:
+            self.structured.submit(request)  # compiles off this thread; the scheduler skips it till then
         return request.request_id
 
     def add_request(
@@ -178,6 +213,8 @@ class LLMEngine:
     ) -> None:
         states = [self.output_processor.states[i] for i in request_ids if i in self.output_processor.states]
         self.scheduler.finish_requests(request_ids, status)
+        for request_id in request_ids:
+            self.structured.drop(request_id)
         for state in states:
             if stop_reason is not None:  # a stop string wins over a length cap hit by the same token
                 state.request.status = status
@@ -188,24 +225,54 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.monotonic()
+        if self.structured.num_pending:
+            self._poll_grammars()
         scheduler_output = self.scheduler.schedule()
+        if self.structured.num_pending and scheduler_output.is_empty:
+            self.structured.wait_for_compile(GRAMMAR_IDLE_WAIT_S)  # nothing else to run: don't spin
+        grammar_bitmask = self.structured.fill_bitmask(scheduler_output, self.scheduler.requests)
+        if grammar_bitmask is not None:  # filled in the mask thread while the forward pass runs
+            scheduler_output = dataclasses.replace(scheduler_output, grammar_bitmask=grammar_bitmask)
         # Even an empty schedule goes through update: it reports requests the scheduler finished
         # itself (e.g. one that outgrew the whole KV pool).
         try:
             runner_output = self.model_runner.execute_model(scheduler_output)
         except Exception as exc:  # the whole batch failed: fail its requests, keep the engine serving
             runner_output = self._fail_step(scheduler_output, exc)
+            if isinstance(exc, WorkerDiedError):  # ...unless a tensor-parallel rank is gone: no step can run
+                raise
+        if grammar_bitmask is not None:
+            grammar_bitmask.future.exception()  # the matchers are the mask thread's until it is done
         self._fail_requests(runner_output.failed)
         num_emitted = 0
         for update in self.scheduler.update_from_output(scheduler_output, runner_output):
             num_emitted += len(update.new_token_ids)
             self._process_update(update, runner_output.logprobs.get(update.request.request_id))
+            if update.request.structured_state is not None and update.new_token_ids:
+                self._advance_grammar(update)
         if self.proposer is not None:
             self._record_spec_step(scheduler_output, start, num_emitted)
             self._propose()
         outputs, self._pending_outputs = self._pending_outputs, []
         self.last_step_stats = self._step_stats(scheduler_output, start)
         return outputs
+
+    def _poll_grammars(self) -> None:
+        """Requests whose grammar finished compiling become schedulable; failed compiles end theirs."""
+        for request, error in self.structured.poll():
+            self._finish([request.request_id], RequestStatus.FINISHED_ABORTED, error=error)
+
+    def _advance_grammar(self, update: RequestUpdate) -> None:
+        """The matcher follows the request's new output tokens; a finished grammar ends the request
+        (stop), as vLLM does, without spending a step on an EOS it would force anyway."""
+        request = update.request
+        error = self.structured.accept(request, update.new_token_ids)
+        if request.is_finished or request.request_id not in self.output_processor.states:
+            return
+        if error is not None:
+            self._finish([request.request_id], RequestStatus.FINISHED_ABORTED, error=error)
+        elif request.structured_state.is_terminated:
+            self._finish([request.request_id], RequestStatus.FINISHED_STOPPED)
 
     def _record_spec_step(self, scheduler_output: SchedulerOutput, start: float, num_emitted: int) -> None:
         """Decode-only steps feed the speculation controller (a prefill chunk would blur the timing)."""

@@ -18,6 +18,7 @@ from kvflow.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ConfigErro
 from kvflow.errors import ModelLoadError
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.loader import load_model
+from kvflow.parallel.executor import TensorParallelDriver
 from kvflow.tokenizer import Tokenizer
 
 logger = logging.getLogger("kvflow")
@@ -47,7 +48,8 @@ def resolve_dtype(requested: str, checkpoint_dtype: str | None) -> torch.dtype:
     raise ModelLoadError(f"config.json: unsupported torch_dtype {checkpoint_dtype!r}")
 
 
-def load_checkpoint(config: EngineConfig) -> LoadedModel:
+def load_checkpoint(config: EngineConfig, parallel: TensorParallelDriver | None = None) -> LoadedModel:
+    """`parallel`: load rank 0's shard of the model (the workers load theirs at the same time)."""
     mc = config.model_config
     model_dir = Path(mc.model).expanduser()
     if not model_dir.is_dir():
@@ -61,8 +63,30 @@ def load_checkpoint(config: EngineConfig) -> LoadedModel:
         )
     tokenizer = Tokenizer.from_pretrained(model_dir)
     dtype = resolve_dtype(mc.dtype, arch.torch_dtype)
-    model = load_model(model_dir, arch, dtype, max_model_len, config.quant_config)
+    if parallel is None:
+        model = load_model(model_dir, arch, dtype, max_model_len, config.quant_config)
+    else:
+        model = parallel.load_model(model_dir, arch, dtype, max_model_len)
+    if arch.mla is not None:
+        log_latent_kv(arch, dtype, config.cache_config.kv_cache_dtype)
     return LoadedModel(model_dir, arch, tokenizer, model, dtype, max_model_len)
+
+
+def log_latent_kv(arch: ArchConfig, dtype: torch.dtype, kv_cache_dtype: str) -> str:
+    """Latent attention's KV bytes per token against MHA of the same shape: every head caching a K of
+    qk_nope + qk_rope dims and a V of v_head_dim (what the up-projections would produce)."""
+    assert arch.mla is not None
+    m, n = arch.mla, arch.num_hidden_layers
+    latent = kv_bytes_per_token(n, 1, 1, dtype, kv_cache_dtype, arch.kv_latent)
+    mha = round(n * arch.num_attention_heads * (m.qk_head_dim + m.v_head_dim) * dtype.itemsize)
+    line = (
+        f"latent attention (MLA) KV: {latent} bytes/token ({n} layers x ({m.kv_lora_rank} + "
+        f"{m.qk_rope_head_dim}) values, {kv_cache_dtype}); MHA of the same shape ({arch.num_attention_heads} "
+        f"heads, K {m.qk_head_dim} + V {m.v_head_dim}, {dtype}) would need {mha} bytes/token: "
+        f"{100 * latent / mha:.1f}% of it"
+    )
+    logger.info(line)
+    return line
 
 
 def num_kv_blocks_for(cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> int:
@@ -83,9 +107,9 @@ def num_kv_blocks_for(cache: CacheConfig, max_num_seqs: int, max_model_len: int,
 
 
 def kv_pool_bytes_per_token(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> int:
-    a = loaded.arch
+    a = loaded.model.config  # the KV heads this process holds (with tensor parallelism: its rank's)
     return kv_bytes_per_token(
-        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_cache_dtype
+        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_cache_dtype, a.kv_latent
     )
 
 

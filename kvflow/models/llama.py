@@ -97,7 +97,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         self.dtype = dtype
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(self.make_layer(cfg, dtype, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
         # Tied checkpoints share the embedding matrix; the loader fills lm_head from it either way,
         # so that the head can be packed for the fast GEMM path independently of the lookup table.
@@ -106,6 +106,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         # The native decode forward and the KV store it is bound to (kvflow/models/native_decoder.py).
         self._native_decoder: Any = None
         self._native_kv_store: KVStore | None = None
+
+    def make_layer(self, cfg: ArchConfig, dtype: torch.dtype, index: int) -> nn.Module:
+        """Decoder layer `index`; families with another block (kvflow/models/moe.py) override it."""
+        return DecoderLayer(cfg, dtype)
 
     def bind_native_decoder(self, kv_store: KVStore) -> bool:
         """Run decode-only steps over `kv_store` natively from now on; False if some part cannot."""

@@ -11,10 +11,11 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from kvflow.arch_config import ArchConfig, load_hf_config
 from kvflow.config import QuantConfig
@@ -90,6 +91,24 @@ def _sources(param_name: str, cfg: ArchConfig, available: set[str]) -> list[str]
     return ["model." + param_name]
 
 
+class TensorReader(Protocol):
+    files: dict[str, Path]
+
+    def read(self, name: str) -> torch.Tensor: ...
+
+
+class WeightShard(Protocol):
+    """Tensor parallelism's hooks (kvflow/parallel/model_loader.py): the per-rank shapes the model
+    is built with, a reader of this rank's slices only, and the module swaps made (before any
+    quantization) once the weights are in."""
+
+    arch: ArchConfig
+
+    def reader(self, files: dict[str, Path]) -> TensorReader: ...
+
+    def on_loaded(self, model: nn.Module) -> None: ...
+
+
 class _ShardReader:
     """Opens each safetensors file once and reads tensors by name."""
 
@@ -107,7 +126,7 @@ class _ShardReader:
             raise ModelLoadError(f"{_unreadable(path, exc)} (reading tensor {name!r})") from exc
 
 
-def _load_param(name: str, param: torch.Tensor, sources: list[str], reader: _ShardReader) -> None:
+def _load_param(name: str, param: torch.Tensor, sources: list[str], reader: TensorReader) -> None:
     for src in sources:
         if src not in reader.files:
             raise ModelLoadError(f"checkpoint is missing tensor {src!r} (needed for {name})")
@@ -124,21 +143,29 @@ def _load_param(name: str, param: torch.Tensor, sources: list[str], reader: _Sha
 
 
 def load_model(
-    model_dir: Path, cfg: ArchConfig, dtype: torch.dtype, max_positions: int, quant: QuantConfig | None = None
+    model_dir: Path,
+    cfg: ArchConfig,
+    dtype: torch.dtype,
+    max_positions: int,
+    quant: QuantConfig | None = None,
+    shard: WeightShard | None = None,
 ) -> LlamaFamilyForCausalLM:
+    """`shard`: load one tensor-parallel rank's part (kvflow/parallel/) instead of the whole model."""
     files = resolve_weight_files(model_dir)
     with torch.device("meta"):
-        model = MODEL_REGISTRY[cfg.architecture](cfg, dtype, max_positions)
+        model = MODEL_REGISTRY[cfg.architecture](cfg if shard is None else shard.arch, dtype, max_positions)
     model.to_empty(device="cpu")
     model.rotary_emb = RotaryEmbedding(cfg.rope, max_positions)  # buffers were meta: recompute
-    reader = _ShardReader(files)
+    reader: TensorReader = _ShardReader(files) if shard is None else shard.reader(files)
     used: set[str] = set()
     available = set(files)
     checkpoint_quant = parse_quantization_config(load_hf_config(model_dir))
     packed: dict[str, list[UnpackedInt4 | UnpackedInt8]] = {}  # module path -> its unpacked parts
     with torch.no_grad():
+        # Families with their own checkpoint names (experts, routers) map those themselves.
+        family_sources = getattr(model, "checkpoint_sources", None)
         for name, param in model.named_parameters():
-            sources = _sources(name, cfg, available)
+            sources = (family_sources and family_sources(name)) or _sources(name, cfg, available)
             bases = [s.removesuffix(".weight") for s in sources]
             if checkpoint_quant is not None and all(
                 is_prequantized(b, available, checkpoint_quant) for b in bases
@@ -172,6 +199,8 @@ def load_model(
     if unused:
         logger.warning("ignoring %d checkpoint tensors kvflow does not use, e.g. %s", len(unused), unused[:3])
     model.eval()
+    if shard is not None:
+        shard.on_loaded(model)
     if quant is not None:
         quantize_model(model, quant)
     model.prepare_for_inference()

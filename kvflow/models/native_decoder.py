@@ -47,6 +47,10 @@ def build_native_decoder(model: Any, kv_store: KVStore) -> Any | None:
     """The model's decoder layers over `kv_store` as one native call, or None (with the reason logged)
     when some part has only a torch path. `model` is a LlamaFamilyForCausalLM (not imported: it imports
     this module)."""
+    unsupported = getattr(model, "native_decode_unsupported", None)
+    if unsupported:  # a family whose layers the C++ forward does not have (MoE, latent attention)
+        logger.info("native decode off: %s", unsupported)
+        return None
     classes = native_decoder_classes()
     if classes is None or model.dtype != torch.bfloat16:
         return None

@@ -76,6 +76,7 @@ def _private_store(model: LlamaFamilyForCausalLM, n: int, kv_cache_dtype: str) -
         cfg.head_dim,
         model.dtype,
         kv_cache_dtype,
+        latent=cfg.kv_latent,
     )
 
 

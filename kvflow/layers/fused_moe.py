@@ -1,0 +1,97 @@
+"""A mixture-of-experts MLP: route each token, group the step's tokens by expert, run each expert once.
+
+    x [T, hidden] -> router (float32) -> top-k (weights, ids) per token (kvflow/layers/moe_routing.py)
+    -> the T x k (token, expert) pairs sorted by expert (stable: token order kept within an expert)
+    -> for each expert with tokens, in expert order: its SwiGLU MLP on exactly those rows, scaled by
+       their routing weights and index-added into the output
+    (+ shared experts on every token: DeepSeek's ungated, Qwen2-MoE's gated by sigmoid(x . w)).
+At decode a step touches at most T x k experts, so only their weights are read (an untouched
+expert costs nothing); the experts are ordinary Linears, so int8/int4 quantization, the bf16 GEMV
+for few rows and oneDNN for many apply to them as to dense layers (kvflow/quant/apply.py swaps them).
+Router weights stay float32 and are never quantized: a flipped expert choice is a large error.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvflow.arch_config import MoEConfig
+from kvflow.layers.activation import silu_and_mul
+from kvflow.layers.linear import Linear
+from kvflow.layers.moe_routing import select_experts
+
+
+class ExpertMLP(nn.Module):
+    """One SwiGLU expert: gate and up merged into one projection, then down."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class RouterWeight(nn.Module):
+    """A router's (or shared-expert gate's) weight [out, hidden], float32 and never quantized."""
+
+    def __init__(self, hidden_size: int, num_outputs: int, correction_bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(
+            torch.empty(num_outputs, hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        # DeepSeek-V3's per-expert bias on the choice scores (noaux_tc load balancing).
+        self.e_score_correction_bias: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(num_outputs, dtype=torch.float32), requires_grad=False)
+            if correction_bias
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, out] float32
+        return F.linear(x.float(), self.weight)
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.moe = moe
+        self.gate = RouterWeight(hidden_size, moe.num_experts, moe.has_score_correction_bias)
+        self.experts = nn.ModuleList(
+            ExpertMLP(hidden_size, moe.expert_intermediate_size, dtype) for _ in range(moe.num_experts)
+        )
+        shared = moe.shared_intermediate_size
+        self.shared_expert = ExpertMLP(hidden_size, shared, dtype) if shared else None
+        self.shared_expert_gate = RouterWeight(hidden_size, 1) if moe.shared_expert_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        weights, ids = select_experts(self.gate(x), self.moe, self.gate.e_score_correction_bias)
+        out = self.routed(x, weights, ids)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = (torch.sigmoid(self.shared_expert_gate(x)) * shared.float()).to(x.dtype)
+            out = out + shared
+        return out
+
+    def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Σ_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t: [T, hidden]."""
+        top_k = ids.shape[1]
+        flat_ids = ids.reshape(-1)  # [T * k]: pair p is token p // k's (p % k)-th choice
+        order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order
+        counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
+        token_of_pair = order // top_k
+        weight_of_pair = weights.reshape(-1).index_select(0, order)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert_id, count in enumerate(counts):
+            if count == 0:
+                continue
+            tokens = token_of_pair[start : start + count]
+            expert_out = self.experts[expert_id](x.index_select(0, tokens))  # [count, hidden]
+            scaled = expert_out.float() * weight_of_pair[start : start + count, None]
+            out.index_add_(0, tokens, scaled.to(x.dtype))
+            start += count
+        return out

@@ -1,0 +1,166 @@
+"""DeepSeek V2 and V3: multi-head latent attention (MLA) + DeepSeekMoE, by config switches.
+
+Per layer (MLAConfig / MoEConfig in kvflow/arch_config.py; shapes T tokens, H heads):
+    q       hidden -> [T, H, dn + dr] by q_proj, or by q_a_proj -> RMSNorm -> q_b_proj (q_lora_rank)
+    latent  kv_a_proj_with_mqa: hidden -> [c_kv (C) | k_pe (dr)]; c_kv RMS-normed, k_pe and q's dr
+            part rotated (interleaved pairs in V2 and in V3 with rope_interleave; YaRN's attention
+            factor in cos/sin, its mscale^2 in the softmax scale)
+    attend  over the paged latent pool (kvflow/attention/mla_attention.py: decode absorbs kv_b_proj
+            into the query and output, prefill expands) -> [T, H, dv] -> o_proj
+    mlp     dense for the first first_k_dense_replace layers, then routed experts + shared experts
+V2 routes by softmax (greedy or group_limited_greedy), V3 by sigmoid with a correction bias and
+groups scored by their two best experts (noaux_tc), both scaled by routed_scaling_factor.
+kv_b_proj stays in the model dtype under weight quantization (decode reads it as W_UK / W_UV, so it
+is kept as a plain weight, not a Linear). Decode runs in Python: the native decode forward
+(kvflow/kernels/decode_forward.cpp) has neither latent attention nor experts.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kvflow.arch_config import ArchConfig
+from kvflow.attention.kv_store import KVStore
+from kvflow.attention.latent_kv_layer import LatentKVLayer
+from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.mla_attention import mla_attention
+from kvflow.layers.fused_moe import SparseMoE
+from kvflow.layers.linear import Linear
+from kvflow.layers.norm import RMSNorm
+from kvflow.layers.rotary import apply_rotary
+from kvflow.models.llama import MLP, LlamaFamilyForCausalLM
+from kvflow.models.moe import checkpoint_sources
+
+# DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not the config's rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+NATIVE_DECODE_UNSUPPORTED_MLA = "latent attention and experts run on the Python path (no native MLA kernel)"
+
+
+def apply_rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [T, H, dr] with rotary pairs (x0, x1), (x2, x3), ...; cos/sin_signed [T, 1, dr] from
+    RotaryEmbedding.cos_sin. Returns [rotated evens | rotated odds] (transformers' V3 layout; V2's
+    complex product keeps the pairs interleaved instead, and since q and k get the same
+    permutation, q . k is unchanged)."""
+    half = x.shape[-1] // 2
+    cos_h, sin_h = cos[..., :half], sin_signed[..., half:]  # sin_signed's second half is +sin
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.cat((x1 * cos_h - x2 * sin_h, x2 * cos_h + x1 * sin_h), dim=-1)
+
+
+class DenseWeight(nn.Module):
+    """A weight [out, in] kept in the model dtype (not a Linear: weight quantization leaves it alone)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
+
+
+class MLAAttention(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert cfg.mla is not None
+        mla = self.mla = cfg.mla
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = heads
+        self.q_proj: Linear | None = None
+        self.q_a_proj: Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: Linear | None = None
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(h, heads * mla.qk_head_dim, False, dtype)
+        else:
+            self.q_a_proj = Linear(h, mla.q_lora_rank, False, dtype)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype)
+            self.q_b_proj = Linear(mla.q_lora_rank, heads * mla.qk_head_dim, False, dtype)
+        self.kv_a_proj_with_mqa = Linear(h, mla.latent_dim, False, dtype)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype)
+        self.kv_b_proj = DenseWeight(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), dtype)
+        self.o_proj = Linear(heads * mla.v_head_dim, h, False, dtype)
+        # Decode over the latents with W_UK / W_UV folded into query and output (mla_attention.py);
+        # False re-expands the context's K/V every step (the reference; benchmarks/moe_mla.py).
+        self.absorb = True
+
+    def _rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.mla.rope_interleave:
+            return apply_rotary_interleaved(x, *cos_sin)
+        return apply_rotary(x, *cos_sin)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LatentKVLayer,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        mla, num_tokens = self.mla, hidden.shape[0]
+        if self.q_proj is not None:
+            q = self.q_proj(hidden)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
+        q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
+        qk_pe = self._rotate(torch.cat((q_pe, k_pe.unsqueeze(1)), dim=1), cos_sin)  # [T, H + 1, dr]
+        latent = torch.cat((self.kv_a_layernorm(c_kv), qk_pe[:, -1]), dim=-1)  # [T, C + dr]
+        out = mla_attention(
+            q_nope,
+            qk_pe[:, :-1],
+            latent,
+            kv_cache,
+            meta,
+            self.kv_b_proj.weight,
+            mla.softmax_scale,
+            self.absorb,
+        )  # [T, H, dv]
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, sparse: bool) -> None:
+        super().__init__()
+        assert cfg.moe is not None
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.self_attn = MLAAttention(cfg, dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype) if sparse else MLP(cfg, dtype)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
+        kv_cache: LatentKVLayer,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekV2ForCausalLM(LlamaFamilyForCausalLM):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM."""
+
+    native_decode_unsupported = NATIVE_DECODE_UNSUPPORTED_MLA
+    # kvflow's SparseMoE names its shared MLP shared_expert (Qwen2-MoE's name); DeepSeek's is plural.
+    _RENAMES = ((".shared_expert.", ".shared_experts."),)
+
+    def make_layer(self, cfg: ArchConfig, dtype: torch.dtype, index: int) -> nn.Module:
+        assert cfg.moe is not None
+        return DeepseekDecoderLayer(cfg, dtype, cfg.moe.sparse_layers[index])
+
+    def checkpoint_sources(self, param_name: str) -> list[str] | None:
+        return checkpoint_sources(param_name, self._RENAMES)
+
+    def set_weight_absorption(self, absorb: bool) -> None:
+        """Decode with W_UK / W_UV absorbed (default) or by re-expanding the context (benchmarks)."""
+        for module in self.modules():
+            if isinstance(module, MLAAttention):
+                module.absorb = absorb
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore) -> torch.Tensor:
+        """input_ids [T] -> final hidden states [T, hidden] (normed), over the store's latent layers."""
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(meta.positions, self.dtype)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, cos_sin, kv_store.latent_layer(i), meta)
+        return self.norm(hidden)
