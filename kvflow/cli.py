@@ -164,7 +164,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     server = dataclass_kwargs(args, ServerConfig)  # log_level included: the top-level flag sets it
     server["api_key"] = args.api_key or os.environ.get(API_KEY_ENV) or None
-    return run_server(_model_dir(args), ServerConfig(**server), engine_kwargs(args))
+    config = ServerConfig(**server)
+    # The dashboard's doctor view: the doctor sits above the server, so it is passed in from here.
+    live_doctor = None
+    if config.dashboard:
+        from kvflow.doctor.live import LiveDiagnosis
+
+        live_doctor = LiveDiagnosis()
+    return run_server(_model_dir(args), config, engine_kwargs(args), live_doctor)
 
 
 def _add_serve_parser(sub: Any) -> None:

@@ -289,6 +289,17 @@ class ServerConfig:
             "help": "score this share of finished requests against unquantized weights (Prometheus gauges)"
         },
     )
+    dashboard: bool = field(
+        default=True,
+        metadata={"help": "serve the live dashboard at /dashboard (same API key; docs/dashboard.md)"},
+    )
+    dashboard_window_s: float = field(
+        default=300.0,
+        metadata={
+            "flag": "--dashboard-window-seconds",
+            "help": "the dashboard's histograms, usage history and doctor view cover this many last seconds",
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.max_waiting is not None and self.max_waiting < 0:
@@ -300,3 +311,5 @@ class ServerConfig:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not self.client_timeout_s > 0:
             raise ConfigError(f"client_timeout_s must be > 0, got {self.client_timeout_s}")
+        if not self.dashboard_window_s > 0:
+            raise ConfigError(f"dashboard_window_s must be > 0, got {self.dashboard_window_s}")

@@ -13,7 +13,21 @@ No Prometheus (or torch) import here: the server's metrics layer reads these obj
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between order statistics (numpy's default); q in [0, 100]. The one
+    percentile of the server, `kvflow bench` and `kvflow doctor`."""
+    ordered = sorted(values)
+    if not ordered:
+        raise ValueError("percentile of no values")
+    k = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 @dataclass

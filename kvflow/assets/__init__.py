@@ -23,3 +23,8 @@ def bundled_model_dir(name: str = "target") -> Path:
             f"the bundled {name} model is not in this kvflow build ({path}); pass a checkpoint directory"
         )
     return path
+
+
+def shared_css() -> str:
+    """kvflow.css: the one look of the dashboard and the bench and doctor HTML reports."""
+    return (ASSETS_DIR / "kvflow.css").read_text()

@@ -13,11 +13,11 @@ Summaries: mean, p50, p90, p95, p99 (linear interpolation between order statisti
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvflow.bench.events import RequestRecord
+from kvflow.stats import percentile  # the one percentile (bench and doctor import it from here)
 
 PERCENTILES = (50, 90, 95, 99)
 # SLO keys users may give (`--slo ttft_ms=500,tpot_ms=50`) -> the per-request metric each bounds.
@@ -63,17 +63,6 @@ def request_metrics(record: RequestRecord) -> RequestMetrics:
         itl_ms=itl_token,
         itl_chunk_ms=itl_chunk,
     )
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear interpolation between order statistics (numpy's default); q in [0, 100]."""
-    ordered = sorted(values)
-    if not ordered:
-        raise ValueError("percentile of no values")
-    k = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def summarize(values: Iterable[float | None]) -> dict[str, float | None]:

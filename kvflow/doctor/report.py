@@ -7,6 +7,7 @@ import html
 from dataclasses import asdict
 from typing import Any
 
+from kvflow.assets import shared_css
 from kvflow.doctor.findings import Diagnosis, Finding, rank_causes
 
 SEVERITY_MARK = {"ok": "ok", "info": "info", "warning": "WARNING"}
@@ -141,7 +142,9 @@ def text_report(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def html_report(doc: dict[str, Any]) -> str:
+def html_report(doc: dict[str, Any], note: str = "") -> str:
+    """The report as one HTML page in kvflow's look (kvflow/assets/kvflow.css, shared with the live
+    dashboard and `kvflow bench --html`); `note`: HTML shown under the title."""
     esc = html.escape
     rows = []
     for f in doc["findings"]:
@@ -161,11 +164,12 @@ def html_report(doc: dict[str, Any]) -> str:
         for c in doc["causes"]
     )
     causes_html = f"<h2>Causes, most latency first</h2><ol>{causes}</ol>" if causes else ""
+    note_html = f"<p class='subtitle'>{note}</p>" if note else ""
     return (
-        "<!doctype html><html><head><meta charset='utf-8'><title>kvflow doctor</title><style>"
-        "body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}td,th{border:1px solid #ccc;"
-        "padding:6px;vertical-align:top}.warning{background:#fff1e6}.info{background:#eef5ff}</style></head>"
-        f"<body><h1>kvflow doctor</h1><pre>{summary}</pre>{causes_html}<table><tr><th>step</th>"
+        "<!doctype html><html><head><meta charset='utf-8'><title>kvflow doctor</title>"
+        f"<style>{shared_css()}</style></head>"
+        f"<body><h1><span class='brand'>kvflow</span> doctor</h1>{note_html}<pre>{summary}</pre>{causes_html}"
+        "<table><tr><th>step</th>"
         "<th>question</th><th>severity</th><th>finding</th><th>evidence</th><th>what-ifs</th></tr>"
         + "".join(rows)
         + "</table></body></html>"

@@ -126,7 +126,7 @@ class AsyncLLMEngine:
         self.engine = engine
         self.max_waiting = max_waiting
         self.max_num_seqs = engine.config.scheduler_config.max_num_seqs
-        self._step_observer = step_observer
+        self._step_observers: list[StepObserver] = [step_observer] if step_observer is not None else []
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, OutputStream] = {}  # request id -> its group's stream; engine thread only
         self._admission_lock = threading.Lock()
@@ -151,6 +151,11 @@ class AsyncLLMEngine:
         self._commands.put(_Shutdown())
         self._thread.join(SHUTDOWN_JOIN_TIMEOUT_S)
         self._thread = None
+
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Also call `observer` in the engine thread after every step (the live dashboard). Add
+        observers before `start()`: the list is read by the engine thread without a lock."""
+        self._step_observers.append(observer)
 
     @property
     def is_running(self) -> bool:
@@ -279,11 +284,13 @@ class AsyncLLMEngine:
                 deliveries.append((stream, output))
         self._deliver(deliveries)
         stats = self.engine.last_step_stats
-        if self._step_observer is not None and stats is not None:
+        if stats is None:
+            return
+        for observer in self._step_observers:
             try:
-                self._step_observer(stats, outputs)
+                observer(stats, outputs)
             except Exception:  # metrics must never take the engine down
-                logger.exception("the step observer failed")
+                logger.exception("the step observer %r failed", observer)
 
     def _fail_all(self, exc: BaseException) -> None:
         streams, self._streams = {id(s): s for s in self._streams.values()}, {}

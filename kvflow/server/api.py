@@ -44,6 +44,8 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app.include_router(openai_router(ctx))
     app.include_router(tokenizer_router(ctx))
     app.include_router(probe_router(ctx))
+    if ctx.dashboard is not None:
+        ctx.dashboard.install(app, ctx.drain)
     install_openapi(app, protected=ctx.api_key is not None)
     return app
 
@@ -53,11 +55,15 @@ def _engine_lifespan(ctx: ServingContext) -> Callable[[FastAPI], AbstractAsyncCo
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if ctx.dashboard is not None:
+            ctx.dashboard.start()
         ctx.engine.start()
         try:
             yield
         finally:
             ctx.engine.shutdown()
+            if ctx.dashboard is not None:
+                ctx.dashboard.stop()
 
     return lifespan
 

@@ -28,6 +28,8 @@ from kvflow.outputs import RequestOutput
 from kvflow.quality.online_probe import QualityProbe
 from kvflow.server.api import build_app
 from kvflow.server.connections import header_deadline_protocol
+from kvflow.server.dashboard.doctor_window import LiveDoctor
+from kvflow.server.dashboard.setup import attach_dashboard
 from kvflow.server.limits import RequestLimits
 from kvflow.server.metrics import EngineMetrics
 from kvflow.server.serving import ServingContext
@@ -37,8 +39,11 @@ from kvflow.stats import StepStats
 logger = logging.getLogger(__name__)
 
 
-def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> ServingContext:
-    """Load the model and wire engine, metrics and serving context (the engine thread is not started)."""
+def build_context(
+    model: str, config: ServerConfig, engine_kwargs: dict[str, Any], live_doctor: LiveDoctor | None = None
+) -> ServingContext:
+    """Load the model and wire engine, metrics and serving context (the engine thread is not started).
+    `live_doctor`: the dashboard's doctor view (the doctor sits above the server; the CLI passes it)."""
     engine = LLMEngine.from_kwargs(model=model, **engine_kwargs)
     name = config.served_model_name or model
     metrics = EngineMetrics(name, engine.max_model_len, engine_info(engine))
@@ -53,6 +58,11 @@ def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any
 
         observer = observe
     async_engine = AsyncLLMEngine(engine, config.max_waiting, observer)
+    dashboard = None
+    if config.dashboard:
+        dashboard = attach_dashboard(
+            async_engine, metrics, name, model, config.dashboard_window_s, live_doctor
+        )
     return ServingContext(
         engine=async_engine,
         served_model_name=name,
@@ -62,6 +72,7 @@ def build_context(model: str, config: ServerConfig, engine_kwargs: dict[str, Any
         metrics=metrics,
         api_key=config.api_key,
         limits=RequestLimits.from_config(config),
+        dashboard=dashboard,
     )
 
 
@@ -116,12 +127,16 @@ def make_server(ctx: ServingContext, config: ServerConfig, port: int | None = No
     return DrainingServer(uv_config, ctx.drain, ctx.engine, config.shutdown_grace_s)
 
 
-def run_server(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
-    ctx = build_context(model, config, engine_kwargs)
+def run_server(
+    model: str, config: ServerConfig, engine_kwargs: dict[str, Any], live_doctor: LiveDoctor | None = None
+) -> int:
+    ctx = build_context(model, config, engine_kwargs, live_doctor)
     server = make_server(ctx, config)
     base = f"http://{config.host}:{config.port}"
     print(f"[kvflow serve] {ctx.served_model_name} at {base}/v1 (metrics: {base}/metrics)", file=sys.stderr)
     print(f"[kvflow serve] {ctx.engine.engine.kv_pool_summary}", file=sys.stderr)
+    if ctx.dashboard is not None:
+        print(f"[kvflow serve] live dashboard: {base}/dashboard", file=sys.stderr)
     # uvicorn handles SIGINT/SIGTERM while it runs (graceful drain), then re-raises the signal into the
     # handlers it found: these no-ops make the drained shutdown an ordinary exit with status 0.
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -3,9 +3,12 @@ API-key check of every route but the public probes."""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import uuid
 from http import HTTPStatus
+from http.cookies import CookieError, SimpleCookie
+from urllib.parse import parse_qs
 
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,6 +49,11 @@ class RequestIdMiddleware:
 # Reached without the API key: liveness and metrics (load balancers and scrapers send none), and the
 # API's own description.
 PUBLIC_PATHS = frozenset({"/health", "/version", "/metrics", "/openapi.json", "/docs", "/redoc"})
+# Under /dashboard the key may also come as a query parameter or a cookie: a browser's EventSource
+# cannot send an Authorization header (server/dashboard/routes.py sets the cookie).
+DASHBOARD_PREFIX = "/dashboard"
+DASHBOARD_KEY_PARAM = "api_key"
+DASHBOARD_COOKIE = "kvflow_dashboard_key"
 
 
 class ApiKeyMiddleware:
@@ -64,6 +72,9 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization")
+        if given is None and _is_dashboard(scope["path"]):
+            dashboard_key = _dashboard_key(scope)
+            given = None if dashboard_key is None else f"Bearer {dashboard_key}"
         if given is None:
             await _unauthorized("missing API key", 'Bearer realm="kvflow"')(scope, receive, send)
             return
@@ -74,6 +85,22 @@ class ApiKeyMiddleware:
             await _unauthorized("invalid API key", 'Bearer error="invalid_token"')(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+def _is_dashboard(path: str) -> bool:
+    return path == DASHBOARD_PREFIX or path.startswith(DASHBOARD_PREFIX + "/")
+
+
+def _dashboard_key(scope: Scope) -> str | None:
+    """The key of a dashboard request: its `api_key` query parameter, else its cookie."""
+    query = parse_qs(bytes(scope.get("query_string", b"")).decode("latin-1"))
+    if query.get(DASHBOARD_KEY_PARAM):
+        return query[DASHBOARD_KEY_PARAM][0]
+    cookies = SimpleCookie()
+    with contextlib.suppress(CookieError):
+        cookies.load(_header(scope, b"cookie") or "")
+    morsel = cookies.get(DASHBOARD_COOKIE)
+    return None if morsel is None else morsel.value
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -23,6 +23,7 @@ from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.errors import PromptTooLongError
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
+from kvflow.server.dashboard.setup import Dashboard
 from kvflow.server.errors import APIError
 from kvflow.server.limits import RequestLimits
 from kvflow.server.metrics import EngineMetrics
@@ -47,6 +48,7 @@ class ServingContext:
     api_key: str | None = None
     limits: RequestLimits = field(default_factory=RequestLimits)
     drain: DrainState = field(default_factory=DrainState)  # shared by the drain middleware and server
+    dashboard: Dashboard | None = None  # /dashboard (server/dashboard/); None with --no-dashboard
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
