@@ -150,6 +150,7 @@ class QuantConfig:
 
 
 SpeculativeMethod = Literal["none", "ngram", "draft"]
+ToolCallParserName = Literal["auto", "hermes", "llama3_json"]
 
 
 @dataclass(frozen=True)
@@ -188,12 +189,39 @@ class SpeculativeConfig:
         return self.speculative_method != "none"
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (kvflow/parallel/): one model sharded over N processes, vLLM's way."""
+
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "ranks the model is sharded over (Megatron-style: heads, MLP columns and vocab split); "
+            "N > 1 starts N - 1 worker processes beside this one, or joins torchrun's (WORLD_SIZE, RANK)"
+        },
+    )
+    cpu_threads_per_rank: int | None = field(
+        default=None,
+        metadata={
+            "help": "CPU cores each rank pins and runs torch threads on; unset: this machine's cores split "
+            "evenly between its ranks"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:
+            raise ConfigError(f"cpu_threads_per_rank must be >= 1, got {self.cpu_threads_per_rank}")
+
+
 _SECTIONS: tuple[tuple[str, type], ...] = (
     ("model_config", ModelConfig),
     ("cache_config", CacheConfig),
     ("scheduler_config", SchedulerConfig),
     ("quant_config", QuantConfig),
     ("speculative_config", SpeculativeConfig),
+    ("parallel_config", ParallelConfig),
 )
 
 
@@ -204,6 +232,7 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     quant_config: QuantConfig = field(default_factory=QuantConfig)
     speculative_config: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -287,6 +316,14 @@ class ServerConfig:
         default=0.0,
         metadata={
             "help": "score this share of finished requests against unquantized weights (Prometheus gauges)"
+        },
+    )
+    tool_call_parser: ToolCallParserName = field(
+        default="auto",
+        metadata={
+            "help": "how tool calls are read from the model's text with tool_choice=auto (vLLM's flag): "
+            "hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3), llama3_json (Llama-3.1's JSON); "
+            "auto: detected from the chat template"
         },
     )
     dashboard: bool = field(

@@ -30,11 +30,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("quality",),  # quant-eval and the online quality probe: run whole models
     ("llm",),  # offline facade over the engine
     ("engine",),  # LLMEngine, scheduler, output processing, async wrapper
-    ("spec_decode",),  # proposers the engine consults
+    ("spec_decode", "parallel"),  # proposers the engine consults; tensor-parallel ranks and their driver
     ("worker",),  # input batch, model runner
     ("models",),  # architectures and loading
     ("quant",),  # quantized linears and checkpoint formats, swapped in at load
-    ("attention", "layers", "kv_cache", "sample"),  # paged attention + KV formats; layers; blocks; sampling
+    # paged attention + KV formats; layers; blocks; sampling; structured output (grammars, masks)
+    ("attention", "layers", "kv_cache", "sample", "structured"),
     ("kernels",),  # native CPU kernels with torch fallbacks
     (  # plain types and torch-free utilities, imported by all
         "errors",

@@ -105,7 +105,9 @@ class LLMEngine:
                 config.model_config.batch_invariant,
             )
             if self.parallel is None
-            else self.parallel.model_runner(loaded.model, kv_store, self.tokenizer.eos_token_ids, config.model_config.seed)
+            else self.parallel.model_runner(
+                loaded.model, kv_store, self.tokenizer.eos_token_ids, config.model_config.seed
+            )
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = build_proposer(
