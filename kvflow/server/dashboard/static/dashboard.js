@@ -14,7 +14,7 @@
     length: "#555555", abort: "#cc0000", ink: "#222222", grid: "#e4e4e4",
   };
   // Used blocks take their request's colour: dark tones, none of them a state colour above.
-  const REQUEST_COLORS = ["#0072b2", "#1b3a6b", "#3d7a5c", "#6b4c9a", "#8a5a00", "#2f4f4f", "#5b6770", "#7a2e4f"];
+  const REQUEST_COLORS = ["#0072b2", "#1b3a6b", "#3d7a5c", "#6b4c9a", "#34495e", "#2f4f4f", "#5b6770", "#7a2e4f"];
   const STEP_SPAN_S = 30; // the server keeps each step of the last 30 s (window.py)
   const LABEL_W = 92; // px left of the time axis (request ids), shared by the Gantt and the steps
   const HIST_BINS = 40;
@@ -353,7 +353,8 @@
     $(captionId).textContent = sorted.length
       ? `p50 ${fmt(p50)} ms · p99 ${fmt(p99)} ms · n=${sorted.length} (last ${Math.round(S.config.window_s / 60)} min)`
       : "(none yet)";
-    const top = sorted.length ? Math.max(percentile(sorted, 99.5) * 1.1, 1e-3) : 1;
+    // The range ends past p99 (rarer outliers pile into the last bin) so that the body stays readable.
+    const top = sorted.length ? Math.max(p99 * 1.5, p50 * 3, 1e-3) : 1;
     const width = top / HIST_BINS;
     const xs = Array.from({ length: HIST_BINS }, (_, i) => (i + 0.5) * width);
     const counts = new Array(HIST_BINS).fill(0);
