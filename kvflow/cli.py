@@ -74,9 +74,21 @@ def _model_dir(args: argparse.Namespace) -> str:
     return str(bundled_model_dir("target"))
 
 
+def _run_as_tensor_parallel_worker(model: str, kwargs: dict[str, Any]) -> int | None:
+    """Under torchrun, every rank but 0 runs as a tensor-parallel worker (README, "Tensor parallel");
+    None: this process is the engine."""
+    if kwargs.get("tensor_parallel_size", 1) == 1 or os.environ.get("RANK", "0") == "0":
+        return None
+    from kvflow.parallel.executor import run_torchrun_worker
+
+    return run_torchrun_worker(EngineConfig.from_kwargs(model=model, **kwargs))
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
     from kvflow.engine.engine import LLMEngine
 
+    if (status := _run_as_tensor_parallel_worker(_model_dir(args), engine_kwargs(args))) is not None:
+        return status
     engine = LLMEngine.from_kwargs(model=_model_dir(args), **engine_kwargs(args))
     prompt: str | list[int] = args.prompt
     if args.chat:  # the rendered template carries its special tokens (BOS for Llama-3): add none
@@ -164,6 +176,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     server = dataclass_kwargs(args, ServerConfig)  # log_level included: the top-level flag sets it
     server["api_key"] = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if (status := _run_as_tensor_parallel_worker(_model_dir(args), engine_kwargs(args))) is not None:
+        return status
     config = ServerConfig(**server)
     # The dashboard's doctor view: the doctor sits above the server, so it is passed in from here.
     live_doctor = None

@@ -135,6 +135,7 @@ class AsyncLLMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._dead: str | None = None
+        self._fatal: str | None = None  # set when the engine thread died of an error (not a shutdown)
 
     # ------------------------------------------------------------------ lifecycle (event loop side)
 
@@ -156,6 +157,12 @@ class AsyncLLMEngine:
         """Also call `observer` in the engine thread after every step (the live dashboard). Add
         observers before `start()`: the list is read by the engine thread without a lock."""
         self._step_observers.append(observer)
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why the engine can serve no more (a tensor-parallel rank died, the engine thread crashed),
+        even while it idles; None while it can. The server exits non-zero on it."""
+        return self._fatal or self.engine.fatal_error
 
     @property
     def is_running(self) -> bool:
@@ -222,7 +229,7 @@ class AsyncLLMEngine:
                     self._step()
         except BaseException as exc:  # never silently: every waiting client gets the reason
             logger.exception("the engine thread stopped")
-            self._dead = f"the engine stopped: {type(exc).__name__}: {exc}"
+            self._dead = self._fatal = f"the engine stopped: {type(exc).__name__}: {exc}"
         self._dead = self._dead or "the engine was shut down"
         self._fail_all(EngineDeadError(self._dead))
 

@@ -74,11 +74,12 @@ class LLMEngine:
             kv_pool_bytes_per_token(loaded),
         )
         if self.parallel is not None:
+            heads, all_heads = loaded.model.config.num_key_value_heads, loaded.arch.num_key_value_heads
             self.kv_pool_summary += (
-                f"; per rank of {self.parallel.world_size} (tensor parallel): "
-                f"{loaded.model.config.num_key_value_heads} of {loaded.arch.num_key_value_heads} KV heads per layer"
+                f"; per rank of {self.parallel.world_size} (tensor parallel): {heads} of {all_heads} KV "
+                f"heads per layer, {heads / all_heads:.3g}x the bytes per token of one process"
             )
-            logger.info("KV cache pool is per rank: %s", self.kv_pool_summary)
+            logger.info("tensor parallel: every rank holds this pool for its KV heads only")
         self.kv_bytes_per_token = bytes_per_token
         self.num_kv_blocks = num_blocks  # usable blocks (the null block comes on top)
         self.dtype = loaded.dtype
@@ -344,6 +345,11 @@ class LLMEngine:
             num_preemptions=len(scheduler_output.preempted_request_ids),
             spec=spec if spec.num_drafts else None,
         )
+
+    @property
+    def fatal_error(self) -> str | None:
+        """Why no step can run any more (a tensor-parallel rank is gone), else None."""
+        return None if self.parallel is None else self.parallel.dead_reason
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or bool(self._pending_outputs)

@@ -72,6 +72,7 @@ def build_context(
         metrics=metrics,
         api_key=config.api_key,
         limits=RequestLimits.from_config(config),
+        tool_call_parser=config.tool_call_parser,
         dashboard=dashboard,
     )
 
@@ -143,7 +144,7 @@ def run_server(
         signal.signal(sig, _after_graceful_shutdown)
     server.run()
     print("[kvflow serve] stopped", file=sys.stderr)
-    return 0
+    return server.exit_code  # 1 when the engine failed (shutdown.py)
 
 
 def _after_graceful_shutdown(signum: int, frame: FrameType | None) -> None:

@@ -82,6 +82,8 @@ class DrainingServer(uvicorn.Server):
         self._grace_ends = 0.0
         self._cut_at: float | None = None
         self._num_cut = 0
+        self._failed_at: float | None = None  # when the engine was seen to have failed
+        self.exit_code = 0  # the process's exit status once the server has stopped
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.started or self.should_exit or self._cut_at is not None:
@@ -97,6 +99,8 @@ class DrainingServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
             return True
+        if self._engine_failed():
+            return True
         if self._signal is None or not self._drain_done():
             return False
         if self._num_cut:
@@ -107,6 +111,23 @@ class DrainingServer(uvicorn.Server):
                 self.grace_s,
             )
         super().handle_exit(self._signal, None)
+        return True
+
+    def _engine_failed(self) -> bool:
+        """The engine can serve no more (a tensor-parallel rank died): once the requests in flight
+        have received their error (or CUT_FLUSH_S passed), exit with status 1 (`exit_code`)."""
+        fatal = self.engine.fatal_error
+        if fatal is None:
+            return False
+        now = time.monotonic()
+        if self._failed_at is None:
+            self._failed_at = now
+            self.drain.draining = True  # new requests: 503
+            logger.error("the engine stopped (%s): the server exits", fatal)
+        if self.drain.num_in_flight and now - self._failed_at < CUT_FLUSH_S:
+            return False
+        self.exit_code = 1
+        self.should_exit = True
         return True
 
     def _drain_done(self) -> bool:
