@@ -14,7 +14,7 @@ from typing import Any
 
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import ITL, Cause, Finding
-from kvflow.doctor.what_ifs import budget_what_ifs, kv_blocks_what_if
+from kvflow.doctor.what_ifs import budget_what_ifs, kv_blocks_what_if, moe_batch_what_if
 
 ITL_TAIL_RATIO = 3.0  # a gap this many times the median is a stall, not noise
 # The stalls matter when they add this share to a request's decode time (E2E - TTFT).
@@ -137,6 +137,9 @@ def _decode_evidence(d: Diagnosis) -> dict[str, Any]:
         "step_ms_decode_only": run.step_time_ms("decode_only"),
         "step_ms_mixed": run.step_time_ms("mixed"),
     }
+    if d.model.moe_layer is not None:  # a MoE step reads the experts its batch touches, not all
+        evidence["moe_experts_read_per_layer"] = d.model.experts_read_per_layer(batch)
+        evidence["moe_num_experts"] = d.model.moe_layer.num_experts
     measured = _decode_ms(d)
     if measured:
         seconds = measured / 1e3
@@ -163,6 +166,8 @@ def _measured_bound(bandwidth: float, compute: float, uncertainty: float) -> str
 def _decode_finding(d: Diagnosis, evidence: dict[str, Any], tail: float | None) -> Finding:
     roof_ms, batch = evidence["decode_ms_per_step_roofline"], evidence["decode_batch"]
     measured = evidence["decode_ms_per_step_measured"]
+    moe = moe_batch_what_if(d.model, d.roofline.weight_dtype, batch)
+    what_ifs = [moe] if moe is not None else []
     if measured is None:
         note = ""
         if not d.measured and d.decode_batch > batch:
@@ -173,6 +178,7 @@ def _decode_finding(d: Diagnosis, evidence: dict[str, Any], tail: float | None) 
             f"({evidence['decode_roofline_bound']}-bound)",
             "calculator mode: no measurement",
             evidence,
+            what_ifs,
         )
     bound = evidence["decode_measured_bound"]
     stall = evidence.get("stall_ms_per_request") or 0.0
@@ -195,4 +201,5 @@ def _decode_finding(d: Diagnosis, evidence: dict[str, Any], tail: float | None) 
         f"{evidence['compute_utilization']:.0%} of peak FLOP/s); ITL p99/p50 {tail or 0:.1f}{unattributed}",
         why,
         evidence,
+        what_ifs,
     )

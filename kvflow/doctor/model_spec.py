@@ -8,9 +8,14 @@ Counting (formulas in docs/doctor.md):
                      (+ q/k norms for Qwen3)
     final norm       hidden
     LM head          vocab x hidden, unless tied to the embedding (then stored once)
-    KV per token     2 (K, V) x layers x kv_heads x head_dim x bytes per element
+    KV per token     2 (K, V) x layers x kv_heads x head_dim x bytes per element; latent attention
+                     (DeepSeek MLA): layers x (kv_lora_rank + qk_rope_head_dim) x bytes per element
+Mixture-of-experts layers and latent attention are counted in kvflow/doctor/moe_spec.py: a MoE
+model has total parameters (all experts, stored) and active ones (what a token multiplies).
 Matmul FLOPs per token = 2 x (parameters that multiply activations) = 2 x (all but the embedding
-table, which is a gather; with tied embeddings the LM head still multiplies, so it counts).
+table, which is a gather; with tied embeddings the LM head still multiplies, so it counts; of a
+MoE layer only the router, shared and top_k routed experts). A decode step of B tokens reads the
+experts they touch: E x (1 - (1 - k/E)^B) per MoE layer on average.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvflow.arch_config import ArchConfig, load_hf_config, parse_arch_config
+from kvflow.doctor.moe_spec import MoEParams, expected_experts_touched, mla_attention_params, moe_params
 
 # Bytes per element of each storage format; int4 adds one 16-bit scale (and for asymmetric
 # quantization one zero point) per group: at group size 128, 0.5 + 4/128 bytes per weight.
@@ -53,6 +59,10 @@ class ModelSpec:
     lm_head_params: int  # 0 when tied (the embedding's storage is reused)
     norm_params: int  # the final norm
     dtype: str  # the checkpoint's weight dtype
+    # Mixture-of-experts: one MoE layer's parameters by role, and how many layers are MoE
+    # (layer_params counts every expert; the rest of a MoE layer is in layer_params too).
+    moe_layer: MoEParams | None = None
+    num_moe_layers: int = 0
 
     @classmethod
     def from_config(cls, config: dict[str, object], name: str = "model") -> ModelSpec:
@@ -63,18 +73,25 @@ class ModelSpec:
             attn += q * d + 2 * kv * d
         if arch.o_bias:
             attn += h
+        if arch.mla is not None:
+            attn = mla_attention_params(arch)
         mlp = 3 * h * arch.intermediate_size + (2 * arch.intermediate_size + h if arch.mlp_bias else 0)
         norms = 2 * h + (2 * d if arch.qk_norm else 0)
         embedding = arch.vocab_size * h
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+        moe = moe_params(arch) if arch.moe is not None else None
+        num_moe = sum(arch.moe.sparse_layers) if arch.moe is not None else 0
+        mlps = (arch.num_hidden_layers - num_moe) * mlp + (num_moe * moe.total if moe is not None else 0)
         return cls(
             name=name,
             arch=arch,
             embedding_params=embedding,
-            layer_params=arch.num_hidden_layers * (attn + mlp + norms),
+            layer_params=arch.num_hidden_layers * (attn + norms) + mlps,
             lm_head_params=0 if arch.tie_word_embeddings else embedding,
             norm_params=h,
             dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+            moe_layer=moe,
+            num_moe_layers=num_moe,
         )
 
     @classmethod
@@ -87,9 +104,35 @@ class ModelSpec:
         return self.embedding_params + self.layer_params + self.lm_head_params + self.norm_params
 
     @property
+    def active_layer_params(self) -> int:
+        """Layer parameters one token multiplies: of each MoE layer's routed experts only top_k."""
+        if self.moe_layer is None:
+            return self.layer_params
+        return self.layer_params - self.num_moe_layers * (self.moe_layer.total - self.moe_layer.active)
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters a token uses (the published "active" count: embedding and LM head included)."""
+        return self.num_params - (self.layer_params - self.active_layer_params)
+
+    @property
     def matmul_params(self) -> int:
         """Parameters multiplied per token: layers + LM head (tied or not); the embedding is a gather."""
-        return self.layer_params + self.embedding_params  # the LM head has the embedding's shape
+        return self.active_layer_params + self.embedding_params  # the LM head has the embedding's shape
+
+    def experts_read_per_layer(self, num_tokens: int) -> float:
+        """Expected distinct routed experts a step of `num_tokens` tokens reads per MoE layer."""
+        if self.moe_layer is None:
+            return 0.0
+        return expected_experts_touched(self.moe_layer.num_experts, self.moe_layer.top_k, num_tokens)
+
+    def step_layer_params(self, num_tokens: int) -> float:
+        """Layer parameters read by a step of `num_tokens` tokens: dense parts once, plus the experts
+        its tokens touch (all of a dense model's layers)."""
+        if self.moe_layer is None:
+            return float(self.layer_params)
+        untouched = self.moe_layer.num_experts - self.experts_read_per_layer(num_tokens)
+        return self.layer_params - self.num_moe_layers * untouched * self.moe_layer.per_expert
 
     def weight_bytes(self, dtype: str | None = None, quantize_embeddings: bool = False) -> float:
         """Bytes of all weights; quantization applies to the linear layers (embedding and LM head stay
@@ -100,15 +143,19 @@ class ModelSpec:
         embed_bytes = embed_like * (per_param if quantize_embeddings else base)
         return self.layer_params * per_param + embed_bytes + self.norm_params * base
 
-    def decode_weight_bytes(self, dtype: str | None = None) -> float:
-        """Weight bytes read per decode step: every layer and the LM head; of the embedding table
-        only the rows gathered (negligible), so a tied model reads its table once, as the LM head."""
+    def decode_weight_bytes(self, dtype: str | None = None, batch_size: int = 1) -> float:
+        """Weight bytes read per decode step of `batch_size` sequences: every layer (of MoE layers the
+        experts the batch touches, step_layer_params) and the LM head; of the embedding table only
+        the rows gathered (negligible), so a tied model reads its table once, as the LM head."""
         base = weight_bytes_per_param(self.dtype)
         per_param = weight_bytes_per_param(dtype or self.dtype)
-        return self.layer_params * per_param + self.embedding_params * base + self.norm_params * base
+        layers = self.step_layer_params(batch_size)
+        return layers * per_param + self.embedding_params * base + self.norm_params * base
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None) -> float:
         a = self.arch
+        if a.mla is not None:  # one latent per token and layer, no per-head K/V
+            return a.num_hidden_layers * a.mla.latent_dim * weight_bytes_per_param(kv_dtype or self.dtype)
         return (
             2
             * a.num_hidden_layers
@@ -127,4 +174,7 @@ class ModelSpec:
         (2 FLOPs per multiply-add, two matmuls); the window caps the keys each query sees."""
         a = self.arch
         keys = self.kv_tokens_held(context_len)
+        if a.mla is not None:  # QK^T over qk_head_dim, PV over v_head_dim (K/V expanded per head)
+            dims = a.mla.qk_head_dim + a.mla.v_head_dim
+            return 2.0 * a.num_hidden_layers * num_tokens * keys * a.num_attention_heads * dims
         return 4.0 * a.num_hidden_layers * num_tokens * keys * a.num_attention_heads * a.head_dim

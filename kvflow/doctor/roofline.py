@@ -54,10 +54,13 @@ class Roofline:
         m = self.model
         c = context_len if context_len is not None else num_tokens
         flops = (
-            2.0 * m.layer_params * num_tokens + 2.0 * m.embedding_params + m.attention_flops(num_tokens, c)
+            2.0 * m.active_layer_params * num_tokens
+            + 2.0 * m.embedding_params
+            + m.attention_flops(num_tokens, c)
         )
         kv = m.kv_bytes_per_token(self.kv_dtype)
-        nbytes = m.decode_weight_bytes(self.weight_dtype) + (num_tokens + m.kv_tokens_held(c)) * kv
+        weights = m.decode_weight_bytes(self.weight_dtype, num_tokens)  # MoE: the experts touched
+        nbytes = weights + (num_tokens + m.kv_tokens_held(c)) * kv
         return self._time(flops, nbytes)
 
     def prefill_ms_per_token(self, num_tokens: int = 512) -> float:
@@ -67,13 +70,13 @@ class Roofline:
         return self._time(self.decode_flops(batch, context_len), self.decode_bytes(batch, context_len))
 
     def decode_flops(self, batch: int, context_len: int) -> float:
-        m = self.model
-        return 2.0 * (m.layer_params + m.embedding_params) * batch + m.attention_flops(batch, context_len)
+        m = self.model  # a MoE model's tokens multiply only their top_k experts (active parameters)
+        return 2.0 * m.matmul_params * batch + m.attention_flops(batch, context_len)
 
     def decode_bytes(self, batch: int, context_len: int) -> float:
-        m = self.model
+        m = self.model  # a MoE step reads the experts its `batch` tokens touch
         kv_bytes = batch * m.kv_tokens_held(context_len) * m.kv_bytes_per_token(self.kv_dtype)
-        return m.decode_weight_bytes(self.weight_dtype) + kv_bytes
+        return m.decode_weight_bytes(self.weight_dtype, batch) + kv_bytes
 
     def _time(self, flops: float, nbytes: float) -> PhaseTime:
         compute = flops / self.flops_per_s

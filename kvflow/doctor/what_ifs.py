@@ -9,6 +9,7 @@ from typing import Any
 
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import WhatIf
+from kvflow.doctor.model_spec import ModelSpec
 
 SIMULATED = "simulated: the run's requests replayed under the change, step costs fitted to its step times"
 # Enough KV blocks for the p95 request of every client, with this much slack.
@@ -203,3 +204,35 @@ def kv_blocks_what_if(d: Diagnosis) -> WhatIf | None:
         f"{d.run.ttft_p50_ms or 0:,.1f} -> {sim['ttft_p50_ms']:,.1f} ms"
     )
     return WhatIf(change, effect, sim, setting, method=SIMULATED)
+
+
+# The batch the mixture-of-experts what-if compares against (the issue's "batch 8 reads N of E").
+MOE_WHAT_IF_BATCH = 8
+
+
+def moe_batch_what_if(model: ModelSpec, weight_dtype: str, batch: int) -> WhatIf | None:
+    """For a MoE model: the experts and weight bytes a decode step reads at batch 8 against `batch`
+    (or against 1 when the batch is 8): B tokens touch E x (1 - (1 - k/E)^B) experts per layer
+    (kvflow/doctor/moe_spec.py), so the bytes per token fall with the batch far less than for a
+    dense model."""
+    moe = model.moe_layer
+    if moe is None:
+        return None
+    other = batch if batch != MOE_WHAT_IF_BATCH else 1
+    read = model.experts_read_per_layer(MOE_WHAT_IF_BATCH)
+    bytes_8 = model.decode_weight_bytes(weight_dtype, MOE_WHAT_IF_BATCH)
+    bytes_other = model.decode_weight_bytes(weight_dtype, other)
+    return WhatIf(
+        change=f"decode batch {MOE_WHAT_IF_BATCH} instead of {other}",
+        effect=(
+            f"batch {MOE_WHAT_IF_BATCH} reads {read:.1f} of {moe.num_experts} experts per layer "
+            f"(batch {other}: {model.experts_read_per_layer(other):.1f}): {bytes_8 / 1e9:,.2f} GB of weights "
+            f"per step instead of {bytes_other / 1e9:,.2f} GB, {bytes_8 / bytes_other:.2f}x the bytes for "
+            f"{MOE_WHAT_IF_BATCH / other:.2f}x the tokens"
+        ),
+        predicted={
+            "moe_experts_read_per_layer": read,
+            "decode_weight_bytes": bytes_8,
+        },
+        method="expected distinct experts of top-k routing, uniform over experts",
+    )
