@@ -189,6 +189,9 @@ class SpeculativeConfig:
         return self.speculative_method != "none"
 
 
+AllReduceBackend = Literal["auto", "shm", "gloo"]
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """Tensor parallelism (kvflow/parallel/): one model sharded over N processes, vLLM's way."""
@@ -208,7 +211,16 @@ class ParallelConfig:
         },
     )
 
+    all_reduce_backend: AllReduceBackend = field(
+        default="auto",
+        metadata={
+            "help": "tensor parallel collectives: shm (shared memory, ranks on one machine), gloo "
+            "(torch.distributed over TCP, any machines), auto: shm when every rank is on this machine"
+        },
+    )
+
     def __post_init__(self) -> None:
+        _check_choice("all_reduce_backend", self.all_reduce_backend, AllReduceBackend)
         if self.tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.cpu_threads_per_rank is not None and self.cpu_threads_per_rank < 1:

@@ -17,6 +17,8 @@ from kvflow.stats import RequestTimeline
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    # Its grammar compiles off the engine thread; the engine hands it to the scheduler once ready.
+    WAITING_FOR_GRAMMAR = "waiting_for_grammar"
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, its KV freed; it will be recomputed
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
@@ -65,6 +67,8 @@ class Request:
         # The draft model's distributions q [k, V] behind sampled drafts (a torch tensor; None for
         # greedy or deterministic drafts): the verifier's rejection rule needs them.
         self.spec_draft_probs: Any = None
+        # Structured output: the request's grammar matcher (kvflow/structured/), None if unconstrained.
+        self.structured_state: Any = None
 
     @property
     def num_tokens(self) -> int:

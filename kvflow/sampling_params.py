@@ -6,6 +6,9 @@ Semantics follow vLLM's `SamplingParams`, so that server and client code port un
 - `repetition_penalty` (multiplicative, CTRL paper) applies to tokens seen in prompt or output;
   `presence_penalty` / `frequency_penalty` (additive, OpenAI) apply to tokens seen in the output only.
 - `seed` makes the request's samples a function of (seed, logits) only, whatever else shares the batch.
+- `structured_outputs` constrains the output to a JSON schema, regex, choice or grammar (vLLM's
+  `StructuredOutputsParams`; compiled and enforced by kvflow/structured/); `logit_bias` adds a bias
+  in [-100, 100] to the given token ids' logits (OpenAI's range).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.errors import InvalidRequestError
 
@@ -28,9 +32,47 @@ MAX_LOGPROBS = 1024
 # anything wider raises inside the batched step, where it would fail every request sharing it.
 MIN_SEED = -(2**63)
 MAX_SEED = 2**64 - 1
+# OpenAI's documented logit_bias range.
+MAX_ABS_LOGIT_BIAS = 100.0
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
 )  # fmt: skip
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Exactly one constraint (vLLM's names). `json` is a JSON schema (dict or its text), `regex` a
+    regular expression the whole output matches, `choice` the allowed outputs, `grammar` a Lark
+    grammar (or GBNF), `json_object` any JSON object. Checked for shape here; whether the schema,
+    regex or grammar compiles is checked by kvflow/structured/ (InvalidRequestError naming it)."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in _CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured_outputs needs exactly one of json, regex, choice, grammar, json_object; "
+                f"got {given or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or any(not isinstance(c, str) or not c for c in self.choice)
+        ):
+            raise InvalidRequestError(
+                "structured_outputs.choice must be a non-empty list of non-empty strings"
+            )
+
+    @property
+    def kind(self) -> str:
+        """Which constraint this is: one of json, regex, choice, grammar, json_object."""
+        return next(name for name in _CONSTRAINTS if getattr(self, name) not in (None, False))
+
+
+_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
 @dataclass
@@ -52,6 +94,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -99,6 +143,11 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        for token, bias in (self.logit_bias or {}).items():
+            if not isinstance(token, int) or token < 0:
+                raise bad(f"logit_bias keys must be non-negative token ids, got {token!r}")
+            if not isinstance(bias, (int, float)) or not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                raise bad(f"logit_bias values must be in [-100, 100], got {bias!r} for token {token}")
 
     @property
     def is_greedy(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,12 +40,28 @@ class ScheduledRequest:
 
 
 @dataclass(frozen=True)
+class GrammarBitmask:
+    """Structured output's allowed tokens for one step (kvflow/structured/manager.py fills it while the
+    forward pass runs). `future` resolves to a numpy int32 array [N, ceil(V_tok / 32)]: row
+    `rows[request_id]` holds that request's mask, bit b of word w set = token 32 * w + b allowed
+    (vLLM v1's layout); tokens at or past 32 * width (model vocab padding) are never allowed."""
+
+    rows: dict[str, int]
+    future: Future[Any]
+
+    def array(self) -> Any:
+        return self.future.result()
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     num_batched_tokens: int
     preempted_request_ids: list[str] = field(default_factory=list)
     # Requests that finished or were aborted since the previous step: the runner drops their state.
     finished_request_ids: list[str] = field(default_factory=list)
+    # Constrained rows' allowed tokens (structured output), attached by the engine; None: no such row.
+    grammar_bitmask: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -47,6 +47,9 @@ class RequestTimeline:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    # Structured output: seconds between arrival and its grammar being ready (compiled off the engine
+    # thread, or a cache hit); part of queue_time. None for unconstrained requests.
+    grammar_compile_time: float | None = None
 
     def record_scheduled(
         self, now: float, num_tokens: int, num_computed_tokens: int, is_prefill: bool

@@ -182,8 +182,14 @@ class Scheduler:
 
     def _schedule_waiting(self, budget: int, now: float, scheduled: list[ScheduledRequest]) -> None:
         manager = self.kv_cache_manager
+        # Requests whose grammar still compiles (structured output) are stepped over, not waited for;
+        # they keep their place in the queue.
+        skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
             request = self.waiting[0]
+            if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
+                skipped.append(self.waiting.popleft())
+                continue
             # Waiting requests hold no blocks (num_computed_tokens == 0): look up the prefix cache.
             computed_blocks, num_hit_tokens = manager.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
@@ -202,6 +208,7 @@ class Scheduler:
             self.running.append(request)
             scheduled.append(self._make_scheduled(request, num_new, now))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
 
     def _make_scheduled(
         self, request: Request, num_new: int, now: float, num_spec: int = 0
@@ -358,7 +365,8 @@ class Scheduler:
                 raise IntegrityError(f"{request}: blocks do not cover its computed tokens")
         for request in self.waiting:
             if (
-                request.status not in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+                request.status
+                not in (RequestStatus.WAITING, RequestStatus.PREEMPTED, RequestStatus.WAITING_FOR_GRAMMAR)
                 or request.num_computed_tokens
             ):
                 raise IntegrityError(f"{request} is in the waiting queue")

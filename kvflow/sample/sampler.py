@@ -2,7 +2,8 @@
 
 Per row, in this order:
   0. raw logprobs (reported):  log_softmax(logits.float())  before anything below (vLLM `raw_logprobs`)
-  1. float32 working copy; banned_token_ids -> -inf   (min_tokens: EOS / stop ids)
+  1. float32 working copy; banned_token_ids -> -inf   (min_tokens: EOS / stop ids);
+     logit_bias added (OpenAI's);  structured output's token bitmask: disallowed -> -inf
   2. penalties (penalties.py): repetition, then frequency, then presence
   3. greedy rows (temperature < 1e-5):  token = argmax(l)              (first index on ties)
   4. random rows:
@@ -32,6 +33,7 @@ import torch
 
 from kvflow.outputs import Logprob, TokenLogprobs
 from kvflow.sample.penalties import apply_penalties
+from kvflow.sample.token_bitmask import apply_token_bitmask
 from kvflow.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -49,6 +51,8 @@ class SamplingBatch:
     output_token_ids: list[list[int]]
     generators: list[torch.Generator | None]  # per row; None -> the sampler's default generator
     banned_token_ids: list[list[int]]  # per row, masked to -inf this step (min_tokens: EOS / stop ids)
+    # Structured output: per row, its allowed tokens as a [W] int32 bitmask (token_bitmask.py), or None.
+    token_bitmasks: list[torch.Tensor | None] | None = None
 
     @property
     def num_rows(self) -> int:
@@ -140,14 +144,39 @@ def _penalised_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     """
     has_bans = any(batch.banned_token_ids)
     has_penalties = any(p.has_penalties for p in batch.params)
-    if not has_bans and not has_penalties:
+    has_bias = any(p.logit_bias for p in batch.params)
+    masked_rows = [i for i, m in enumerate(batch.token_bitmasks or []) if m is not None]
+    if not has_bans and not has_penalties and not has_bias and not masked_rows:
         return logits.float()
     work = logits.to(dtype=torch.float32, copy=True)  # [B, V], ours to write
     if has_bans:
         mask_banned_tokens(work, batch.banned_token_ids)
+    if has_bias:
+        apply_logit_bias(work, batch.params)
+    if masked_rows:
+        assert batch.token_bitmasks is not None
+        bitmask = torch.stack([batch.token_bitmasks[i] for i in masked_rows])  # type: ignore[misc]
+        rows = torch.tensor(masked_rows, dtype=torch.long, device=work.device)
+        apply_token_bitmask(work, rows, bitmask.to(work.device))
     if has_penalties:
         apply_penalties(work, batch.params, batch.prompt_token_ids, batch.output_token_ids)
     return work
+
+
+def apply_logit_bias(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """In place: logits[b, v] += logit_bias[v] (ids outside [0, V) ignored, as OpenAI ignores them)."""
+    vocab_size = logits.shape[1]
+    triples = [
+        (row, tok, bias)
+        for row, p in enumerate(params)
+        for tok, bias in (p.logit_bias or {}).items()
+        if 0 <= tok < vocab_size
+    ]
+    if not triples:
+        return
+    rows, toks, biases = zip(*triples, strict=True)
+    index = torch.tensor([rows, toks], dtype=torch.long, device=logits.device)  # [2, N]
+    logits.index_put_((index[0], index[1]), torch.tensor(biases, dtype=logits.dtype), accumulate=True)
 
 
 def mask_banned_tokens(logits: torch.Tensor, banned_token_ids: Sequence[Sequence[int]]) -> None:

@@ -83,6 +83,7 @@ class EngineMetrics:
     decode_time: Histogram
     prompt_tokens_hist: Histogram
     generation_tokens_hist: Histogram
+    grammar_compile_time: Histogram  # structured-output requests only, at their first token
     # Per engine step.
     iteration_tokens: Histogram
     step_time: Histogram  # also labelled by step_kind
@@ -132,6 +133,11 @@ class EngineMetrics:
             "inter_token_latency_seconds", "gap between consecutive output tokens", ITL_BUCKETS
         )
         self.e2e = f.histogram("e2e_request_latency_seconds", "last token - arrival", lat)
+        self.grammar_compile_time = f.histogram(
+            "grammar_compile_time_seconds",
+            "structured output: arrival - grammar ready (compile off the engine thread, or cache hit)",
+            lat,
+        )
         self.queue_time = f.histogram("request_queue_time_seconds", "first scheduled - arrival", lat)
         self.prefill_time = f.histogram("request_prefill_time_seconds", "first token - first scheduled", lat)
         self.decode_time = f.histogram("request_decode_time_seconds", "last token - first token", lat)
@@ -231,6 +237,8 @@ class EngineMetrics:
             self.prompt_tokens.labels(m).inc(num_prompt)
             self.prefix_queries.labels(m).inc(num_prompt)
             self.prefix_hits.labels(m).inc(t.num_cached_prompt_tokens)
+            if t.grammar_compile_time is not None:
+                self.grammar_compile_time.labels(m).observe(t.grammar_compile_time)
         for i in range(max(first_new, 1), len(times)):
             self.itl.labels(m).observe(times[i] - times[i - 1])
 
@@ -271,4 +279,5 @@ def timing_fields(
         "cached_prompt_tokens": t.num_cached_prompt_tokens,
         "output_tokens": num_output_tokens,
         "preemptions": t.num_preemptions,
+        "grammar_compile_ms": ms(t.grammar_compile_time),
     }

@@ -1,8 +1,10 @@
 """OpenAI request/response schemas (pydantic), with vLLM's widely used extensions.
 
 Requests are validated here: a wrong type or an out-of-range value becomes HTTP 400 naming the field.
-Fields OpenAI defines that kvflow cannot honour (`logit_bias`, `suffix`, tools, `best_of` > n) are
-accepted by the schema and refused by the serving layer with a message, never silently ignored.
+Fields OpenAI defines that kvflow cannot honour (`suffix`, `best_of` > n) are accepted by the schema
+and refused by the serving layer with a message, never silently ignored. Structured output comes in
+OpenAI's `response_format`, vLLM's `structured_outputs` and vLLM's older `guided_*` fields (one of
+them per request; server/structured_request.py turns them into SamplingParams.structured_outputs).
 Unknown fields are ignored, as OpenAI and vLLM do.
 
 Types are strict, so that the published schema is the server: `"n": "2"`, `"echo": 0` or
@@ -65,6 +67,30 @@ class KVFlowOptions(_Request):
     timing: bool = False  # attach the request's latency breakdown to the final response / chunk
 
 
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema: OpenAI's {name, description, schema, strict}."""
+
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # `schema` would shadow pydantic's
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` request field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by completions and chat completions."""
 
@@ -88,6 +114,12 @@ class _SamplingFields(_Request):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older spellings of structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     user: str | None = None
     kvflow: KVFlowOptions | None = None
 
@@ -116,13 +148,37 @@ class ChatMessage(_Request):
     content: Text | list[ContentPart] | None = None
 
 
+class FunctionDefinition(_Request):
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: Int | None = Field(None, ge=1)
     max_completion_tokens: Int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[dict[str, Any]] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -190,9 +246,35 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(BaseModel):
+    """A streamed tool call's piece: id, type and name once (first piece), then argument fragments."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -216,6 +298,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(BaseModel):

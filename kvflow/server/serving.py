@@ -22,7 +22,7 @@ from fastapi import Request as HTTPRequest
 from kvflow.engine.async_engine import AsyncLLMEngine
 from kvflow.errors import PromptTooLongError
 from kvflow.request import Request
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 from kvflow.server.dashboard.setup import Dashboard
 from kvflow.server.errors import APIError
 from kvflow.server.limits import RequestLimits
@@ -49,6 +49,7 @@ class ServingContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     drain: DrainState = field(default_factory=DrainState)  # shared by the drain middleware and server
     dashboard: Dashboard | None = None  # /dashboard (server/dashboard/); None with --no-dashboard
+    tool_call_parser: str = "auto"  # --tool-call-parser: hermes | llama3_json | auto (from the template)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -70,8 +71,6 @@ class PromptInput:
 
 def unsupported_fields(body: _SamplingFields) -> None:
     """Refuse what kvflow cannot honour instead of silently ignoring it."""
-    if body.logit_bias:
-        raise APIError(HTTPStatus.BAD_REQUEST, "logit_bias is not supported", param="logit_bias")
     if body.best_of is not None and body.best_of != body.n:
         raise APIError(HTTPStatus.BAD_REQUEST, "best_of other than n is not supported", param="best_of")
     if body.stream_options is not None and not body.stream:
@@ -94,10 +93,16 @@ def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_
 
 
 def sampling_params(
-    body: _SamplingFields, max_tokens: int, logprobs: int | None, seed: int | None
+    body: _SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    seed: int | None,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> SamplingParams:
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     return SamplingParams(
+        structured_outputs=structured_outputs,
+        logit_bias=logit_bias(body.logit_bias),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k,
@@ -117,6 +122,26 @@ def sampling_params(
     )
 
 
+def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings): "50256" -> 50256; values in [-100, 100]."""
+    if not bias:
+        return None
+    result: dict[int, float] = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise APIError(
+                HTTPStatus.BAD_REQUEST, f"logit_bias keys must be token ids, got {key!r}", param="logit_bias"
+            )
+        if not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS:
+            raise APIError(
+                HTTPStatus.BAD_REQUEST,
+                f"logit_bias values must be in [-100, 100], got {value} for token {key}",
+                param="logit_bias",
+            )
+        result[int(key)] = value
+    return result
+
+
 def build_requests(
     ctx: ServingContext,
     prefix: str,
@@ -125,6 +150,7 @@ def build_requests(
     requested_max_tokens: int | None,
     logprobs: int | None,
     arrival_time: float,
+    structured_outputs: StructuredOutputsParams | None = None,
 ) -> list[Request]:
     """One engine request per (prompt, choice): choice index = prompt index * n + j, as OpenAI orders
     them. With a seed, choice j samples with seed + j (identical choices would be pointless)."""
@@ -135,7 +161,7 @@ def build_requests(
         max_tokens = resolve_max_tokens(requested_max_tokens, len(prompt.token_ids), ctx.max_model_len)
         for j in range(body.n):
             seed = None if body.seed is None else body.seed + j
-            params = sampling_params(body, max_tokens, logprobs, seed)
+            params = sampling_params(body, max_tokens, logprobs, seed, structured_outputs)
             request = ctx.engine.engine.make_request(
                 f"{prefix}-{group}-{p_index * body.n + j}", prompt.token_ids, params, arrival_time
             )

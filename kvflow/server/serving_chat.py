@@ -34,6 +34,14 @@ from kvflow.server.serving import (
     unsupported_fields,
 )
 from kvflow.server.serving_response import ResponseBuilder, serve_choices
+from kvflow.server.serving_tools import (
+    ToolCallStreamer,
+    ToolPlan,
+    final_message,
+    plan_tools,
+    tool_call_arguments_as_objects,
+)
+from kvflow.server.structured_request import structured_outputs_from
 
 # Prefix of the response id and of the engine request ids.
 ID_PREFIX = "chatcmpl"
@@ -44,13 +52,14 @@ def render_chat_prompt(
     messages: list[dict[str, Any]],
     add_generation_prompt: bool = True,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptInput:
     """Template -> text -> token ids. `messages` come from `template_messages`; `template_kwargs`
     passed `check_template_kwargs`. The rendered text already holds the special tokens the template
     writes (BOS for Llama-3), so it is encoded without adding them again (as vLLM does). CPU work
     proportional to the conversation: call it through `off_loop`."""
     text = ctx.tokenizer.apply_chat_template(
-        messages, add_generation_prompt=add_generation_prompt, **(template_kwargs or {})
+        messages, add_generation_prompt=add_generation_prompt, tools=tools, **(template_kwargs or {})
     )
     return PromptInput(text, ctx.tokenizer.encode(text, add_special_tokens=False))
 
@@ -80,8 +89,6 @@ def chat_logprobs(
 def _check(body: ChatCompletionRequest) -> None:
     unsupported_fields(body)
     check_template_kwargs(body.chat_template_kwargs)
-    if body.tools:
-        raise APIError(HTTPStatus.BAD_REQUEST, "tools (function calling) are not supported", param="tools")
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs=true", param="top_logprobs")
 
@@ -93,11 +100,15 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
     chunk_type = ChatCompletionChunk
     response_type = ChatCompletionResponse
 
-    def __init__(self, ctx: ServingContext, n: int, top_n: int, response_id: str) -> None:
+    def __init__(
+        self, ctx: ServingContext, n: int, top_n: int, response_id: str, tools: ToolPlan | None = None
+    ) -> None:
         super().__init__(response_id, ctx.served_model_name)
         self.ctx = ctx
         self.n = n
         self.top_n = top_n  # top_logprobs per token (0: the sampled token's only)
+        self.tools = tools if tools is not None and tools.mode != "none" else None
+        self._tool_streams: dict[int, ToolCallStreamer] = {}  # per choice index
 
     def stream_head(self) -> list[BaseModel]:
         # OpenAI streams start with the role and empty content, sent before the prompt is even scheduled.
@@ -113,11 +124,20 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
         if output.delta_logprobs is not None:
             logprobs = chat_logprobs(self.ctx, output.delta_token_ids, output.delta_logprobs, self.top_n)
         out = output.outputs[0]
+        delta = DeltaMessage(content=output.delta_text)
+        finish_reason = out.finish_reason
+        if self.tools is not None:
+            streamer = self._tool_streams.setdefault(index, ToolCallStreamer(self.tools))
+            content, calls = streamer.feed(output.delta_text, output.finished)
+            delta = DeltaMessage(content=content, tool_calls=calls or None)
+            finish_reason = streamer.finish_reason(finish_reason)
+            if content is None and not calls and not output.finished and logprobs is None:
+                return None
         return ChatStreamChoice(
             index=index,
-            delta=DeltaMessage(content=output.delta_text),
+            delta=delta,
             logprobs=logprobs,
-            finish_reason=out.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=out.stop_reason,
         )
 
@@ -126,11 +146,14 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
         logprobs = None
         if out.logprobs is not None:
             logprobs = chat_logprobs(self.ctx, out.token_ids, out.logprobs, self.top_n)
+        message, finish_reason = ChatResponseMessage(content=out.text), out.finish_reason
+        if self.tools is not None:
+            message, finish_reason = final_message(self.tools, out.text, finish_reason)
         return ChatChoice(
             index=index,
-            message=ChatResponseMessage(content=out.text),
+            message=message,
             logprobs=logprobs,
-            finish_reason=out.finish_reason,
+            finish_reason=finish_reason,
             stop_reason=out.stop_reason,
         )
 
@@ -142,15 +165,20 @@ async def create_chat_completion(
     ctx.check_model(body.model)
     _check(body)
     ctx.limits.check_choices(1, body.n)
-    messages = template_messages(body.messages)
+    messages = tool_call_arguments_as_objects(template_messages(body.messages))
     top_n = body.top_logprobs or 0
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = top_n if body.logprobs else None
 
-    def prepare() -> tuple[PromptInput, list[Request]]:
-        prompt = render_chat_prompt(ctx, messages, body.add_generation_prompt, body.chat_template_kwargs)
-        return prompt, build_requests(ctx, ID_PREFIX, [prompt], body, requested, logprobs, arrival)
+    def prepare() -> tuple[PromptInput, list[Request], ToolPlan]:
+        tools = plan_tools(body, ctx.tool_call_parser, ctx.tokenizer.chat_template)
+        constraint = tools.constraint() or structured_outputs_from(body)
+        prompt = render_chat_prompt(
+            ctx, messages, body.add_generation_prompt, body.chat_template_kwargs, tools.template_tools
+        )
+        requests = build_requests(ctx, ID_PREFIX, [prompt], body, requested, logprobs, arrival, constraint)
+        return prompt, requests, tools
 
-    prompt, requests = await off_loop(prepare)
-    builder = ChatResponseBuilder(ctx, body.n, top_n, f"{ID_PREFIX}-{raw.state.request_id}")
+    prompt, requests, tools = await off_loop(prepare)
+    builder = ChatResponseBuilder(ctx, body.n, top_n, f"{ID_PREFIX}-{raw.state.request_id}", tools)
     return await serve_choices(ctx, raw, body, [prompt], requests, builder)

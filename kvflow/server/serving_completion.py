@@ -25,6 +25,7 @@ from kvflow.server.serving import (
     unsupported_fields,
 )
 from kvflow.server.serving_response import ResponseBuilder, serve_choices
+from kvflow.server.structured_request import structured_outputs_from
 
 # Prefix of the response id and of the engine request ids.
 ID_PREFIX = "cmpl"
@@ -152,8 +153,11 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: H
     ctx.limits.check_choices(len(items), body.n)  # before tokenizing what would be refused anyway
 
     def prepare() -> tuple[list[PromptInput], list[Request]]:
+        constraint = structured_outputs_from(body)
         prompts = _tokenize(ctx, items)
-        return prompts, build_requests(ctx, ID_PREFIX, prompts, body, body.max_tokens, body.logprobs, arrival)
+        return prompts, build_requests(
+            ctx, ID_PREFIX, prompts, body, body.max_tokens, body.logprobs, arrival, constraint
+        )
 
     prompts, requests = await off_loop(prepare)
     builder = CompletionResponseBuilder(ctx, body, prompts, f"{ID_PREFIX}-{raw.state.request_id}")

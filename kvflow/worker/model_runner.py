@@ -22,7 +22,7 @@ from kvflow.models.native_decoder import build_native_decoder
 from kvflow.outputs import ModelRunnerOutput, TokenLogprobs
 from kvflow.sample.rejection_sampler import sample_one
 from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
-from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvflow.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from kvflow.worker.input_batch import build_input_batch
 
 
@@ -60,6 +60,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.sampler = Sampler(torch.Generator().manual_seed(seed))
         self._generators: dict[str, torch.Generator] = {}
+        # This step's structured-output masks (SchedulerOutput.grammar_bitmask), as a tensor when read.
+        self._grammar_bitmask: GrammarBitmask | None = None
+        self._grammar_bitmask_tensor: torch.Tensor | None = None
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -70,9 +73,11 @@ class ModelRunner:
         return self._generators[req.request_id]
 
     def _banned_token_ids(self, req: ScheduledRequest) -> list[int]:
-        """min_tokens: EOS (unless ignored) and stop token ids may not end the output early."""
+        """min_tokens: EOS (unless ignored) and stop token ids may not end the output early. Not for
+        structured output: its grammar alone decides where the output may end (a ban could leave a
+        finished grammar, which allows only EOS, with no token at all)."""
         params = req.sampling_params
-        if len(req.output_token_ids) >= params.min_tokens:
+        if len(req.output_token_ids) >= params.min_tokens or params.structured_outputs is not None:
             return []
         eos = [] if params.ignore_eos else sorted(self.eos_token_ids)
         return eos + list(params.stop_token_ids)
@@ -84,7 +89,18 @@ class ModelRunner:
             output_token_ids=[r.output_token_ids for r in requests],
             generators=[self._generator(r) for r in requests],
             banned_token_ids=[self._banned_token_ids(r) for r in requests],
+            token_bitmasks=self._token_bitmasks(requests),
         )
+
+    def _token_bitmasks(self, requests: list[ScheduledRequest]) -> list[torch.Tensor | None] | None:
+        """Each constrained row's [W] int32 allowed-token mask; waits for the mask thread on first use."""
+        grammar = self._grammar_bitmask
+        if grammar is None or not any(r.request_id in grammar.rows for r in requests):
+            return None
+        if self._grammar_bitmask_tensor is None:
+            self._grammar_bitmask_tensor = torch.from_numpy(grammar.array())  # [N, W]
+        table = self._grammar_bitmask_tensor
+        return [table[grammar.rows[r.request_id]] if r.request_id in grammar.rows else None for r in requests]
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -92,6 +108,7 @@ class ModelRunner:
             self._generators.pop(request_id, None)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
+        self._grammar_bitmask, self._grammar_bitmask_tensor = scheduler_output.grammar_bitmask, None
         batch = build_input_batch(
             scheduler_output, self.block_size, self.sliding_window, all_query_rows=self.batch_invariant
         )

@@ -1,0 +1,38 @@
+"""llguidance bound to one tokenizer: compiled grammars and the per-request matcher.
+
+A compiled grammar is an `LLMatcher` in its initial state; each request gets a `deep_copy` of it
+(microseconds), so the cache holds one template per distinct grammar. llguidance builds its lexer
+lazily, so "compile" is cheap (~0.5 ms for a small schema, ~2 ms for 50 properties on the Qwen2
+vocabulary; benchmarks/NOTES.md) and the first mask of a request pays for part of the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import llguidance
+
+from kvflow.errors import InvalidRequestError
+from kvflow.structured.grammar_spec import GrammarSpec
+
+# Each bitmask word holds 32 tokens (vLLM v1's and llguidance's layout: bit b of word w = token 32w+b).
+BITS_PER_WORD = 32
+
+
+class GrammarBackend:
+    """The tokenizer-dependent half: building it reads the whole vocabulary (~0.7 s for 151k tokens),
+    so the manager builds it once, in its compile thread, on the first constrained request."""
+
+    def __init__(self, tokenizer_json: str, eos_token_ids: Iterable[int]) -> None:
+        eos = sorted(eos_token_ids)
+        self.tokenizer = llguidance.LLTokenizer(tokenizer_json, eos_token=eos or None)
+        self.vocab_size: int = self.tokenizer.vocab_size
+        self.bitmask_width = (self.vocab_size + BITS_PER_WORD - 1) // BITS_PER_WORD
+
+    def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
+        """The grammar's matcher in its initial state (copy it per request). Raises InvalidRequestError
+        for what validation without a tokenizer could not see (llguidance's resource limits)."""
+        matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidRequestError(f"{spec.field}: {matcher.get_error()}")
+        return matcher

@@ -1,0 +1,190 @@
+"""StructuredOutputManager: compile off the engine thread, cache by grammar, fill masks, advance.
+
+Lifecycle of a constrained request (all calls from the engine thread unless noted):
+  prepare(params)        any thread: build + validate the grammar (InvalidRequestError -> HTTP 400)
+  submit(request)        status WAITING_FOR_GRAMMAR; its compile is queued in the compile thread,
+                         or found in the cache (one compile per distinct grammar, even concurrent)
+  poll(request)          at the start of each step: once compiled, the request gets its own matcher
+                         (a copy of the cached one), `timeline.grammar_compile_time`, and is WAITING
+                         again: the scheduler skips it until then, and schedules everyone else
+  fill_bitmask(...)      after schedule(): the constrained rows' allowed tokens, filled in the mask
+                         thread while the model runs the forward pass; the runner waits for it only
+                         right before sampling
+  accept(request, ids)   after the step: the matcher advances on the request's new output tokens
+
+The matcher only ever sees output tokens, and a request keeps its outputs through preemption
+(recompute re-prefills prompt + outputs, then samples the next token), chunked prefill (no sampling
+until the last chunk) and prefix hits (KV reuse only): its state needs no rollback in any of them.
+Speculative decoding never drafts for constrained requests (spec_decode/proposer.py): every step
+samples one token per constrained row, so one mask per row suffices.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from typing import Any
+
+import llguidance
+import llguidance.numpy as llg_numpy
+import numpy as np
+
+from kvflow.request import Request, RequestStatus
+from kvflow.sampling_params import SamplingParams
+from kvflow.scheduler_output import GrammarBitmask, SchedulerOutput
+from kvflow.structured.backend import GrammarBackend
+from kvflow.structured.grammar_spec import GrammarSpec, grammar_spec
+from kvflow.tokenizer import Tokenizer
+
+# Distinct compiled grammars kept (least recently used dropped first). A template is a few hundred KB
+# at most for large schemas; 256 covers a server's recurring schemas and tool sets.
+MAX_CACHED_GRAMMARS = 256
+
+
+class RequestGrammar:
+    """One request's structured-output state (held in `request.structured_state`)."""
+
+    def __init__(self, spec: GrammarSpec) -> None:
+        self.spec = spec
+        self.compiled: Future[llguidance.LLMatcher] | None = None
+        self.matcher: llguidance.LLMatcher | None = None
+        self.submit_time: float | None = None
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar allows nothing more (not even optional text): the output is complete."""
+        return self.matcher is not None and self.matcher.is_stopped()
+
+
+class StructuredOutputManager:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        # One compile thread: compiles are milliseconds, and the engine thread must keep a core.
+        self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-grammar")
+        self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-bitmask")
+        self._backend: Future[GrammarBackend] | None = None
+        self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
+        self._pending: dict[str, Request] = {}  # WAITING_FOR_GRAMMAR, by request id
+
+    # ------------------------------------------------------------------------------- admission
+
+    @staticmethod
+    def prepare(params: SamplingParams) -> RequestGrammar | None:
+        """Any thread. None for an unconstrained request; raises InvalidRequestError for a bad one."""
+        if params.structured_outputs is None:
+            return None
+        return RequestGrammar(grammar_spec(params.structured_outputs))
+
+    def submit(self, request: Request) -> None:
+        """Queue the request's compile (or find it cached); the request waits in WAITING_FOR_GRAMMAR."""
+        state: RequestGrammar = request.structured_state
+        state.submit_time = time.monotonic()
+        state.compiled = self._compiled(state.spec)
+        request.status = RequestStatus.WAITING_FOR_GRAMMAR
+        self._pending[request.request_id] = request
+
+    def _compiled(self, spec: GrammarSpec) -> Future[llguidance.LLMatcher]:
+        future = self._cache.get(spec.grammar)
+        if future is not None and not (future.done() and future.exception() is not None):
+            self._cache.move_to_end(spec.grammar)
+            return future
+        backend = self._backend_future()
+        future = self._compile_pool.submit(lambda: backend.result().compile(spec))
+        self._cache[spec.grammar] = future
+        while len(self._cache) > MAX_CACHED_GRAMMARS:
+            self._cache.popitem(last=False)
+        return future
+
+    def _backend_future(self) -> Future[GrammarBackend]:
+        if self._backend is None:
+            tok = self._tokenizer
+            self._backend = self._compile_pool.submit(
+                lambda: GrammarBackend(tok.backend.to_str(), tok.eos_token_ids)
+            )
+        return self._backend
+
+    # ------------------------------------------------------------------------------- readiness
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._pending)
+
+    def poll(self) -> list[tuple[Request, str]]:
+        """Move compiled requests back to WAITING. Returns (request, error) for failed compiles: the
+        engine finishes those (aborted, with the error); the others go on untouched."""
+        failed: list[tuple[Request, str]] = []
+        for rid, request in list(self._pending.items()):
+            state: RequestGrammar = request.structured_state
+            assert state.compiled is not None
+            if not state.compiled.done():
+                continue
+            del self._pending[rid]
+            if request.status is not RequestStatus.WAITING_FOR_GRAMMAR:
+                continue  # finished (aborted) while it waited
+            try:
+                state.matcher = state.compiled.result().deep_copy()
+            except Exception as exc:  # InvalidRequestError from compile, or llguidance itself
+                failed.append((request, f"grammar compilation failed: {exc}"))
+                continue
+            assert state.submit_time is not None
+            request.timeline.grammar_compile_time = time.monotonic() - state.submit_time
+            request.status = RequestStatus.WAITING
+        return failed
+
+    def wait_for_compile(self, timeout: float) -> None:
+        """Block until some pending compile finishes (or `timeout` s): for an engine with nothing else
+        to run, instead of spinning through empty steps."""
+        futures = [r.structured_state.compiled for r in self._pending.values()]
+        if futures:
+            wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+    def drop(self, request_id: str) -> None:
+        self._pending.pop(request_id, None)
+
+    # ---------------------------------------------------------------------------------- per step
+
+    def fill_bitmask(
+        self, scheduler_output: SchedulerOutput, requests: dict[str, Request]
+    ) -> GrammarBitmask | None:
+        """The allowed tokens of every constrained row that samples this step, filled in the mask
+        thread. None when no such row. The matchers must not be touched until the result is waited for."""
+        rows: dict[str, int] = {}
+        matchers: list[llguidance.LLMatcher] = []
+        for scheduled in scheduler_output.scheduled:
+            request = requests.get(scheduled.request_id)
+            if not scheduled.do_sample or request is None or request.structured_state is None:
+                continue
+            matcher = request.structured_state.matcher
+            assert matcher is not None, "a constrained request was scheduled before its grammar was ready"
+            rows[scheduled.request_id] = len(matchers)
+            matchers.append(matcher)
+        if not matchers:
+            return None
+        assert self._backend is not None and self._backend.done()
+        width = self._backend.result().bitmask_width
+        future = self._fill_pool.submit(_fill, matchers, width)
+        return GrammarBitmask(rows=rows, future=future)
+
+    @staticmethod
+    def accept(request: Request, token_ids: list[int]) -> str | None:
+        """Advance the request's matcher; returns an error when a token breaks the grammar (possible
+        only if something outside the mask chose it, e.g. a stop token id), else None."""
+        matcher = request.structured_state.matcher
+        if matcher is None:
+            return None
+        if not matcher.consume_tokens(token_ids):
+            return f"token(s) {token_ids} violate the grammar: {matcher.get_error()}"
+        return None
+
+    def shutdown(self) -> None:
+        self._compile_pool.shutdown(wait=False, cancel_futures=True)
+        self._fill_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _fill(matchers: list[llguidance.LLMatcher], width: int) -> Any:
+    """[N, width] int32: row i = matcher i's allowed tokens (bit set = allowed)."""
+    bitmask = np.empty((len(matchers), width), dtype=np.int32)
+    for row, matcher in enumerate(matchers):
+        llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+    return bitmask
