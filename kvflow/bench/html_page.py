@@ -12,6 +12,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from kvflow.assets import shared_css
 from kvflow.bench.svg import esc, fmt
 
 LATENCY_COLUMNS = ("mean", "p50", "p90", "p95", "p99", "max")
@@ -25,34 +26,15 @@ LATENCY_ROWS = (
     ("e2e_ms", "E2E", "last content chunk - send"),
 )
 
-# One meaning each, on the charts of both reports.
-TTFT_COLOR = "#e8871e"
-DECODE_COLOR = "#3b6fb6"
-FAIL_COLOR = "#d62728"
-P50_COLOR = "#2a9d4b"
-P99_COLOR = "#9b3fb5"
+# One meaning each, on the charts of both reports and on the live dashboard (kvflow.css's palette).
+TTFT_COLOR = "#e69f00"  # --kv-prefill
+DECODE_COLOR = "#0072b2"  # --kv-decode
+FAIL_COLOR = "#d62728"  # --kv-fail
+P50_COLOR = "#009e73"  # --kv-p50
+P99_COLOR = "#cc79a7"  # --kv-p99
 
-_CSS = """
-body { font: 14px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #222; margin: 24px auto;
-       max-width: 1000px; padding: 0 16px; }
-h1 { font-size: 22px; margin-bottom: 2px; }
-h2 { font-size: 17px; margin-top: 28px; border-bottom: 1px solid #ddd; padding-bottom: 3px; }
-.subtitle { color: #555; margin-top: 0; }
-table { border-collapse: collapse; margin: 8px 0; }
-th, td { border: 1px solid #ddd; padding: 3px 8px; text-align: left; vertical-align: top; }
-th { background: #f4f4f4; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
-td { white-space: pre-wrap; word-break: break-word; }
-figure { margin: 14px 0; }
-figcaption { color: #555; font-size: 13px; max-width: 760px; }
-svg.chart { display: block; max-width: 100%; height: auto; font: 12px system-ui, sans-serif; }
-svg.chart .title { font-size: 14px; font-weight: 600; }
-svg.chart .note { font-size: 11px; fill: #666; }
-.warnings { background: #fff6e0; border: 1px solid #f0d68a; padding: 8px 12px 8px 28px; }
-.empty { color: #777; font-style: italic; }
-details { margin: 6px 0; }
-summary { cursor: pointer; }
-"""
+# kvflow's one look (kvflow/assets/kvflow.css), shared with the live dashboard and the doctor's page.
+_CSS = shared_css()
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
+from fixtures.dashboard_load import MAX_TOKENS, send_load
 from fixtures.live_server import LiveServer
 
 from kvflow.server.dashboard.hub import DashboardHub, Subscriber
@@ -24,7 +25,6 @@ from kvflow.server.dashboard.schema import (
 )
 
 NUM_REQUESTS = 6
-MAX_TOKENS = 24
 REQUEST_KEYS = {
     "id", "state", "reason", "arrival", "first_scheduled", "first_token", "last_token", "finished",
     "chunks", "preemptions", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms",
@@ -40,28 +40,6 @@ def sse_frames(lines: Iterator[str]) -> Iterator[dict[str, Any]]:
     for line in lines:
         if line.startswith("data: "):
             yield json.loads(line.removeprefix("data: "))
-
-
-def send_load(server: LiveServer, num: int = NUM_REQUESTS, prefix: str = "") -> list[dict[str, Any]]:
-    """`num` concurrent completions; their response bodies."""
-
-    async def run() -> list[dict[str, Any]]:
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as client:
-
-            async def one(i: int) -> dict[str, Any]:
-                body = {
-                    "model": server.model,
-                    "prompt": f"{prefix}request number {i} says",
-                    "max_tokens": MAX_TOKENS,
-                    "ignore_eos": True,
-                }
-                response = await client.post("/v1/completions", json=body)
-                assert response.status_code == 200, response.text
-                return dict(response.json())
-
-            return list(await asyncio.gather(*(one(i) for i in range(num))))
-
-    return asyncio.run(run())
 
 
 def check_frame(frame: dict[str, Any], num_blocks: int) -> None:
@@ -123,7 +101,7 @@ def test_event_stream_schema_under_load(server: LiveServer) -> None:
     deadline = time.monotonic() + 10
     while not frames and time.monotonic() < deadline:  # the hello first: then the load is seen whole
         time.sleep(0.02)
-    bodies = send_load(server, prefix="schema ")
+    bodies = send_load(server, NUM_REQUESTS, prefix="schema ")
     server.wait_until_idle()
     done.set()
     reader.join(30)
@@ -177,7 +155,7 @@ def test_a_client_that_stops_reading_is_dropped_and_the_engine_serves_on(server:
         deadline = time.monotonic() + 60
         rounds = 0
         while not slow.dropped.is_set() and time.monotonic() < deadline:
-            bodies = send_load(server, prefix=f"slow {rounds} ")
+            bodies = send_load(server, NUM_REQUESTS, prefix=f"slow {rounds} ")
             rounds += 1
             # The engine did not wait for the slow reader: every request completed in full.
             assert all(b["usage"]["completion_tokens"] == MAX_TOKENS for b in bodies)

@@ -11,7 +11,7 @@
     queued: color("--kv-queued"), prefill: color("--kv-prefill"), decode: color("--kv-decode"),
     preempted: color("--kv-preempted"), finished: color("--kv-finished"), cached: color("--kv-cached"),
     shared: color("--kv-shared"), free: color("--kv-free"), p50: color("--kv-p50"), p99: color("--kv-p99"),
-    length: "#555555", abort: "#cc0000", ink: "#222222", grid: "#e4e4e4",
+    length: "#555555", abort: color("--kv-fail"), ink: "#222222", grid: "#e4e4e4",
   };
   // Used blocks take their request's colour: dark tones, none of them a state colour above.
   const REQUEST_COLORS = ["#0072b2", "#1b3a6b", "#3d7a5c", "#6b4c9a", "#34495e", "#2f4f4f", "#5b6770", "#7a2e4f"];
