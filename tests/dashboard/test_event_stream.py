@@ -213,3 +213,34 @@ def test_no_dashboard_flag(start_server: Callable[..., LiveServer]) -> None:
     with httpx.Client(base_url=server.base_url, timeout=30) as client:
         assert client.get("/dashboard").status_code == 404
         assert client.get("/dashboard/events").status_code == 404
+
+
+def test_preempted_requests_show_when_they_were_preempted_and_resumed(
+    start_server: Callable[..., LiveServer],
+) -> None:
+    # 6 blocks of 16 tokens for 6 requests that each grow past one block: growth preempts.
+    server = start_server(served_model_name="preempting", engine={"num_kv_blocks": 6})
+    frames: list[dict[str, Any]] = []
+    with (
+        httpx.Client(base_url=server.base_url, timeout=60) as client,
+        client.stream("GET", "/dashboard/events") as response,
+    ):
+        lines = sse_frames(response.iter_lines())
+        frames.append(next(lines))
+        send_load(server, NUM_REQUESTS, prefix="p ")
+        server.wait_until_idle()
+        for frame in lines:
+            frames.append(frame)
+            if not frame["running"] + frame["waiting"] and frame["totals"]["finished"]:
+                break
+    finished = [obj for f in frames[1:] for obj in f["requests"] if obj["state"] == "finished"]
+    preempted = {obj["id"]: obj for obj in finished if obj["preemptions"]}
+    num_preemptions = server.metric("num_preemptions_total", model_name=server.model)
+    assert preempted and frames[-1]["totals"]["preemptions"] == num_preemptions
+    assert sum(len(obj["preemptions"]) for obj in preempted.values()) == num_preemptions
+    for obj in preempted.values():
+        for start, resumed in obj["preemptions"]:
+            # Resumed by recomputation: a prefill chunk scheduled after the preemption.
+            assert resumed is not None and resumed > start
+            assert any(t == resumed for t, _ in obj["chunks"])
+        assert obj["reason"] == "length" and obj["output_tokens"] == MAX_TOKENS
