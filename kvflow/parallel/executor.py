@@ -172,7 +172,7 @@ class TensorParallelDriver:
             cpus,
             torch.get_num_threads(),
         )
-        group, comm = connect(store, 0, tp, prefix=STORE_PREFIX)
+        group, comm = connect(store, 0, tp, config.parallel_config.all_reduce_backend, prefix=STORE_PREFIX)
         self.ctx = ParallelContext(0, tp, comm, group, store, local_rank, local_world, cpus)
         logger.info("tensor parallel: %d ranks joined; all-reduce over %s", tp, comm.name)
         self.conns: dict[int, Connection] = {}

@@ -54,6 +54,6 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """[R, hidden] -> rank 0: the whole logits [R, V] (float32); other ranks: their part."""
-        part = self.lm_head(hidden).float()  # [R, V / N]: float32 first, so the gather is exact
+        part = self.lm_head(hidden)  # [R, V / N] in the model dtype: what TP=1 upcasts, half the bytes
         logits = self.comm.gather(part)
-        return part if logits is None else logits[:, : self.vocab_size]
+        return part.float() if logits is None else logits[:, : self.vocab_size].float()

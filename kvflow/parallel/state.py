@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from kvflow.config import AllReduceBackend, ConfigError
 from kvflow.parallel.communicator import Communicator, GlooCommunicator
 from kvflow.parallel.shm_communicator import ShmCommunicator, shm_file_size
 
@@ -70,14 +71,22 @@ def _shm_dir() -> Path:
 
 
 def connect(
-    store: dist.Store, rank: int, world_size: int, slot_bytes: int = SHM_SLOT_BYTES, prefix: str = "kvflow-tp"
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    backend: AllReduceBackend = "auto",
+    slot_bytes: int = SHM_SLOT_BYTES,
+    prefix: str = "kvflow-tp",
 ) -> tuple[Any, Communicator]:
     """Join the gloo group over `store`, then choose the communicator (module docstring)."""
     store = dist.PrefixStore(prefix, store)
     group: Any = dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
     store.set(f"host/{rank}", _host_id())
     hosts = {store.get(f"host/{r}").decode() for r in range(world_size)}
-    if len(hosts) > 1 or not hasattr(os, "sched_yield") or not Path("/proc/self/stat").exists():
+    shm_possible = len(hosts) == 1 and hasattr(os, "sched_yield") and Path("/proc/self/stat").exists()
+    if backend == "shm" and not shm_possible:
+        raise ConfigError("all_reduce_backend shm needs every rank on this machine (Linux)")
+    if backend == "gloo" or not shm_possible:
         return group, GlooCommunicator(group, rank, world_size)
     if rank == 0:
         path = _shm_dir() / f"kvflow-tp-{uuid.uuid4().hex}"

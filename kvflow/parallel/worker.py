@@ -67,7 +67,9 @@ def run_worker(
         ctl.set(ALIVE_KEY.format(rank=rank), str(os.getpid()))
         cpus = pin_threads(local_rank, local_world_size, config.parallel_config.cpu_threads_per_rank)
         logger.info("pinned to CPUs %s, %d torch threads", cpus, torch.get_num_threads())
-        group, comm = connect(store, rank, world_size, prefix=STORE_PREFIX)
+        group, comm = connect(
+            store, rank, world_size, config.parallel_config.all_reduce_backend, prefix=STORE_PREFIX
+        )
         ctx = ParallelContext(rank, world_size, comm, group, store, local_rank, local_world_size, cpus)
         conn = connect_step_channel(ctl, rank)
         _serve(config, ctx, conn)
