@@ -67,6 +67,7 @@ class DraftModelProposer:
             cfg.num_key_value_heads,
             cfg.head_dim,
             model.dtype,
+            latent=cfg.kv_latent,  # a latent-attention draft caches latents
         )
         # Batch-invariant mode: the drafts of a request, and so which random draws its verification
         # takes, must not depend on the batch either.

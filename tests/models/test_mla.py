@@ -137,3 +137,18 @@ def test_int8_latent_kv_under_preemption(tiny_checkpoint_factory: Callable[..., 
     assert all(len(o.outputs[0].token_ids) == NUM_TOKENS for o in outputs)
     assert sum(o.metrics.num_preemptions for o in outputs) > 0
     llm.llm_engine.scheduler.check_integrity()
+
+
+def test_speculative_decoding_with_a_latent_attention_draft(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    """Verification rows (several single-query rows per request) attend over the latent pool, and a
+    latent-attention draft model keeps its own latent pool: greedy outputs as without speculation."""
+    path = str(tiny_checkpoint_factory("deepseek_v3"))
+    prompts = [[5, 6, 7, 8, 9] * 6, [1, 2, 3]]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in LLM(path, dtype="float32").generate(prompts, params)]
+    llm = LLM(path, dtype="float32", speculative_method="draft", draft_model=path, num_speculative_tokens=3)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
+    stats = llm.llm_engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # the draft is the target: accepted
