@@ -70,6 +70,13 @@ def add_doctor_parser(sub: Any) -> None:
         choices=sorted(DTYPE_BYTES),
         help="weight storage; unset: the server's dtype, else config.json's",
     )
+    doctor.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="calculator: also predict per-rank memory, all-reduce bytes per token and the decode "
+        "roofline per rank with the model sharded over N ranks (the hardware figures are one rank's)",
+    )
     doctor.add_argument("--json", action="store_true", help="print the JSON document instead of text")
     doctor.add_argument("--output", default=None, help="also write the JSON document here")
     doctor.add_argument("--html", default=None, help="write an HTML report here")
@@ -139,6 +146,19 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     diagnosis, result = build_diagnosis(args)
     findings = diagnose(diagnosis)
     doc = doctor_json(diagnosis, findings)
+    tp_text = None
+    if args.tensor_parallel_size > 1:
+        from kvflow.doctor.tensor_parallel import estimate
+
+        tp = estimate(
+            diagnosis.model,
+            diagnosis.roofline,
+            args.tensor_parallel_size,
+            args.concurrency or 1,
+            args.context or DEFAULT_CONTEXT,
+        )
+        doc["tensor_parallel"] = tp.as_dict()
+        tp_text = tp.text()
     if args.verify:
         if result is None:
             raise ValueError("--verify re-runs a benchmark: give --bench")
@@ -168,6 +188,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=1))
     else:
         print(text_report(doc))
+        if tp_text is not None:
+            print(tp_text)
         for check in doc.get("verification", []):
             print("verify: " + check["explanation"], file=sys.stdout)
     return 0
