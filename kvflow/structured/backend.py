@@ -2,8 +2,8 @@
 
 A compiled grammar is an `LLMatcher` in its initial state; each request gets a `deep_copy` of it
 (microseconds), so the cache holds one template per distinct grammar. llguidance builds its lexer
-lazily, so "compile" is cheap (~0.5 ms for a small schema, ~2 ms for 50 properties on the Qwen2
-vocabulary; benchmarks/NOTES.md) and the first mask of a request pays for part of the rest.
+lazily (~0.5 ms for a small schema, ~2 ms for 50 properties on the Qwen2 vocabulary, then ~1 ms more
+for the first mask; benchmarks/NOTES.md): `compile` computes that first mask too, so copies start warm.
 """
 
 from __future__ import annotations
@@ -35,4 +35,7 @@ class GrammarBackend:
         matcher = llguidance.LLMatcher(self.tokenizer, spec.grammar, log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"{spec.field}: {matcher.get_error()}")
+        # The first mask builds the lexer state every copy then shares (~1 ms for 50 properties on a
+        # 151k vocabulary): pay it here, in the compile thread, not in a request's first step.
+        matcher.compute_bitmask()
         return matcher
