@@ -93,30 +93,43 @@ def tp_engine() -> Iterator[Callable[..., LLMEngine]]:
         engine.parallel.shutdown()
 
 
-def _compare_exact(model_dir: Path, tp_engine: Callable[..., LLMEngine], **kwargs: Any) -> Run:
+def _compare_exact(
+    model_dir: Path, tp_engine: Callable[..., LLMEngine], **kwargs: Any
+) -> tuple[Run, LLMEngine]:
     reference = LLMEngine.from_kwargs(model=str(model_dir), **ENGINE, **kwargs)
     work = _workload(reference.arch.vocab_size)
     expected = _run(reference, work)
-    got = _run(tp_engine(model_dir, **ENGINE, **kwargs), work)
+    engine = tp_engine(model_dir, **ENGINE, **kwargs)
+    got = _run(engine, work)
     assert got.tokens == expected.tokens
-    return got
+    return got, engine
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_greedy_identical(
     arch: str, tiny_checkpoint_factory: Callable[..., Path], tp_engine: Callable[..., LLMEngine]
 ) -> None:
-    got = _compare_exact(tiny_checkpoint_factory(arch), tp_engine, dtype="float32")
+    got, _ = _compare_exact(tiny_checkpoint_factory(arch), tp_engine, dtype="float32")
     # The workload exercised what it is meant to (the same schedule ran in both engines).
     assert got.num_preemptions > 0
     assert got.num_cached_tokens > 0
 
 
-def test_int8_weights_identical(
+def test_int8_weights_and_int8_kv_identical(
     tiny_checkpoint_factory: Callable[..., Path], tp_engine: Callable[..., LLMEngine]
 ) -> None:
-    quant = {"quantization": "int8", "quantize_lm_head": True}
+    """int8 KV is quantized per token and head, so a rank's heads quantize as they do in TP=1."""
+    quant = {"quantization": "int8", "quantize_lm_head": True, "kv_cache_dtype": "int8"}
     _compare_exact(tiny_checkpoint_factory("qwen2", **WIDE), tp_engine, dtype="float32", **quant)
+
+
+def test_speculative_verification_identical(
+    tiny_checkpoint_factory: Callable[..., Path], tp_engine: Callable[..., LLMEngine]
+) -> None:
+    """Draft rows are verified on rank 0 from the gathered logits of k + 1 rows per request."""
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 3}
+    _, engine = _compare_exact(tiny_checkpoint_factory("llama"), tp_engine, dtype="float32", **spec)
+    assert engine.spec_stats.num_drafts > 0
 
 
 def _logprob_gaps(expected: Run, got: Run) -> list[float]:
