@@ -120,4 +120,5 @@ class LiveDiagnosis:
             "requests. Latencies are the server's own (from arrival; no network), and cached prompt "
             "tokens stand in for shared prefixes."
         )
-        return html_report(doc, note=html.escape(note))
+        back = "<a href='/dashboard'>back to the live dashboard</a>"
+        return html_report(doc, note=f"{html.escape(note)} {back}")

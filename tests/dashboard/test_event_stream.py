@@ -218,8 +218,9 @@ def test_no_dashboard_flag(start_server: Callable[..., LiveServer]) -> None:
 def test_preempted_requests_show_when_they_were_preempted_and_resumed(
     start_server: Callable[..., LiveServer],
 ) -> None:
-    # 6 blocks of 16 tokens for 6 requests that each grow past one block: growth preempts.
-    server = start_server(served_model_name="preempting", engine={"num_kv_blocks": 6})
+    # 3 blocks of 16 tokens; each request (a short prompt + 24 tokens) grows to 2 blocks, so any two
+    # decoding at once preempt one another, however the 6 requests happen to overlap.
+    server = start_server(served_model_name="preempting", engine={"num_kv_blocks": 3})
     frames: list[dict[str, Any]] = []
     with (
         httpx.Client(base_url=server.base_url, timeout=60) as client,

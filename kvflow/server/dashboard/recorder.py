@@ -47,6 +47,18 @@ def request_state(request: Request) -> str:
     return "prefill" if request.num_computed_tokens < request.num_tokens - 1 else "decode"
 
 
+def _signature(request: Request) -> tuple[Any, ...]:
+    """What a request's row shows, cheaply: equal signatures, equal rows (O(1), no copies)."""
+    timeline = request.timeline
+    return (
+        request.status,
+        request.num_computed_tokens,
+        len(timeline.prefill_chunks),
+        len(timeline.token_times),
+        timeline.num_preemptions,
+    )
+
+
 class StepRecorder:
     """Call it after every step (`AsyncLLMEngine.add_step_observer`); it calls `publish(delta)`, in
     the engine thread, at most once every `interval_s` and whenever the engine has just gone idle.
@@ -72,6 +84,7 @@ class StepRecorder:
         self._num_reported: dict[str, int] = {}
         self._preemptions: dict[str, list[list[float | None]]] = {}
         self._itl: list[list[float]] = []
+        self._sent: dict[str, tuple[Any, ...]] = {}  # per unfinished request: its last sent signature
 
     def __call__(self, stats: StepStats, outputs: list[RequestOutput]) -> None:
         num_output = 0
@@ -101,13 +114,18 @@ class StepRecorder:
         delta = Delta(now=round(now, 6), steps=self._steps)
         self._steps = []
         for request in scheduler.requests.values():
-            delta.requests.append(self._unfinished_object(request))
+            # A request that did not change since it was last sent (a long queue waiting) is not
+            # sent again: the delta's cost follows the running requests, not the queue's length.
+            signature = _signature(request)
+            if self._sent.get(request.request_id) != signature:
+                self._sent[request.request_id] = signature
+                delta.requests.append(self._unfinished_object(request))
         finished, self._finished = self._finished, []
         for output in finished:
             delta.requests.append(self._finished_object(output))
         delta.itl, self._itl = self._itl, []
         # Requests that left without a final output (a failed step's flush) must not linger here.
-        for table in (self._num_reported, self._preemptions):
+        for table in (self._num_reported, self._preemptions, self._sent):
             for rid in [rid for rid in table if rid not in scheduler.requests]:
                 del table[rid]
         delta.running = [r.request_id for r in scheduler.running]
@@ -152,6 +170,7 @@ class StepRecorder:
         spans = self._resumed(rid, timeline)
         self._num_reported.pop(rid, None)
         self._preemptions.pop(rid, None)
+        self._sent.pop(rid, None)
         completion = output.outputs[0] if output.outputs else None
         return request_object(
             rid,

@@ -399,7 +399,10 @@
   function requestTip(r) {
     const rows = [
       ["state", r.state + (r.reason ? " (" + r.reason + ")" : "")],
-      ["TTFT", fmt(r.ttft_ms) + " ms"], ["ITL p50", fmt(r.itl_p50_ms) + " ms"], ["ITL p99", fmt(r.itl_p99_ms) + " ms"],
+      ["TTFT", fmt(r.ttft_ms) + " ms"],
+      // While running, the server computes them over the request's last 256 gaps (schema.py).
+      ["ITL p50" + (r.state === "finished" ? "" : " (recent)"), fmt(r.itl_p50_ms) + " ms"],
+      ["ITL p99" + (r.state === "finished" ? "" : " (recent)"), fmt(r.itl_p99_ms) + " ms"],
       ["prompt tokens", r.prompt_tokens], ["cached tokens", r.cached_tokens], ["output tokens", r.output_tokens],
       ["prefill chunks", r.chunks.length], ["preemptions", r.preemptions.length],
     ];
