@@ -38,6 +38,8 @@ PID_BYTES = 8
 # about to arrive (the common case: ranks run the same work) without burning a shared core.
 TIGHT_SPINS = 2000
 PEER_CHECK_INTERVAL_S = 0.05
+# Slot views kept per (buffer, dtype, shape): decode shapes repeat; prefill chunk lengths vary.
+MAX_CACHED_VIEWS = 256
 
 
 def shm_file_size(world_size: int, capacity: int) -> int:
@@ -78,6 +80,7 @@ class ShmCommunicator:
             for b in range(2)
         ]
         self._round = int(self._seq[rank])
+        self._views: dict[tuple[int, torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ one round
 
@@ -105,8 +108,13 @@ class ShmCommunicator:
         """Round k: my part into my slot, publish, wait for all; -> (k, every slot viewed as part)."""
         self._round += 1
         k = self._round
-        nbytes = part.numel() * part.element_size()
-        slots = [s[:nbytes].view(part.dtype).view(part.shape) for s in self._slots[k % 2]]
+        key = (k % 2, part.dtype, tuple(part.shape))
+        slots = self._views.get(key)
+        if slots is None:  # the same few shapes recur every step: their views are made once
+            nbytes = part.numel() * part.element_size()
+            slots = [s[:nbytes].view(part.dtype).view(part.shape) for s in self._slots[k % 2]]
+            if len(self._views) < MAX_CACHED_VIEWS:
+                self._views[key] = slots
         slots[self.rank].copy_(part)
         self._seq[self.rank] = k
         self._wait_all(k)
@@ -153,5 +161,6 @@ class ShmCommunicator:
 
     def close(self) -> None:
         self._slots = []
+        self._views = {}
         with contextlib.suppress(BufferError):  # a tensor view still alive: the mapping goes with the process
             self._map.close()
