@@ -61,7 +61,11 @@ def _serve_config(monkeypatch: pytest.MonkeyPatch, *argv: str) -> tuple[str, Ser
     """What `kvflow ARGV` hands to run_server (which is not run)."""
     calls: list[tuple[str, ServerConfig, dict[str, Any]]] = []
 
-    def fake_run_server(model: str, config: ServerConfig, engine_kwargs: dict[str, Any]) -> int:
+    def fake_run_server(
+        model: str, config: ServerConfig, engine_kwargs: dict[str, Any], live_doctor: object = None
+    ) -> int:
+        # The dashboard's doctor view comes with the dashboard, from the CLI (the server cannot import it).
+        assert (live_doctor is not None) == config.dashboard
         calls.append((model, config, engine_kwargs))
         return 0
 
@@ -84,6 +88,7 @@ def test_serve_flags_reach_the_server_config(monkeypatch: pytest.MonkeyPatch) ->
         "--log-level", "warning", "serve", "MODEL", "--host", "0.0.0.0", "--port", "9001",
         "--served-model-name", "tiny", "--max-waiting", "3", "--shutdown-grace-seconds", "0.5",
         "--quality-probe-rate", "0.25", "--no-enable-prefix-caching", "--kv-cache-dtype", "int8",
+        "--no-dashboard", "--dashboard-window-seconds", "60",
     )  # fmt: skip
     assert config == ServerConfig(
         host="0.0.0.0",
@@ -94,6 +99,8 @@ def test_serve_flags_reach_the_server_config(monkeypatch: pytest.MonkeyPatch) ->
         shutdown_grace_s=0.5,
         log_level="warning",
         quality_probe_rate=0.25,
+        dashboard=False,
+        dashboard_window_s=60.0,
     )
     assert engine_kwargs["enable_prefix_caching"] is False and engine_kwargs["kv_cache_dtype"] == "int8"
     _, config, _ = _serve_config(monkeypatch, "serve", "MODEL", "--api-key", "from-flag")
