@@ -48,6 +48,9 @@ class RequestOutput:
     delta_token_ids: list[int] = field(default_factory=list)
     # Logprobs of `delta_token_ids` (None unless the request asked for logprobs).
     delta_logprobs: list[TokenLogprobs] | None = None
+    # vLLM's prompt_logprobs: one entry per prompt token, None for the first (nothing scores it);
+    # None unless the request asked. Complete from the request's first output on.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     # Set (with finished=True, finish_reason "abort") when processing this request failed inside
     # the engine; the other requests of the batch are unaffected.
     error: str | None = None
@@ -66,3 +69,6 @@ class ModelRunnerOutput:
     # draft verification). The engine ends these requests with the error; the rest of the batch,
     # which does not appear here, advances normally.
     failed: dict[str, str] = field(default_factory=dict)
+    # request id -> (first prompt position, its entries onward): prompt logprobs of this step's chunk
+    # (worker/prompt_logprobs.py), for requests that asked for prompt_logprobs.
+    prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]] = field(default_factory=dict)

@@ -69,6 +69,11 @@ class Request:
         self.spec_draft_probs: Any = None
         # Structured output: the request's grammar matcher (kvflow/structured/), None if unconstrained.
         self.structured_state: Any = None
+        # prompt_logprobs: entry p = TokenLogprobs of prompt token p (None for p = 0), filled as its
+        # chunks are computed; None unless the request asked.
+        self.prompt_logprobs: list[Any] | None = (
+            [None] if sampling_params.prompt_logprobs is not None else None
+        )
 
     @property
     def num_tokens(self) -> int:

@@ -96,6 +96,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    # Top-n logprobs of every prompt token after the first (vLLM's `prompt_logprobs`); None: off.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -143,6 +145,8 @@ class SamplingParams:
             raise bad("stop must be a list of non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids must be non-negative integers")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         for token, bias in (self.logit_bias or {}).items():
             if not isinstance(token, int) or token < 0:
                 raise bad(f"logit_bias keys must be non-negative token ids, got {token!r}")

@@ -247,6 +247,10 @@ class LLMEngine:
         if grammar_bitmask is not None:
             grammar_bitmask.future.exception()  # the matchers are the mask thread's until it is done
         self._fail_requests(runner_output.failed)
+        for request_id, (first, entries) in runner_output.prompt_logprobs.items():
+            request = self.scheduler.requests.get(request_id)
+            if request is not None:
+                self.output_processor.add_prompt_logprobs(request, first, entries)
         num_emitted = 0
         for update in self.scheduler.update_from_output(scheduler_output, runner_output):
             num_emitted += len(update.new_token_ids)

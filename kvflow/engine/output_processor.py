@@ -50,6 +50,15 @@ class OutputProcessor:
             for tok, lp in position.items()
         }
 
+    def add_prompt_logprobs(self, request: Request, first: int, entries: list[TokenLogprobs]) -> None:
+        """Store a chunk's prompt logprobs (worker/prompt_logprobs.py), decoded, at positions first..;
+        positions already held (a preempted request's recompute) keep their first value."""
+        held = request.prompt_logprobs
+        if held is None:
+            return
+        new = entries[len(held) - first :] if first <= len(held) else []
+        held.extend(self._decode_logprobs(entry) for entry in new)
+
     def _add_logprobs(self, state: RequestState, new_ids: list[int], logprobs: list[TokenLogprobs]) -> None:
         if state.logprobs is None or state.cumulative_logprob is None:
             return
@@ -103,6 +112,7 @@ class OutputProcessor:
             delta_text=delta_text,
             delta_token_ids=delta_ids,
             delta_logprobs=delta_logprobs,
+            prompt_logprobs=req.prompt_logprobs,
             error=error,
         )
 

@@ -190,8 +190,13 @@ class Scheduler:
             if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
                 skipped.append(self.waiting.popleft())
                 continue
-            # Waiting requests hold no blocks (num_computed_tokens == 0): look up the prefix cache.
-            computed_blocks, num_hit_tokens = manager.get_computed_blocks(request)
+            # Waiting requests hold no blocks (num_computed_tokens == 0): look up the prefix cache,
+            # unless the request wants prompt logprobs (each prompt position must be computed).
+            computed_blocks, num_hit_tokens = (
+                manager.get_computed_blocks(request)
+                if request.sampling_params.prompt_logprobs is None
+                else ([], 0)
+            )
             num_new = min(request.num_tokens - num_hit_tokens, budget)
             if not manager.allocate_slots(request, num_new, computed_blocks):
                 if self.running:

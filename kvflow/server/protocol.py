@@ -128,6 +128,7 @@ class CompletionRequest(_SamplingFields):
     prompt: Text | list[Text] | list[TokenId] | list[list[TokenId]]
     max_tokens: Int | None = Field(16, ge=1)  # OpenAI's default for the legacy endpoint
     logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    prompt_logprobs: Int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)  # vLLM's extension
     echo: bool = False
     suffix: str | None = None
 
@@ -209,15 +210,24 @@ class CompletionLogprobs(BaseModel):
     """The legacy completions shape: parallel lists, one entry per output token."""
 
     tokens: list[str] = Field(default_factory=list)
-    token_logprobs: list[float] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float]] = Field(default_factory=list)
+    # None for the first prompt token of an echoed prompt (nothing scores it), as OpenAI sends it.
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
     text_offset: list[int] = Field(default_factory=list)
+
+
+class PromptLogprob(BaseModel):
+    logprob: float
+    rank: int
+    decoded_token: str | None = None
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
+    # vLLM's shape: per prompt token, {token id: its logprob}; None for the first token.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

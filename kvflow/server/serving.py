@@ -103,6 +103,7 @@ def sampling_params(
     return SamplingParams(
         structured_outputs=structured_outputs,
         logit_bias=logit_bias(body.logit_bias),
+        prompt_logprobs=_prompt_logprobs(body),
         temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p,
         top_k=0 if body.top_k is None else body.top_k,
@@ -120,6 +121,16 @@ def sampling_params(
         logprobs=logprobs,
         skip_special_tokens=body.skip_special_tokens,
     )
+
+
+def _prompt_logprobs(body: _SamplingFields) -> int | None:
+    """vLLM's `prompt_logprobs`, or the completions' `echo` with `logprobs` (the echoed prompt gets
+    logprobs too, as OpenAI's legacy endpoint gives them): the larger top-n of the two."""
+    asked = [getattr(body, "prompt_logprobs", None)]
+    if getattr(body, "echo", False):
+        asked.append(getattr(body, "logprobs", None))
+    numbers = [n for n in asked if isinstance(n, int) and not isinstance(n, bool)]
+    return max(numbers) if numbers else None
 
 
 def logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:

@@ -15,6 +15,7 @@ from kvflow.server.protocol import (
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
+    PromptLogprob,
 )
 from kvflow.server.serving import (
     PromptInput,
@@ -35,12 +36,6 @@ def _check(body: CompletionRequest) -> None:
     unsupported_fields(body)
     if body.suffix:
         raise APIError(HTTPStatus.BAD_REQUEST, "suffix is not supported", param="suffix")
-    if body.echo and body.logprobs is not None:
-        raise APIError(
-            HTTPStatus.BAD_REQUEST,
-            "echo with logprobs needs prompt logprobs, which are not supported",
-            "echo",
-        )
 
 
 def _prompt_items(body: CompletionRequest) -> list[str | list[int]]:
@@ -86,6 +81,58 @@ def completion_logprobs(
     return result
 
 
+def prompt_completion_logprobs(
+    ctx: ServingContext, token_ids: list[int], entries: list[TokenLogprobs | None], top_n: int
+) -> CompletionLogprobs:
+    """An echoed prompt's part of the legacy logprobs: the first token has none (null, as OpenAI)."""
+    result = CompletionLogprobs()
+    offset = 0
+    for token_id, position in zip(token_ids, entries, strict=False):
+        token = ctx.tokenizer.decode([token_id], skip_special_tokens=False)
+        result.tokens.append(token)
+        result.text_offset.append(offset)
+        offset += len(token)
+        if position is None:
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+            continue
+        result.token_logprobs.append(position[token_id].logprob)
+        top = {t: lp for t, lp in position.items() if lp.rank <= top_n or t == token_id}
+        result.top_logprobs.append({lp.decoded_token or str(t): lp.logprob for t, lp in top.items()})
+    return result
+
+
+def vllm_prompt_logprobs(
+    entries: list[TokenLogprobs | None], top_n: int, prompt_ids: list[int]
+) -> list[dict[int, PromptLogprob] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, the token itself plus the top-n by rank."""
+    result: list[dict[int, PromptLogprob] | None] = []
+    for token_id, position in zip(prompt_ids, entries, strict=False):
+        if position is None:
+            result.append(None)
+            continue
+        result.append(
+            {
+                t: PromptLogprob(logprob=lp.logprob, rank=lp.rank, decoded_token=lp.decoded_token)
+                for t, lp in position.items()
+                if lp.rank <= top_n or t == token_id
+            }
+        )
+    return result
+
+
+def _joined(prompt: CompletionLogprobs, output: CompletionLogprobs | None) -> CompletionLogprobs:
+    """The echoed prompt's logprobs, then the output's (its text offsets already count the prompt)."""
+    if output is None:
+        return prompt
+    return CompletionLogprobs(
+        tokens=prompt.tokens + output.tokens,
+        token_logprobs=prompt.token_logprobs + output.token_logprobs,
+        top_logprobs=prompt.top_logprobs + output.top_logprobs,
+        text_offset=prompt.text_offset + output.text_offset,
+    )
+
+
 class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoice]):
     """`text_completion` objects: chunks and the response share one shape, each choice carries `text`.
     With `echo`, a choice's text starts with its prompt: the first chunk of a streamed choice carries it."""
@@ -101,6 +148,8 @@ class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoi
         self.prompts = prompts
         self.n = body.n
         self.echo = body.echo
+        self.logprobs = body.logprobs  # echo + logprobs: the prompt's logprobs lead the choice's
+        self.prompt_logprobs = body.prompt_logprobs  # vLLM's field: its own list per choice
         self._echo_sent: set[int] = set()  # streamed choices whose prompt has been sent
         # choice index -> characters streamed so far: where the next delta's logprobs text_offset starts
         self._text_lengths: dict[int, int] = {}
@@ -111,8 +160,9 @@ class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoi
 
     def stream_choice(self, index: int, output: RequestOutput) -> CompletionChoice | None:
         text = output.delta_text
-        if self.echo and index not in self._echo_sent:
-            self._echo_sent.add(index)
+        first = index not in self._echo_sent
+        self._echo_sent.add(index)
+        if self.echo and first:
             text = self._echo_text(index) + text
         if not text and not output.finished and not output.delta_token_ids:
             return None
@@ -121,14 +171,25 @@ class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoi
         logprobs = None
         if output.delta_logprobs is not None:
             logprobs = completion_logprobs(self.ctx, output.delta_token_ids, output.delta_logprobs, offset)
+        if first and self.echo and self.logprobs is not None and output.prompt_logprobs is not None:
+            prompt = prompt_completion_logprobs(
+                self.ctx, output.prompt_token_ids, output.prompt_logprobs, self.logprobs
+            )
+            logprobs = _joined(prompt, logprobs)
         out = output.outputs[0]
         return CompletionChoice(
             index=index,
             text=text,
             logprobs=logprobs,
+            prompt_logprobs=self._vllm_prompt_logprobs(output) if first else None,
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
         )
+
+    def _vllm_prompt_logprobs(self, output: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
+        if self.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        return vllm_prompt_logprobs(output.prompt_logprobs, self.prompt_logprobs, output.prompt_token_ids)
 
     def final_choice(self, index: int, final: RequestOutput) -> CompletionChoice:
         out = final.outputs[0]
@@ -136,10 +197,16 @@ class CompletionResponseBuilder(ResponseBuilder[CompletionChoice, CompletionChoi
         logprobs = None
         if out.logprobs is not None:
             logprobs = completion_logprobs(self.ctx, out.token_ids, out.logprobs, len(prefix))
+        if self.echo and self.logprobs is not None and final.prompt_logprobs is not None:
+            prompt = prompt_completion_logprobs(
+                self.ctx, final.prompt_token_ids, final.prompt_logprobs, self.logprobs
+            )
+            logprobs = _joined(prompt, logprobs)
         return CompletionChoice(
             index=index,
             text=prefix + out.text,
             logprobs=logprobs,
+            prompt_logprobs=self._vllm_prompt_logprobs(final),
             finish_reason=out.finish_reason,
             stop_reason=out.stop_reason,
         )

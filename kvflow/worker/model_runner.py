@@ -24,6 +24,7 @@ from kvflow.sample.rejection_sampler import sample_one
 from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
 from kvflow.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from kvflow.worker.input_batch import build_input_batch
+from kvflow.worker.prompt_logprobs import compute_prompt_logprobs
 
 
 def enable_batch_invariance(model: LlamaFamilyForCausalLM, kv_store: KVStore) -> None:
@@ -113,8 +114,9 @@ class ModelRunner:
             scheduler_output, self.block_size, self.sliding_window, all_query_rows=self.batch_invariant
         )
         hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)  # [T, hidden]
+        prompt_logprobs = compute_prompt_logprobs(self.model, batch, hidden)  # {} unless a request asks
         if not batch.sampling_requests:
-            return ModelRunnerOutput()
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [N, V]
         # Rows: one per plain request, 1 + k per request verifying k drafts (in batch order).
         plain_rows, plain_requests, spec = [], [], []
@@ -126,7 +128,7 @@ class ModelRunner:
                 plain_rows.append(row)
                 plain_requests.append(req)
             row += 1 + req.num_spec_tokens
-        output = ModelRunnerOutput()
+        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         if plain_requests:
             rows = torch.tensor(plain_rows, dtype=torch.int64)
             self._sample_plain(logits.index_select(0, rows), plain_requests, output)

@@ -1,0 +1,66 @@
+"""Prompt logprobs on /v1/completions: `echo` with `logprobs` (OpenAI's legacy shape: the prompt's
+tokens lead the lists, the first with a null logprob) and vLLM's `prompt_logprobs` field, equal to the
+offline engine's values, streamed or not."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+from fixtures.live_server import ENGINE_KWARGS, LiveServer
+
+from kvflow import LLM, SamplingParams
+
+PROMPT = [5, 17, 99, 3, 42, 8, 61, 27]
+MAX_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def offline_prompt_logprobs(server_model_dir: Path) -> list[float | None]:
+    llm = LLM(str(server_model_dir), **ENGINE_KWARGS)
+    out = llm.generate([PROMPT], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert out.prompt_logprobs is not None
+    return [None] + [
+        entry[token].logprob for token, entry in zip(PROMPT[1:], out.prompt_logprobs[1:], strict=True)
+    ]
+
+
+def test_echo_with_logprobs(server: LiveServer, offline_prompt_logprobs: list[float | None]) -> None:
+    body = {
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "echo": True,
+        "logprobs": 2,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    with server.client() as http:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+        logprobs = choice["logprobs"]
+        assert len(logprobs["tokens"]) == len(PROMPT) + MAX_TOKENS
+        assert logprobs["top_logprobs"][0] is None
+        prompt_part = logprobs["token_logprobs"][: len(PROMPT)]
+        assert prompt_part[0] is None
+        assert prompt_part[1:] == pytest.approx(offline_prompt_logprobs[1:], abs=1e-5)
+        assert all(1 <= len(top) <= 3 for top in logprobs["top_logprobs"][1:])
+        # Streamed: the first chunk carries the prompt's entries; all chunks together equal the above.
+        streamed: list[float | None] = []
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    for c in httpx.Response(200, content=line[6:]).json()["choices"]:
+                        if c.get("logprobs"):
+                            streamed += c["logprobs"]["token_logprobs"]
+        assert streamed == logprobs["token_logprobs"]
+
+
+def test_vllm_prompt_logprobs_field(server: LiveServer, offline_prompt_logprobs: list[float | None]) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 2, "prompt_logprobs": 1}
+    with server.client() as http:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    entries = choice["prompt_logprobs"]
+    assert len(entries) == len(PROMPT) and entries[0] is None
+    for token, entry, expected in zip(PROMPT[1:], entries[1:], offline_prompt_logprobs[1:], strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(expected, abs=1e-5)
+        assert any(e["rank"] == 1 for e in entry.values())
