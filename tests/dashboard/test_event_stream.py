@@ -4,7 +4,9 @@ that stops reading dropped while the engine serves on, the dashboard's API-key r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -245,3 +247,33 @@ def test_preempted_requests_show_when_they_were_preempted_and_resumed(
             assert resumed is not None and resumed > start
             assert any(t == resumed for t, _ in obj["chunks"])
         assert obj["reason"] == "length" and obj["output_tokens"] == MAX_TOKENS
+
+
+def test_an_open_dashboard_does_not_hold_the_shutdown(start_server: Callable[..., LiveServer]) -> None:
+    # A grace period far longer than the join below: only streams that end by themselves let it pass.
+    server = start_server(served_model_name="draining", shutdown_grace_s=120.0)
+    ended = threading.Event()
+
+    def watch() -> None:
+        url = server.base_url + "/dashboard/events"
+        with contextlib.suppress(httpx.HTTPError), httpx.stream("GET", url) as response:
+            for _ in response.iter_lines():
+                pass
+        ended.set()
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    dashboard = server.ctx.dashboard
+    assert dashboard is not None
+    wait_until(lambda: bool(on_loop(dashboard.hub, lambda: dashboard.hub.subscribers)))
+    server.server.handle_exit(signal.SIGINT, None)  # what SIGINT does: drain, 503 to new requests
+    server.thread.join(60)
+    assert not server.thread.is_alive() and ended.wait(10)
+    watcher.join(10)
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
