@@ -3,7 +3,8 @@
     x [T, hidden] -> router (float32) -> top-k (weights, ids) per token (kvflow/layers/moe_routing.py)
     -> the T x k (token, expert) pairs sorted by expert (stable: token order kept within an expert)
     -> for each expert with tokens, in expert order: its SwiGLU MLP on exactly those rows, scaled by
-       their routing weights and index-added into the output
+       their routing weights into a float32 row per (token, expert) pair; each token then sums its
+       k rows in expert order (a single token skips the grouping: its k experts, in order)
     (+ shared experts on every token: DeepSeek's ungated, Qwen2-MoE's gated by sigmoid(x . w)).
 At decode a step touches at most T x k experts, so only their weights are read (an untouched
 expert costs nothing); the experts are ordinary Linears, so int8/int4 quantization, the bf16 GEMV
@@ -77,21 +78,32 @@ class SparseMoE(nn.Module):
         return out
 
     def routed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """Σ_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t: [T, hidden]."""
-        top_k = ids.shape[1]
-        flat_ids = ids.reshape(-1)  # [T * k]: pair p is token p // k's (p % k)-th choice
+        """Σ_k weights[t, k] * expert_{ids[t, k]}(x[t]) for every token t: [T, hidden].
+
+        Each (token, expert) pair's weighted output lands in a float32 row of its own, then each
+        token sums its k rows in ascending expert order (transformers' index_add order, so float32
+        results match it). No index_add_: on CPU it runs a scalar scatter for bf16 (1.7 ms per call
+        measured at hidden 1024, 90% of a decode step)."""
+        num_tokens, top_k = ids.shape
+        ids, perm = ids.sort(dim=1, stable=True)  # each token's choices in expert order
+        weights = weights.gather(1, perm)
+        if num_tokens == 1:  # single-stream decode: no grouping to do, fewest ops per expert
+            acc = torch.zeros(1, x.shape[1], dtype=torch.float32)
+            for expert_id, weight in zip(ids[0].tolist(), weights[0], strict=True):
+                acc += self.experts[expert_id](x).float() * weight
+            return acc.to(x.dtype)
+        flat_ids = ids.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order
         counts = torch.bincount(flat_ids, minlength=len(self.experts)).tolist()
         token_of_pair = order // top_k
         weight_of_pair = weights.reshape(-1).index_select(0, order)
-        out = torch.zeros_like(x)
+        pair_out = torch.empty(num_tokens * top_k, x.shape[1], dtype=torch.float32)
         start = 0
         for expert_id, count in enumerate(counts):
             if count == 0:
                 continue
-            tokens = token_of_pair[start : start + count]
-            expert_out = self.experts[expert_id](x.index_select(0, tokens))  # [count, hidden]
-            scaled = expert_out.float() * weight_of_pair[start : start + count, None]
-            out.index_add_(0, tokens, scaled.to(x.dtype))
+            rows = slice(start, start + count)
+            expert_out = self.experts[expert_id](x.index_select(0, token_of_pair[rows]))  # [count, hidden]
+            pair_out.index_copy_(0, order[rows], expert_out.float() * weight_of_pair[rows, None])
             start += count
-        return out
+        return pair_out.view(num_tokens, top_k, -1).sum(dim=1).to(x.dtype)
