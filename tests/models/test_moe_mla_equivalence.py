@@ -59,3 +59,29 @@ def test_prefix_cache_hits_give_identical_outputs(reference: dict[str, Any]) -> 
     _check(reference, second)
     assert first[-1].num_cached_tokens >= 32  # shares a 40-token prefix with the previous prompt
     assert all(o.num_cached_tokens > 0 for o in second if len(o.prompt_token_ids) >= 33)
+
+
+# Config variants the fixtures' defaults leave out, each against transformers on the default path.
+VARIANTS = [
+    ("deepseek_v3", {"rope_interleave": False}),  # rotate_half rope pairs
+    ("deepseek_v3", {"q_lora_rank": None, "n_group": 1, "topk_group": 1}),  # no groups
+    ("deepseek_v2", {"topk_method": "greedy", "q_lora_rank": 24, "n_group": None, "topk_group": None}),
+    ("qwen2_moe", {"mlp_only_layers": [1]}),  # a dense layer after a sparse one
+    ("mixtral", {"sliding_window": 32}),
+]
+
+
+@pytest.mark.parametrize(("arch", "overrides"), VARIANTS, ids=[f"{a}-{'-'.join(o)}" for a, o in VARIANTS])
+def test_config_variants_match_transformers(
+    tiny_checkpoint_factory: Callable[..., Path], arch: str, overrides: dict[str, Any]
+) -> None:
+    path = tiny_checkpoint_factory(arch, **overrides)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    prompts = _prompts(model.config.vocab_size)[:6]
+    tokens, logprobs = [], []
+    for prompt in prompts:
+        new_tokens, logits = hf_greedy(model, prompt, NUM_NEW_TOKENS)
+        tokens.append(new_tokens)
+        logprobs.append([torch.log_softmax(step.float(), -1) for step in logits])
+    reference = {"prompts": prompts, "tokens": tokens, "logprobs": logprobs}
+    _check(reference, LLM(str(path), dtype="float32").generate(prompts, _params()))
