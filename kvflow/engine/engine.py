@@ -75,11 +75,12 @@ class LLMEngine:
         )
         if self.parallel is not None:
             heads, all_heads = loaded.model.config.num_key_value_heads, loaded.arch.num_key_value_heads
-            self.kv_pool_summary += (
-                f"; per rank of {self.parallel.world_size} (tensor parallel): {heads} of {all_heads} KV "
+            per_rank = (
+                f"per rank of {self.parallel.world_size} (tensor parallel): {heads} of {all_heads} KV "
                 f"heads per layer, {heads / all_heads:.3g}x the bytes per token of one process"
             )
-            logger.info("tensor parallel: every rank holds this pool for its KV heads only")
+            self.kv_pool_summary += f"; {per_rank}"
+            logger.info("KV cache pool above is %s", per_rank)
         self.kv_bytes_per_token = bytes_per_token
         self.num_kv_blocks = num_blocks  # usable blocks (the null block comes on top)
         self.dtype = loaded.dtype
