@@ -189,15 +189,15 @@ class ToolCallStreamer:
         if self.plan.mode == "required":
             return None, self._spans([(s.name, s.arguments) for s in split_required_calls(self.text)])
         assert self.plan.parser is not None
+        # Content up to where a call may start, less trailing whitespace (held back: before a call
+        # it is not content, as the non-streamed message strips it).
+        certain = len(self.text[: self.plan.parser.content_prefix(self.text)].rstrip())
         if not finished:
-            return self._content(self.plan.parser.content_prefix(self.text)), []
+            return self._content(certain), []
         _, calls = final_calls(self.plan, self.text)
         if not calls:
             return self._content(len(self.text)), []
-        # The content before the first call (content_prefix stops where a call starts).
-        return self._content(self.plan.parser.content_prefix(self.text)), self._spans(
-            [(c.name, c.arguments) for c in calls]
-        )
+        return self._content(certain), self._spans([(c.name, c.arguments) for c in calls])
 
     def finish_reason(self, finish_reason: str | None) -> str | None:
         return _tool_finish(finish_reason) if self.called else finish_reason

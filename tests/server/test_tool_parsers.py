@@ -106,9 +106,9 @@ def reassemble(plan: ToolPlan, text: str, piece: int) -> tuple[str, list[ParsedT
 @pytest.mark.parametrize("piece", [1, 3, 1000])
 def test_streamed_calls_reassemble_to_the_final_result(piece: int) -> None:
     auto = ToolPlan("auto", [WEATHER], parser=HermesToolParser())
-    text = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    text = 'Checking.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
     content, calls = reassemble(auto, text, piece)
-    assert content == "Checking." and calls == final_calls(auto, text)[1]
+    assert (content, calls) == final_calls(auto, text) and content == "Checking."
     plain = "no <tool_ call here"
     assert reassemble(auto, plain, piece) == (plain, [])
 

@@ -33,7 +33,7 @@ class HermesToolParser(ToolParser):
             if call is None:  # not a call after all: the whole output is content
                 return ExtractedToolCalls(text, [])
             calls.append(call)
-        content = text[:start].strip()
+        content = text[:start].rstrip()  # leading whitespace stays: a stream has sent it already
         return ExtractedToolCalls(content or None, calls)
 
     def content_prefix(self, text: str) -> int:
