@@ -133,3 +133,29 @@ def test_scheduler_steps_over_requests_waiting_for_their_grammar() -> None:
     compiling.status = RequestStatus.WAITING  # its grammar is ready
     assert "compiling" in [s.request_id for s in scheduler.schedule().scheduled]
     assert not scheduler.waiting
+
+
+def test_speculation_skips_constrained_requests_and_keeps_them_exact(llm: LLM) -> None:
+    """n-gram speculation on: the free request is drafted for, the constrained one is not (its
+    drafts would bypass the grammar), and both give exactly what they give without speculation."""
+    repetitive = "a b c a b c a b c a b c a b c"
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    params = [free, constrained(4, json=PERSON), constrained(5, regex=REGEX)]
+    reference = [o.outputs[0].text for o in llm.generate([repetitive] * 3, params)]
+    spec = LLM(str(bundled_model_dir()), speculative_method="ngram", speculative_auto_disable=False, **ENGINE)
+    outputs = spec.generate([repetitive] * 3, params)
+    assert [o.outputs[0].text for o in outputs] == reference
+    assert spec.llm_engine.spec_stats.num_drafts > 0  # speculation ran, for the free request
+
+
+def test_abort_while_the_grammar_compiles(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.add_request(
+        "waits", PROMPT, constrained(0, json={"type": "object", "properties": {"q": {"type": "integer"}}})
+    )
+    engine.abort_request("waits")  # before any step: it is still WAITING_FOR_GRAMMAR
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("waits", "abort")]
+    assert engine.structured.num_pending == 0
