@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from quant.test_weight_quant import dequantized_checkpoint
+from quant.test_weight_quant import kernel_view
+from safetensors.torch import load_file, save_file
 from test_hf_equivalence import _prompts
 
 from kvflow import LLM, SamplingParams
@@ -71,8 +73,32 @@ def test_decode_runs_only_the_routed_experts(tiny_checkpoint_factory: Callable[.
     assert len(calls) == 4 * len(blocks) * top_k  # each step: exactly top_k experts per block, once each
 
 
-# int4 groups of 32 need in_features multiples of 32: qwen2_moe's shared expert (48) is not one.
-@pytest.mark.parametrize(("method", "arch"), [("int8", "qwen2_moe"), ("int4", "qwen3_moe")])
+# Never quantized: routers (float32) and DeepSeek's kv_b_proj (kept in the model dtype for absorption).
+UNQUANTIZED = (".gate.weight", "shared_expert_gate.weight", "kv_b_proj.weight")
+
+
+def dequantized_checkpoint(src: Path, dst: Path, method: str, group_size: int) -> Path:
+    """tests/quant/test_weight_quant.py's round-trip checkpoint for the projections kvflow quantizes
+    in these families: every 2-D layer weight but UNQUANTIZED (Mixtral's w1/w2/w3 and DeepSeek's
+    kv_a_proj_with_mqa do not end in proj.weight)."""
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.name != "model.safetensors":
+            shutil.copy(item, dst / item.name)
+    tensors = load_file(src / "model.safetensors")
+    for name, tensor in tensors.items():
+        if name.startswith("model.layers.") and tensor.dim() == 2 and not name.endswith(UNQUANTIZED):
+            tensors[name] = kernel_view(tensor, method, group_size).to(tensor.dtype)
+    save_file(tensors, dst / "model.safetensors")
+    return dst
+
+
+# int4 groups of 32 need in_features multiples of 32: qwen2_moe's shared expert (48) and DeepSeek-V3's
+# q_b_proj (q_lora_rank 48) are not.
+@pytest.mark.parametrize(
+    ("method", "arch"),
+    [("int8", "qwen2_moe"), ("int8", "mixtral"), ("int8", "deepseek_v3"), ("int4", "qwen3_moe")],
+)
 def test_weight_quantization_reaches_the_experts(
     tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, method: str, arch: str
 ) -> None:
