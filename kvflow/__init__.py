@@ -13,17 +13,18 @@ if TYPE_CHECKING:
     from kvflow.config import EngineConfig
     from kvflow.llm import LLM
     from kvflow.outputs import RequestOutput
-    from kvflow.sampling_params import SamplingParams
+    from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 
 from kvflow.version import __version__
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 _LOCATIONS = {
     "LLM": "kvflow.llm",
     "EngineConfig": "kvflow.config",
     "RequestOutput": "kvflow.outputs",
     "SamplingParams": "kvflow.sampling_params",
+    "StructuredOutputsParams": "kvflow.sampling_params",
 }
 
 
