@@ -84,6 +84,16 @@ void bind_decode_forward(py::module& m) {
             d.kv_layers.push_back(kv);
           },
           "one decoder layer: norms, linears, and its KV pools (kind 'plain' or a quantized KV dtype)")
+      .def(
+          "set_all_reduce",
+          [](NativeDecoder& d, py::function fn) {
+            // Called from forward (GIL released): the callable runs under the GIL, in place.
+            d.all_reduce = [fn](torch::Tensor& t) {
+              py::gil_scoped_acquire gil;
+              fn(t);
+            };
+          },
+          "tensor parallelism: fn(tensor) sums a row-parallel output over the ranks in place")
       .def("forward", &NativeDecoder::forward, py::call_guard<py::gil_scoped_release>(),
            "hidden [M, H], cos/sin_signed [M, D], slot_mapping [M], kv_slots [M, L], num_keys [M] -> normed hidden");
 }

@@ -233,11 +233,15 @@ torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, to
     torch::Tensor q = torch::empty({M, num_heads, head_dim}, hidden.options());
     rope_and_write_kv(q_in, k_in, v, cos, sin_signed, slot_mapping, kv_layers[i], q);
     const torch::Tensor attn = kv_layers[i].attend(q, kv_slots, num_keys, scale);
-    add_into(hidden, layer.o->forward(attn.reshape({M, q_size})));
+    torch::Tensor o = layer.o->forward(attn.reshape({M, q_size}));
+    if (all_reduce) all_reduce(o);
+    add_into(hidden, o);
     const torch::Tensor gate_up = layer.gate_up->forward(at::rms_norm(hidden, {hidden.size(1)}, layer.post_norm, eps));
     const int64_t I = gate_up.size(1) / 2;
     const torch::Tensor act = at::silu(gate_up.slice(1, 0, I)) * gate_up.slice(1, I);
-    add_into(hidden, layer.down->forward(act));
+    torch::Tensor down = layer.down->forward(act);
+    if (all_reduce) all_reduce(down);
+    add_into(hidden, down);
   }
   return at::rms_norm(hidden, {hidden.size(1)}, final_norm, eps);
 }

@@ -6,6 +6,7 @@
 
 #include <torch/extension.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -73,6 +74,9 @@ struct NativeDecoder {
   torch::Tensor final_norm;
   int64_t num_heads = 0, num_kv_heads = 0, head_dim = 0;
   double eps = 1e-6;
+  // Tensor parallelism (kvflow/parallel/): sums a row-parallel output (o_proj, down_proj) over the
+  // ranks in place before the residual add; unset in one process.
+  std::function<void(torch::Tensor&)> all_reduce;
 
   // Embedded hidden [M, H] -> final-normed hidden [M, H]; writes each row's K/V at slot_mapping.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slot_mapping,

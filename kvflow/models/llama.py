@@ -8,6 +8,7 @@ loader concatenates the checkpoint's separate weights in that order.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -111,9 +112,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         """Decoder layer `index`; families with another block (kvflow/models/moe.py) override it."""
         return DecoderLayer(cfg, dtype)
 
-    def bind_native_decoder(self, kv_store: KVStore) -> bool:
-        """Run decode-only steps over `kv_store` natively from now on; False if some part cannot."""
-        self._native_decoder = build_native_decoder(self, kv_store)
+    def bind_native_decoder(
+        self, kv_store: KVStore, all_reduce: Callable[[torch.Tensor], Any] | None = None
+    ) -> bool:
+        """Run decode-only steps over `kv_store` natively from now on; False if some part cannot.
+        `all_reduce`: a tensor-parallel rank's sum over ranks (kvflow/models/native_decoder.py)."""
+        self._native_decoder = build_native_decoder(self, kv_store, all_reduce)
         self._native_kv_store = kv_store if self._native_decoder is not None else None
         return self._native_decoder is not None
 

@@ -11,6 +11,7 @@ pool in another dtype than the model's) keep the Python path, which is also the 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,16 +44,22 @@ def _native_kv(layer: PlainKVLayer | QuantizedKVLayer) -> tuple[str, list[torch.
     return q.kind, [q.key_data, q.value_data, q.key_scale, q.value_scale, q.key_zero, q.value_zero]
 
 
-def build_native_decoder(model: Any, kv_store: KVStore) -> Any | None:
+def build_native_decoder(
+    model: Any, kv_store: KVStore, all_reduce: Callable[[torch.Tensor], Any] | None = None
+) -> Any | None:
     """The model's decoder layers over `kv_store` as one native call, or None (with the reason logged)
     when some part has only a torch path. `model` is a LlamaFamilyForCausalLM (not imported: it imports
-    this module)."""
+    this module). `all_reduce`: a tensor-parallel rank's in-place sum over ranks, called on o_proj's
+    and down_proj's outputs (kvflow/parallel/); a model with row-parallel layers needs it."""
     unsupported = getattr(model, "native_decode_unsupported", None)
     if unsupported:  # a family whose layers the C++ forward does not have (MoE, latent attention)
         logger.info("native decode off: %s", unsupported)
         return None
     classes = native_decoder_classes()
     if classes is None or model.dtype != torch.bfloat16:
+        return None
+    if all_reduce is None and any(getattr(m, "all_reduce_after", False) for m in model.modules()):
+        logger.info("native decode off: row-parallel layers and no all-reduce given")
         return None
     cfg = model.config
     decoder = classes.decoder(
@@ -77,4 +84,6 @@ def build_native_decoder(model: Any, kv_store: KVStore) -> Any | None:
             kv[0],
             kv[1],
         )
+    if all_reduce is not None:
+        decoder.set_all_reduce(all_reduce)
     return decoder

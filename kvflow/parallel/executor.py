@@ -250,12 +250,16 @@ class TensorParallelDriver:
             )
         cache = self.config.cache_config
         self._send_all(KVSpec(kv_store.num_blocks, kv_store.block_size, cache.kv_cache_dtype))
-        if not mc.enforce_eager:
-            logger.info(
-                "native decode off with tensor parallelism: its one-call decode forward has no all-reduce "
-                "between layers; decode runs the Python layers with the collectives"
-            )
-        return DriverModelRunner(self, model, kv_store, eos_token_ids, seed)
+        runner = DriverModelRunner(self, model, kv_store, eos_token_ids, seed)
+        if not mc.enforce_eager:  # the workers decide alike: same weights, same kernels
+            runner.native_decode = model.bind_native_decoder(kv_store, self.ctx.comm.all_reduce)
+        logger.info(
+            "tensor parallel decode: %s",
+            "native, all-reducing o_proj and down_proj from inside the one-call forward"
+            if runner.native_decode
+            else "Python layers (the native decode forward is off)",
+        )
+        return runner
 
     def _send_all(self, message: object) -> None:
         for rank, conn in self.conns.items():
@@ -364,7 +368,8 @@ def _shutdown(
 
 class DriverModelRunner(ModelRunner):
     """The model runner of rank 0: each step goes to the workers first, then through rank 0's
-    shard as usual (kvflow/worker/model_runner.py); any failure is the engine's end (module docstring)."""
+    shard as usual (kvflow/worker/model_runner.py); any failure is the engine's end (module docstring).
+    Built eager; TensorParallelDriver.model_runner binds the native decode forward with the all-reduce."""
 
     def __init__(
         self,

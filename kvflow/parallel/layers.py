@@ -12,14 +12,20 @@ quantized) linears over its output rows, built at the per-rank size (sharding.py
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvflow.kernels import NativeDecoderClasses
 from kvflow.parallel.communicator import Communicator
 
 
 class RowParallelLinear(nn.Module):
+    # The native decode forward must all-reduce this layer's output (kvflow/models/native_decoder.py).
+    all_reduce_after = True
+
     def __init__(self, linear: nn.Module, comm: Communicator) -> None:
         super().__init__()
         self.linear = linear  # quantize_model swaps this child too (it is a Linear until then)
@@ -27,6 +33,11 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in / N] -> [T, out], summed over ranks
         return self.comm.all_reduce(self.linear(x))
+
+    def native(self, classes: NativeDecoderClasses) -> Any | None:
+        """The local part for the native decode forward, which all-reduces its output itself."""
+        native = getattr(self.linear, "native", None)
+        return None if native is None else native(classes)
 
 
 class VocabParallelEmbedding(nn.Module):

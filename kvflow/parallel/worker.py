@@ -113,6 +113,8 @@ def _serve(config: EngineConfig, ctx: ParallelContext, conn: Connection) -> None
         kv_store.num_bytes / 2**20,
         a.num_key_value_heads,
     )
+    if not mc.enforce_eager:  # as rank 0 does (executor.py): the collectives come in the same order
+        model.bind_native_decoder(kv_store, ctx.comm.all_reduce)
     _loop(model, kv_store, conn)
 
 

@@ -174,3 +174,18 @@ def test_bf16_rounding_within_bf16_error(
     gaps = _logprob_gaps(expected, _run(tp_engine(model_dir, **ENGINE, **kwargs), work))
     assert len(gaps) > 100
     assert max(gaps) <= tolerance
+
+
+def test_native_decode_forward_matches_python_layers(
+    tiny_checkpoint_factory: Callable[..., Path], tp_engine: Callable[..., LLMEngine]
+) -> None:
+    """bf16 TP=2 decode through the one-call native forward (which calls the all-reduce between its
+    layers) gives the Python layers' tokens and logprobs bit for bit, as it does in one process."""
+    model_dir = tiny_checkpoint_factory("qwen3", **WIDE)
+    work = _workload(512, logprobs=5)
+    native_engine = tp_engine(model_dir, dtype="bfloat16", **ENGINE)
+    assert native_engine.model_runner.native_decode
+    native = _run(native_engine, work)
+    python = _run(tp_engine(model_dir, dtype="bfloat16", enforce_eager=True, **ENGINE), work)
+    assert native.tokens == python.tokens
+    assert native.logprobs == python.logprobs
