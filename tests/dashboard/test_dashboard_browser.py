@@ -27,7 +27,7 @@ from kvflow.server.spawn import spawn_server, stop_server
 CHROMIUM = os.environ.get("KVFLOW_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
 SCREENSHOT = Path(__file__).resolve().parents[2] / "docs" / "dashboard.png"
 NUM_SHORT = 8  # the issue's 8 concurrent requests
-SHORT_TOKENS = 400
+SHORT_TOKENS = 300
 LONG_TOKENS = 900  # of the bundled model's 1024-token context; aborted long before it ends
 WAIT_S = 30.0
 
@@ -110,6 +110,19 @@ def page_state(page: Page) -> dict[str, Any]:
     )
 
 
+def page_shows_step_with(page: Page, num_used: int) -> bool:
+    """Whether one of the steps the page holds left `num_used` blocks in use."""
+    return bool(
+        page.evaluate(
+            """(n) => {
+              const S = window.kvflowDashboard, i = S.F.step.kv_usage;
+              return S.steps.some((row) => Math.round(row[i] * S.config.num_blocks) === n);
+            }""",
+            num_used,
+        )
+    )
+
+
 def running_alone(page: Page) -> list[str] | None:
     running = page_state(page)["running"]
     return running if len(running) == 1 else None
@@ -137,13 +150,10 @@ def test_dashboard_in_a_browser(live: str, browser: Browser) -> None:
     assert before["numBlocks"] > 0
 
     # Requests arrive one by one: the Gantt gains a row for each.
-    threads = [
-        threading.Thread(
-            target=stream_completion,
-            args=(live, f"request {i}: " + "tell me more " * (4 + 8 * (i % 3)), SHORT_TOKENS),
-        )
-        for i in range(NUM_SHORT)
-    ]
+    # One system prompt for all (its blocks are shared), then each request's own text.
+    system = "You are a helpful assistant who answers in Python. " * 6
+    prompts = [system + f"request {i}: " + "tell me more " * (4 + 30 * (i % 3)) for i in range(NUM_SHORT)]
+    threads = [threading.Thread(target=stream_completion, args=(live, p, SHORT_TOKENS)) for p in prompts]
     seen_consistent = 0
     max_used = 0
     for i, thread in enumerate(threads):
@@ -153,6 +163,9 @@ def test_dashboard_in_a_browser(live: str, browser: Browser) -> None:
         max_used = max(max_used, state["used"])
         # The map shown and the step it was taken after agree on the blocks in use.
         seen_consistent += state["mapUsed"] == state["stepUsed"] == state["used"]
+    # /metrics under load: the blocks in use it reports are those of a step the page has drawn.
+    in_use = metrics_used_blocks(live)
+    wait_for(f"a step with {in_use} blocks in use on the page", lambda: page_shows_step_with(page, in_use))
     time.sleep(0.5)  # the screenshot: the eight at work
     SCREENSHOT.parent.mkdir(exist_ok=True)
     page.screenshot(path=str(SCREENSHOT))

@@ -329,15 +329,16 @@
       scales: { x: { time: false }, pct: { range: [0, 100] }, n: { range: (u, lo, hi) => [0, Math.max(1, hi)] } },
       axes: [secondsAgoAxis, { scale: "pct", label: "KV used %", size: 44 }, { scale: "n", side: 1, grid: { show: false }, size: 36 }],
       series: [{}, { label: "KV used % (max)", scale: "pct", stroke: C.decode, width: 2 },
+        { label: "running (max)", scale: "n", stroke: C.finished, width: 1.5 },
         { label: "waiting (max)", scale: "n", stroke: C.queued, width: 1.5 },
         { label: "preemptions", scale: "n", stroke: C.preempted, fill: C.preempted, paths: uPlot.paths.bars({ size: [0.8, 12] }) }],
-    }, [xs, rows.map((r) => 100 * r[F.kv_usage_max]), rows.map((r) => r[F.waiting_max]), rows.map((r) => r[F.preemptions])]);
+    }, [xs, rows.map((r) => 100 * r[F.kv_usage_max]), rows.map((r) => r[F.running_max]), rows.map((r) => r[F.waiting_max]),
+      rows.map((r) => r[F.preemptions])]);
     chart("throughput-chart", {
       scales: { x: { time: false }, y: { range: (u, lo, hi) => [0, Math.max(1, hi)] } },
       axes: [secondsAgoAxis, { label: "tokens/s", size: 50 }],
-      series: [{}, { label: "output", stroke: C.decode, width: 2 }, { label: "prefill", stroke: C.prefill, width: 1.5 },
-        { label: "running (max)", stroke: C.finished, width: 1, dash: [4, 3] }],
-    }, [xs, rows.map((r) => r[F.output_tokens]), rows.map((r) => r[F.prefill_tokens]), rows.map((r) => r[F.running_max])]);
+      series: [{}, { label: "output", stroke: C.decode, width: 2 }, { label: "prefill", stroke: C.prefill, width: 1.5 }],
+    }, [xs, rows.map((r) => r[F.output_tokens]), rows.map((r) => r[F.prefill_tokens])]);
   }
 
   // The percentile of kvflow/stats.py: linear interpolation between order statistics.
