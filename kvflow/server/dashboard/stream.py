@@ -62,8 +62,8 @@ class EventStreamResponse(Response):
             for task in pending:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-            if writer in done:
-                writer.result()  # a send error surfaces here
+            if writer in done and not isinstance(writer.exception(), OSError):
+                writer.result()  # a bug surfaces; a client gone mid-write (OSError) is just gone
         finally:
             self.hub.unsubscribe(sub)
 
