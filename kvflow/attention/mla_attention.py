@@ -11,8 +11,9 @@ and v (W_UV [H, dv, C]); k_pe is shared by all heads. For a query q = [q_nope | 
    q_lat = [W_UK^T q_nope | q_pe] [B, H, L], attention runs over the cached latents directly as one
    "KV head" of width L whose value is the c_kv part (the H heads folded into the query-length
    axis), and W_UV is applied to the [B, H, C] result. The context's K/V are never materialised:
-   a step reads L values per context token per layer, whatever H is.
-   Unabsorbed (`absorb=False`, the reference and the benchmark's baseline): the context latents
+   a step reads L values per context token per layer, whatever H is. W_UK and W_UV^T are kept
+   contiguous next to kv_b (absorbed_weights: half of kv_b's bytes again).
+   Unabsorbed (no `absorbed` weights, the reference and the benchmark's baseline): the context latents
    are up-projected to per-head K/V [B, Lk, H, dn + dr] / [.., dv] every step.
 3. Prefill chunks expand (compute-bound, so the up-projection is cheap next to attention): their
    context latents -> K/V of every head, one SDPA call per chunk with the explicit mask.
@@ -39,27 +40,35 @@ def _expand(
     return k, v
 
 
+def absorbed_weights(kv_b: torch.Tensor, num_heads: int, dn: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b [H * (dn + dv), C] -> (W_UK [H, dn, C], W_UV^T [H, C, dv]), contiguous: the batched
+    matmuls of absorbed decode run ~10x slower on the strided views of kv_b (measured, bf16)."""
+    w = kv_b.view(num_heads, -1, kv_b.shape[1])  # [H, dn + dv, C]
+    return w[:, :dn].contiguous(), w[:, dn:].transpose(1, 2).contiguous()
+
+
 def _decode_absorbed(
     q_nope: torch.Tensor,
     q_pe: torch.Tensor,
     kv: LatentKVLayer,
     meta: AttentionMetadata,
-    kv_b: torch.Tensor,
+    weights: tuple[torch.Tensor, torch.Tensor],
     scale: float,
 ) -> torch.Tensor:
-    assert meta.decode_kv_slots is not None
-    num_heads, dn = q_nope.shape[1:]
+    assert meta.decode_kv_slots is not None and meta.decode_attend is not None
+    w_uk, w_uv_t = weights  # [H, dn, C], [H, C, dv]
     c = kv.kv_lora_rank
-    w = kv_b.view(num_heads, -1, c)  # [H, dn + dv, C]
-    w_uk, w_uv = w[:, :dn], w[:, dn:]  # [H, dn, C], [H, dv, C]
     q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [B, H, C]
-    q = torch.cat((q_lat, q_pe), dim=-1).unsqueeze(1)  # [B, 1, H, L]: heads on the query axis
+    q = torch.cat((q_lat, q_pe), dim=-1)  # [B, H, L]
     slots = meta.decode_kv_slots  # [B, Lk]
-    latent = kv.gather(slots.reshape(-1)).view(*slots.shape, -1).unsqueeze(1)  # [B, 1, Lk, L]
-    o_lat = F.scaled_dot_product_attention(
-        q, latent, latent[..., :c], attn_mask=meta.decode_attend, scale=scale
-    )  # [B, 1, H, C]
-    return torch.bmm(o_lat[:, 0].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [B, H, dv]
+    latent = kv.gather(slots.reshape(-1)).view(*slots.shape, -1)  # [B, Lk, L]
+    # Scores and softmax written out (as transformers' eager attention: matmul in the model dtype,
+    # softmax in float32): SDPA with the H heads on the query axis and L = 576 is ~10x slower on CPU.
+    scores = torch.bmm(q, latent.transpose(1, 2)).float() * scale  # [B, H, Lk]
+    scores.masked_fill_(~meta.decode_attend.view(slots.shape[0], 1, -1), float("-inf"))
+    probs = scores.softmax(dim=-1).to(latent.dtype)
+    o_lat = torch.bmm(probs, latent[..., :c])  # [B, H, C]
+    return torch.bmm(o_lat.transpose(0, 1), w_uv_t).transpose(0, 1)  # [B, H, dv]
 
 
 def _decode_expanded(
@@ -106,18 +115,19 @@ def mla_attention(
     meta: AttentionMetadata,
     kv_b: torch.Tensor,
     scale: float,
-    absorb: bool = True,
+    absorbed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q_nope [T, H, dn], q_pe [T, H, dr] (rotated), latent [T, L] (k_pe rotated), kv_b [H*(dn+dv), C]
-    -> attention output [T, H, dv]."""
+    -> attention output [T, H, dv]. Decode rows use `absorbed` (absorbed_weights(kv_b)) when given,
+    else re-expand their context."""
     kv.write(latent, meta.slot_mapping)
     nd, dn = meta.num_decode_tokens, q_nope.shape[-1]
     num_tokens, num_heads = q_nope.shape[:2]
     dv = kv_b.shape[0] // num_heads - dn
     out = q_nope.new_empty(num_tokens, num_heads, dv)
     if nd:
-        if absorb:
-            out[:nd] = _decode_absorbed(q_nope[:nd], q_pe[:nd], kv, meta, kv_b, scale)
+        if absorbed is not None:
+            out[:nd] = _decode_absorbed(q_nope[:nd], q_pe[:nd], kv, meta, absorbed, scale)
         else:
             q = torch.cat((q_nope[:nd], q_pe[:nd]), dim=-1)
             out[:nd] = _decode_expanded(q, kv, meta, kv_b, scale, dn)

@@ -24,7 +24,7 @@ from kvflow.arch_config import ArchConfig
 from kvflow.attention.kv_store import KVStore
 from kvflow.attention.latent_kv_layer import LatentKVLayer
 from kvflow.attention.metadata import AttentionMetadata
-from kvflow.attention.mla_attention import mla_attention
+from kvflow.attention.mla_attention import absorbed_weights, mla_attention
 from kvflow.layers.fused_moe import SparseMoE
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
@@ -80,6 +80,13 @@ class MLAAttention(nn.Module):
         # Decode over the latents with W_UK / W_UV folded into query and output (mla_attention.py);
         # False re-expands the context's K/V every step (the reference; benchmarks/moe_mla.py).
         self.absorb = True
+        self._absorbed: tuple[torch.Tensor, torch.Tensor] | None = None  # (W_UK, W_UV^T), once loaded
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._absorbed is None:  # built on first use: kv_b_proj is filled after construction
+            mla = self.mla
+            self._absorbed = absorbed_weights(self.kv_b_proj.weight, self.num_heads, mla.qk_nope_head_dim)
+        return self._absorbed
 
     def _rotate(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if self.mla.rope_interleave:
@@ -112,7 +119,7 @@ class MLAAttention(nn.Module):
             meta,
             self.kv_b_proj.weight,
             mla.softmax_scale,
-            self.absorb,
+            self.absorbed_weights() if self.absorb else None,
         )  # [T, H, dv]
         return self.o_proj(out.reshape(num_tokens, -1))
 
