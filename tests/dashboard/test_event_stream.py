@@ -10,7 +10,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import pytest
@@ -32,6 +32,7 @@ REQUEST_KEYS = {
     "chunks", "preemptions", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms",
     "itl_p50_ms", "itl_p99_ms",
 }  # fmt: skip
+T = TypeVar("T")
 UPDATE_KEYS = {
     "type", "v", "now", "steps", "seconds", "requests", "itl", "running", "waiting", "kv", "totals",
 }  # fmt: skip
@@ -78,15 +79,17 @@ def on_loop(hub: DashboardHub, fn: Callable[[], Any]) -> Any:
     return asyncio.run_coroutine_threadsafe(call(), hub.loop).result(10)
 
 
-def test_event_stream_schema_under_load(server: LiveServer) -> None:
-    dashboard = server.ctx.dashboard
-    assert dashboard is not None
-    num_blocks = server.ctx.engine.engine.num_kv_blocks
-    server.wait_until_idle()
+def frames_during(
+    server: LiveServer, load: Callable[[], T], num_requests: int
+) -> tuple[list[dict[str, Any]], T]:
+    """Every frame of /dashboard/events from its hello until the `num_requests` requests of `load`
+    have finished and nothing runs or waits (the frame of the engine going idle), and what `load`
+    returned. The stream is read in a thread while the load runs, as a browser would."""
     frames: list[dict[str, Any]] = []
-    done = threading.Event()
+    started = threading.Event()
 
     def read() -> None:
+        finished: set[str] = set()
         with (
             httpx.Client(base_url=server.base_url, timeout=60) as client,
             client.stream("GET", "/dashboard/events") as response,
@@ -95,19 +98,25 @@ def test_event_stream_schema_under_load(server: LiveServer) -> None:
             assert response.headers["content-type"].startswith("text/event-stream")
             for frame in sse_frames(response.iter_lines()):
                 frames.append(frame)
-                if done.is_set() and frame["type"] == "update" and not frame["running"] + frame["waiting"]:
-                    return
+                started.set()
+                if frame["type"] == "update":
+                    finished |= {obj["id"] for obj in frame["requests"] if obj["state"] == "finished"}
+                    if len(finished) >= num_requests and not frame["running"] + frame["waiting"]:
+                        return
 
+    server.wait_until_idle()
     reader = threading.Thread(target=read)
     reader.start()
-    deadline = time.monotonic() + 10
-    while not frames and time.monotonic() < deadline:  # the hello first: then the load is seen whole
-        time.sleep(0.02)
-    bodies = send_load(server, NUM_REQUESTS, prefix="schema ")
-    server.wait_until_idle()
-    done.set()
-    reader.join(30)
+    assert started.wait(10)  # the hello first: then the load is seen whole
+    result = load()
+    reader.join(60)
     assert not reader.is_alive()
+    return frames, result
+
+
+def test_event_stream_schema_under_load(server: LiveServer) -> None:
+    num_blocks = server.ctx.engine.engine.num_kv_blocks
+    frames, bodies = frames_during(server, lambda: send_load(server, NUM_REQUESTS, "schema "), NUM_REQUESTS)
 
     hello, updates = frames[0], frames[1:]
     assert hello["type"] == "hello"
@@ -223,19 +232,7 @@ def test_preempted_requests_show_when_they_were_preempted_and_resumed(
     # 3 blocks of 16 tokens; each request (a short prompt + 24 tokens) grows to 2 blocks, so any two
     # decoding at once preempt one another, however the 6 requests happen to overlap.
     server = start_server(served_model_name="preempting", engine={"num_kv_blocks": 3})
-    frames: list[dict[str, Any]] = []
-    with (
-        httpx.Client(base_url=server.base_url, timeout=60) as client,
-        client.stream("GET", "/dashboard/events") as response,
-    ):
-        lines = sse_frames(response.iter_lines())
-        frames.append(next(lines))
-        send_load(server, NUM_REQUESTS, prefix="p ")
-        server.wait_until_idle()
-        for frame in lines:
-            frames.append(frame)
-            if not frame["running"] + frame["waiting"] and frame["totals"]["finished"]:
-                break
+    frames, _ = frames_during(server, lambda: send_load(server, NUM_REQUESTS, "p "), NUM_REQUESTS)
     finished = [obj for f in frames[1:] for obj in f["requests"] if obj["state"] == "finished"]
     preempted = {obj["id"]: obj for obj in finished if obj["preemptions"]}
     num_preemptions = server.metric("num_preemptions_total", model_name=server.model)
@@ -277,3 +274,19 @@ def wait_until(check: Callable[[], bool], timeout: float = 30.0) -> None:
     while not check():
         assert time.monotonic() < deadline, "timed out"
         time.sleep(0.02)
+
+
+def test_speculative_steps_carry_their_drafts(start_server: Callable[..., LiveServer]) -> None:
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 3, "speculative_auto_disable": False}
+    server = start_server(served_model_name="speculating", engine=spec)
+    # A repetitive prompt: prompt lookup finds n-grams to draft from.
+    prefix = "a b c d a b c d a b c d "
+    frames, bodies = frames_during(server, lambda: send_load(server, 2, prefix), 2)
+    steps = [dict(zip(STEP_FIELDS, row, strict=True)) for f in frames[1:] for row in f["steps"]]
+    drafted = sum(s["spec_draft_tokens"] for s in steps)
+    accepted = sum(s["spec_accepted_tokens"] for s in steps)
+    assert drafted > 0 and 0 <= accepted <= drafted
+    # Accepted drafts are output tokens too: every token of both responses is in some step's row.
+    assert sum(s["output_tokens"] for s in steps) == sum(b["usage"]["completion_tokens"] for b in bodies)
+    seconds = [row for f in frames[1:] for row in f["seconds"]]
+    assert seconds and all(len(row) == len(SECOND_FIELDS) for row in seconds)
