@@ -32,6 +32,8 @@ def _model_json(d: Diagnosis) -> dict[str, Any]:
     return {
         "name": m.name,
         "num_params": m.num_params,
+        "num_active_params": m.num_active_params,  # a MoE token's: top_k routed experts of each layer
+        "kv_latent": m.arch.kv_latent,  # (kv_lora_rank, qk_rope_head_dim) of latent attention, or None
         "weight_dtype": roof.weight_dtype,
         "weight_bytes": m.weight_bytes(roof.weight_dtype),
         "kv_cache_dtype": roof.kv_dtype,
@@ -105,10 +107,15 @@ def _num(value: Any) -> str:
     return str(value)
 
 
+def _active(m: dict[str, Any]) -> str:
+    active = m.get("num_active_params")
+    return f", {active / 1e9:.3g}B active" if active and active != m["num_params"] else ""
+
+
 def text_report(doc: dict[str, Any]) -> str:
     m, r, mem, meas = doc["model"], doc["roofline"], doc["memory"], doc["measured"]
     lines = [
-        f"kvflow doctor: {m['name']} ({m['num_params'] / 1e9:.3g}B params, {m['weight_dtype']} "
+        f"kvflow doctor: {m['name']} ({m['num_params'] / 1e9:.3g}B params{_active(m)}, {m['weight_dtype']} "
         f"{m['weight_bytes'] / 1e9:.3g} GB, KV {m['kv_cache_bytes_per_token']:,.0f} bytes/token) on "
         f"{doc['hardware']['name']}",
         f"  roofline: prefill {r['prefill_ms_per_token']:.4g} ms/token ({r['prefill_bound']}-bound), "

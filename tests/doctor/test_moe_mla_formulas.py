@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.cli import main
 from kvflow.doctor.hardware import NAMED
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.moe_spec import expected_experts_touched
@@ -114,3 +115,15 @@ def test_batch_8_what_if_names_the_experts_read() -> None:
     assert "batch 8 reads 7.2 of 8 experts per layer" in what_if.effect
     assert what_if.predicted["moe_experts_read_per_layer"] == pytest.approx(8 * (1 - 0.75**8))
     assert moe_batch_what_if(spec("llama-3-8b"), "bfloat16", 1) is None
+
+
+def test_calculator_report_names_active_parameters_and_the_latent(tmp_path: Path) -> None:
+    for name in ("qwen3-30b-a3b", "deepseek-v3"):
+        model_dir = tmp_path / name
+        model_dir.mkdir()
+        (model_dir / "config.json").write_text((CONFIGS / f"{name}.json").read_text())
+        out = tmp_path / f"{name}.json"
+        assert main(["doctor", str(model_dir), "--hardware", "h100", "--json", "--output", str(out)]) == 0
+        model = json.loads(out.read_text())["model"]
+        assert model["num_active_params"] == spec(name).num_active_params < model["num_params"]
+    assert model["kv_latent"] == [512, 64] and model["kv_cache_bytes_per_token"] == 70_272
