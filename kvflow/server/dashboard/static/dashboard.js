@@ -68,7 +68,8 @@
       S.F[kind] = Object.fromEntries(names.map((name, i) => [name, i]));
     }
     S.steps = []; S.seconds = new Map(); S.requests = new Map(); S.itl = []; S.kv = null;
-    $("model").textContent = hello.config.model;
+    $("model").textContent = hello.config.model.split("/").filter(Boolean).pop() || hello.config.model;
+    $("model").title = hello.config.model;
     $("doctor-link").hidden = !hello.config.doctor;
   }
 
@@ -300,7 +301,7 @@
     $("kv-used").textContent = used;
     $("kv-cached").textContent = kv ? kv.cached_free : 0;
     $("kv-shared").textContent = kv ? kv.shared : 0;
-    $("kv-free").textContent = n - used;
+    $("kv-free").textContent = n - used - (kv ? kv.cached_free : 0); // used + cached + free = all blocks
     $("kv-caption").textContent = `(${n} blocks of ${S.config.block_size} tokens, ${fmt((100 * used) / n, 0)}% used)`;
     void h;
   }
@@ -308,11 +309,14 @@
   // ------------------------------------------------------------------------------- uPlot charts
 
   const charts = {};
-  function chart(id, opts, data) {
+  // `shape` names the chart's series set: when it changes (speculation turned up), the chart is rebuilt.
+  function chart(id, opts, data, shape = "") {
     const el = $(id);
     const width = Math.max(200, el.clientWidth);
+    if (charts[id] && charts[id].shape !== shape) { charts[id].destroy(); delete charts[id]; }
     if (!charts[id]) {
       charts[id] = new uPlot({ width, height: CHART_H, legend: { show: true, live: false }, cursor: { drag: { x: false } }, ...opts }, data, el);
+      charts[id].shape = shape;
     } else {
       if (charts[id].width !== width) charts[id].setSize({ width, height: CHART_H });
       charts[id].setData(data);
@@ -334,11 +338,17 @@
         { label: "preemptions", scale: "n", stroke: C.preempted, fill: C.preempted, paths: uPlot.paths.bars({ size: [0.8, 12] }) }],
     }, [xs, rows.map((r) => 100 * r[F.kv_usage_max]), rows.map((r) => r[F.running_max]), rows.map((r) => r[F.waiting_max]),
       rows.map((r) => r[F.preemptions])]);
+    // With speculative decoding on, the share of draft tokens accepted each second joins the chart.
+    const spec = rows.some((r) => r[F.spec_draft_tokens] > 0);
+    const acceptance = rows.map((r) => (r[F.spec_draft_tokens] ? (100 * r[F.spec_accepted_tokens]) / r[F.spec_draft_tokens] : null));
     chart("throughput-chart", {
-      scales: { x: { time: false }, y: { range: (u, lo, hi) => [0, Math.max(1, hi)] } },
-      axes: [secondsAgoAxis, { label: "tokens/s", size: 50 }],
-      series: [{}, { label: "output", stroke: C.decode, width: 2 }, { label: "prefill", stroke: C.prefill, width: 1.5 }],
-    }, [xs, rows.map((r) => r[F.output_tokens]), rows.map((r) => r[F.prefill_tokens])]);
+      scales: { x: { time: false }, y: { range: (u, lo, hi) => [0, Math.max(1, hi)] }, pct: { range: [0, 100] } },
+      axes: [secondsAgoAxis, { label: "tokens/s", size: 50 },
+        ...(spec ? [{ scale: "pct", side: 1, grid: { show: false }, size: 40, label: "% accepted" }] : [])],
+      series: [{}, { label: "output", stroke: C.decode, width: 2 }, { label: "prefill", stroke: C.prefill, width: 1.5 },
+        ...(spec ? [{ label: "drafts accepted %", scale: "pct", stroke: C.shared, width: 1.5, dash: [4, 3] }] : [])],
+    }, [xs, rows.map((r) => r[F.output_tokens]), rows.map((r) => r[F.prefill_tokens]), ...(spec ? [acceptance] : [])],
+    spec ? "spec" : "");
   }
 
   // The percentile of kvflow/stats.py: linear interpolation between order statistics.
@@ -348,6 +358,7 @@
     return sorted[lo] + (sorted[hi] - sorted[lo]) * (k - lo);
   }
 
+  const histTop = {};
   function histogram(id, captionId, values, label) {
     const sorted = Float64Array.from(values).sort();
     const p50 = percentile(sorted, 50), p99 = percentile(sorted, 99);
@@ -369,8 +380,9 @@
         ctx.beginPath(); ctx.moveTo(x, u.bbox.top); ctx.lineTo(x, u.bbox.top + u.bbox.height); ctx.stroke(); ctx.restore();
       }
     };
+    histTop[id] = top; // read by the x range on every redraw (a fixed range would keep the first one)
     chart(id, {
-      scales: { x: { time: false, range: [0, top] }, y: { range: (u, lo, hi) => [0, Math.max(1, hi)] } },
+      scales: { x: { time: false, range: () => [0, histTop[id]] }, y: { range: (u, lo, hi) => [0, Math.max(1, hi)] } },
       axes: [{ label: label + " (ms)", values: (u, t) => t.map((v) => fmt(v, v < 10 ? 1 : 0)) }, { label: "count", size: 44 }],
       series: [{ label: "ms", value: (u, v) => fmt(v, 1) },
         { label: "requests", stroke: C.decode, fill: C.decode + "aa", paths: uPlot.paths.bars({ size: [0.95, 40] }) }],
