@@ -54,7 +54,9 @@ def _one(*names: str) -> Source:
     return tuple((name,) for name in names)
 
 
-def _vllm_like(p: str, family: str, step_kinds: bool) -> ServerNames:
+def _vllm_like(
+    p: str, family: str, step_kinds: bool, extra_histograms: dict[str, Source] | None = None
+) -> ServerNames:
     return ServerNames(
         family,
         p,
@@ -76,6 +78,7 @@ def _vllm_like(p: str, family: str, step_kinds: bool) -> ServerNames:
             "e2e": _one(p + "e2e_request_latency_seconds"),
             "queue_time": _one(p + "request_queue_time_seconds"),
             "prefill_time": _one(p + "request_prefill_time_seconds"),
+            **(extra_histograms or {}),
         },
         gauges={
             "running": _one(p + "num_requests_running"),
@@ -89,7 +92,13 @@ def _vllm_like(p: str, family: str, step_kinds: bool) -> ServerNames:
 _S = "sglang:"
 _L = "llamacpp:"
 SERVERS: tuple[ServerNames, ...] = (
-    _vllm_like("kvflow:", "kvflow", step_kinds=True),
+    _vllm_like(
+        "kvflow:",
+        "kvflow",
+        step_kinds=True,
+        # Structured output's wait for a grammar (kvflow only; read when present, never listed as a gap).
+        extra_histograms={"grammar_compile": _one("kvflow:grammar_compile_time_seconds")},
+    ),
     _vllm_like("vllm:", "vllm", step_kinds=False),
     ServerNames(
         "sglang",

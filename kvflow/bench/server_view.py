@@ -203,6 +203,8 @@ def _section(
         "itl_ms": read.histogram("itl"),
         "e2e_ms": read.histogram("e2e"),
         "queue_time_ms": read.histogram("queue_time"),
+        # kvflow: structured-output requests' wait for their grammar (part of their queue time).
+        "grammar_compile_ms": read.histogram("grammar_compile"),
         "prefill_time_ms": prefill,
         "step_time_ms": read.step_times(),
         # Each slot's time per generated token, averaged: one decode step of the batch it was in.

@@ -18,6 +18,9 @@ from kvflow.doctor.what_ifs import (
 )
 
 QUEUE_DOMINANT_SHARE = 0.5  # queueing is the larger part of TTFT
+# Structured output: a grammar wait of this share of TTFT is worth a finding (a cached grammar costs
+# microseconds, so a large wait means schemas that keep changing, or very large ones).
+GRAMMAR_COMPILE_SHARE = 0.1
 KV_FULL = 0.9  # KV usage at which admission waits for blocks
 
 
@@ -41,6 +44,7 @@ def _ttft_evidence(d: Diagnosis) -> dict[str, Any]:
         "kv_usage_max": run.gauge("kv_usage"),
         "max_num_seqs": d.settings.max_num_seqs,
         "max_num_batched_tokens": d.settings.max_num_batched_tokens,
+        "grammar_compile_ms_mean": run.grammar_compile_ms,
     }
 
 
@@ -121,6 +125,9 @@ def check_ttft(d: Diagnosis) -> Finding:
     what_ifs = [w for w in (cache,) if w is not None]
     if run.prompt_p95 > (d.settings.max_num_batched_tokens or math.inf):  # prompts take several chunks
         what_ifs += budget_what_ifs(d, (2.0,))
+    grammar = run.grammar_compile_ms
+    if grammar and run.ttft_p50_ms and grammar >= GRAMMAR_COMPILE_SHARE * run.ttft_p50_ms:
+        return _grammar_finding(d, grammar, evidence, what_ifs)
     queue = run.queue_ms
     # Waiting for the step in progress to end is queue time too, but no queue: long steps cause it.
     in_progress = d.step_in_progress_ms()
@@ -152,6 +159,36 @@ def check_ttft(d: Diagnosis) -> Finding:
         summary = f"roofline prefill of a {run.prompt_p50:,.0f}-token prompt: {ttft:,.1f} ms"
         return TTFT.answer("info", summary, "calculator mode: no measurement", evidence, what_ifs)
     return _prefill_finding(d, evidence, what_ifs)
+
+
+def _grammar_finding(
+    d: Diagnosis, grammar: float, evidence: dict[str, Any], what_ifs: list[WhatIf]
+) -> Finding:
+    """Structured-output requests wait for their grammar to compile (kvflow/structured/): compiled
+    grammars are cached by their text, so the wait is new or changing schemas (or very large ones)."""
+    ttft = d.run.ttft_p50_ms or grammar
+    cause = Cause(
+        "grammar_compile",
+        grammar,
+        f"grammar compilation is {grammar / ttft:.0%} of TTFT ({grammar:,.1f} ms mean wait of "
+        f"structured-output requests, p50 TTFT {ttft:,.1f} ms)",
+        None,
+    )
+    fix = WhatIf(
+        "reuse JSON schemas / tool sets across requests (compiled grammars are cached by their text) "
+        "and keep them small",
+        f"p50 TTFT {ttft:,.1f} -> about {max(ttft - grammar, 0.0):,.1f} ms with cached grammars",
+        {"ttft_p50_ms": max(ttft - grammar, 0.0)},
+        method="TTFT minus the measured grammar wait (a cached grammar costs microseconds)",
+    )
+    return TTFT.answer(
+        "warning",
+        cause.summary,
+        "structured-output requests wait for their grammar to compile",
+        evidence,
+        [fix, *what_ifs],
+        [cause],
+    )
 
 
 def _prefill_finding(d: Diagnosis, evidence: dict[str, Any], what_ifs: list[WhatIf]) -> Finding:

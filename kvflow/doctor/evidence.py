@@ -71,6 +71,11 @@ class RunEvidence:
         return (self.server.get("queue_time_ms") or {}).get("mean")
 
     @property
+    def grammar_compile_ms(self) -> float | None:
+        """Mean wait of structured-output requests for their grammar (kvflow only; None without)."""
+        return (self.server.get("grammar_compile_ms") or {}).get("mean")
+
+    @property
     def prefill_ms(self) -> float | None:
         return (self.server.get("prefill_time_ms") or {}).get("mean")
 
