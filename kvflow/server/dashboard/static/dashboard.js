@@ -39,8 +39,9 @@
     params.delete("api_key");
     history.replaceState(null, "", location.pathname + (params.toString() ? "?" + params : ""));
   }
+  // The cookie set with the page carries the key; the event stream also gets it in its URL (never
+  // shown) in case cookies are blocked. Links a user sees never carry it.
   const withKey = (url) => (key ? url + "?api_key=" + encodeURIComponent(key) : url);
-  $("doctor-link").href = withKey("/dashboard/doctor");
 
   function connect() {
     const source = new EventSource(withKey("/dashboard/events"));
