@@ -42,7 +42,7 @@ def request_state(request: Request) -> str:
     """The Gantt colour of an unfinished request (schema.REQUEST_STATES)."""
     if request.status == RequestStatus.PREEMPTED:
         return "preempted"
-    if request.status == RequestStatus.WAITING:
+    if request.status != RequestStatus.RUNNING:  # waiting for a slot, or for its grammar to compile
         return "queued"
     # A decoding request has computed all but its last sampled token.
     return "prefill" if request.num_computed_tokens < request.num_tokens - 1 else "decode"
