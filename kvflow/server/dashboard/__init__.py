@@ -14,5 +14,5 @@ window.py    the per-second series and the window's pruning
 stream.py    the SSE response (keep-alives, disconnects, a dropped client's connection closed)
 routes.py    the routes: the page, its static files, the event stream, the doctor's view
 doctor_window.py  the window as a `kvflow bench` result, for the doctor (passed in from above)
-static/      the page (HTML/JS/CSS) and the vendored uPlot (MIT, its licence beside it)
+static/      the page (HTML/JS/CSS) and uPlot 1.6.32 as published on npm (MIT, its licence beside it)
 """
