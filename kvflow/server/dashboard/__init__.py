@@ -13,6 +13,7 @@ hub.py       the event-loop side: the last N minutes kept for new clients, one b
 window.py    the per-second series and the window's pruning
 stream.py    the SSE response (keep-alives, disconnects, a dropped client's connection closed)
 routes.py    the routes: the page, its static files, the event stream, the doctor's view
-doctor_window.py  the window as a `kvflow bench` result, for the doctor (passed in from above)
+doctor_window.py  what the doctor view is handed (plain data; the doctor is passed in from above)
+setup.py     one Dashboard per server: the recorder subscribed to the engine, the hub, the routes
 static/      the page (HTML/JS/CSS) and uPlot 1.6.32 as published on npm (MIT, its licence beside it)
 """
