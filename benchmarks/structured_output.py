@@ -155,8 +155,10 @@ def main() -> None:
         scenario(engine, constraint, args.concurrency, 8)
     gaps: dict[str, list[float]] = {name: [] for name in SCENARIOS}
     rates: dict[str, list[float]] = {name: [] for name in SCENARIOS}
-    for _ in range(args.rounds):  # interleaved rounds: drift hits every scenario alike
-        for name, constraint in SCENARIOS.items():
+    names = list(SCENARIOS)
+    for r in range(args.rounds):  # interleaved rounds, order rotated: drift hits every scenario alike
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            constraint = SCENARIOS[name]
             g, rate = scenario(engine, constraint, args.concurrency, args.output_len)
             gaps[name] += g
             rates[name].append(rate)
