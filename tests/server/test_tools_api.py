@@ -239,3 +239,29 @@ def test_compile_time_histogram(server: LiveServer, client: openai.OpenAI) -> No
     assert server.metric("grammar_compile_time_seconds_count", model_name=MODEL) == before + 1
     with httpx.Client(base_url=server.base_url) as http:
         assert "kvflow:grammar_compile_time_seconds_bucket" in http.get("/metrics").text
+
+
+def test_auto_extracts_a_hermes_call_streamed_and_not(client: openai.OpenAI) -> None:
+    """The model is held (by a regex) to text that contains a Hermes call after some content; `auto`
+    must read it out of the text, the same way streamed and not."""
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "[A-Z]{3}"}}\n</tool_call>'
+    regex = "Sure[a-z ]{0,6}\\.\n" + re.escape(call).replace(re.escape("[A-Z]{3}"), "[A-Z]{3}")
+    request = {"messages": MESSAGES, "tools": TOOLS, "max_tokens": MAX_TOKENS, "seed": 2}
+    response = client.chat.completions.create(model=MODEL, extra_body={"guided_regex": regex}, **request)
+    message = response.choices[0].message
+    assert response.choices[0].finish_reason == "tool_calls"
+    assert message.content is not None and message.content.startswith("Sure")
+    calls = check_calls(message.tool_calls, {"get_time"})
+    content, streamed, finish = "", {}, None
+    for chunk in client.chat.completions.create(
+        model=MODEL, stream=True, extra_body={"guided_regex": regex}, **request
+    ):
+        for choice in chunk.choices:
+            finish = choice.finish_reason or finish
+            content += choice.delta.content or ""
+            for delta in choice.delta.tool_calls or []:
+                name = delta.function.name if delta.function else None
+                entry = streamed.setdefault(delta.index, [name, ""])
+                entry[1] += (delta.function and delta.function.arguments) or ""
+    assert content == message.content and finish == "tool_calls"
+    assert [tuple(v) for _, v in sorted(streamed.items())] == calls
