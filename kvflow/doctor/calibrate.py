@@ -37,9 +37,8 @@ DEFAULT_BLOCK_SIZE = 16
 
 def attention_ratio(model: ModelSpec) -> float:
     """Attention FLOPs per (query token x key) over linear FLOPs per token."""
-    a = model.arch
-    per_key = 4.0 * a.num_hidden_layers * a.num_attention_heads * a.head_dim
-    return per_key / max(2.0 * model.layer_params, 1.0)
+    per_key = model.attention_flops(1, 1)  # one query x one key (latent attention's dims for MLA)
+    return per_key / max(2.0 * model.active_layer_params, 1.0)  # MoE: the experts a token runs
 
 
 def sim_settings(settings: EngineSettings) -> SimSettings | None:
