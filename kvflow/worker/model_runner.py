@@ -33,8 +33,11 @@ def enable_batch_invariance(model: LlamaFamilyForCausalLM, kv_store: KVStore) ->
     row invariance, so a model with a part on a torch path is refused."""
     model.set_batch_invariant()
     if build_native_decoder(model, kv_store) is None:
+        family = getattr(model, "native_decode_unsupported", None)  # MoE / latent attention
         raise ConfigError(
-            "batch_invariant needs every layer on kvflow's native kernels: a bfloat16 model (dtype "
+            f"batch_invariant is not supported for {model.config.architecture}: {family}"
+            if family
+            else "batch_invariant needs every layer on kvflow's native kernels: a bfloat16 model (dtype "
             "bfloat16), a CPU with AVX512-BF16, int4 group sizes 32/64/128, and no act-order parts"
         )
 
