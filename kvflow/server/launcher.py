@@ -81,6 +81,8 @@ def start_quality_probe(engine: LLMEngine, rate: float, metrics: EngineMetrics) 
     """Load the unquantized weights beside the served ones and start the probe thread."""
     quant, cache = engine.config.quant_config, engine.config.cache_config
     kv_dtype = cache.kv_cache_dtype
+    if engine.parallel is not None:  # the probe would run the sharded model outside the ranks' steps
+        raise ConfigError("--quality-probe-rate is not supported with tensor_parallel_size > 1 yet")
     if not quant.enabled and kv_dtype in ("auto", "bfloat16", "float16"):
         raise ConfigError(
             "--quality-probe-rate needs --quantization or a quantized --kv-cache-dtype to probe"
