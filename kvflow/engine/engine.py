@@ -158,6 +158,10 @@ class LLMEngine:
         Raises InvalidRequestError / PromptTooLongError."""
         params = sampling_params or SamplingParams()
         grammar = StructuredOutputManager.prepare(params)  # a bad schema / regex / grammar raises here
+        if params.prompt_logprobs is not None and self.parallel is not None:
+            # The workers compute the LM head's shards only for the rows rank 0 samples (the step
+            # message carries no prompt-logprob rows): an extra gather on rank 0 would wait forever.
+            raise InvalidRequestError("prompt_logprobs is not supported with tensor parallelism yet")
         text, prompt_ids = self._tokenize(prompt, add_special_tokens)
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty")
