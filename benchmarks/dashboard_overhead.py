@@ -125,30 +125,49 @@ class SSEWatcher:
 
 
 class BrowserWatcher:
-    """The real page in headless Chromium (Debian's), rendering every frame."""
+    """The real page in headless Chromium (Debian's), rendering every frame. Playwright's sync API
+    runs an event loop of its own, so the browser lives in a thread (the load runs its own loop)."""
 
     def __init__(self, base: str) -> None:
         self.base = base
         self.frames = 0
-        self.bytes = 0
+        self.bytes = 0  # not seen from outside the page
+        self._ready = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> BrowserWatcher:
-        from playwright.sync_api import sync_playwright
-
-        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-        if chromium is None:
-            raise SystemExit("--browser needs Debian's chromium (apt-get install chromium)")
-        self._pw = sync_playwright().start()
-        self._browser = self._pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
-        self._page = self._browser.new_page(viewport={"width": 1280, "height": 800})
-        self._page.goto(self.base + "/dashboard")
-        self._page.wait_for_function("window.kvflowDashboard.frames > 0")
+        self._thread.start()
+        self._ready.wait(60)
+        if self._error is not None:
+            raise self._error
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.frames = int(self._page.evaluate("window.kvflowDashboard.frames"))
-        self._browser.close()
-        self._pw.stop()
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        from playwright.sync_api import sync_playwright
+
+        chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+        try:
+            if chromium is None:
+                raise SystemExit("--browser needs Debian's chromium (apt-get install chromium)")
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+                page = browser.new_page(viewport={"width": 1280, "height": 800})
+                page.goto(self.base + "/dashboard")
+                page.wait_for_function("window.kvflowDashboard.frames > 0")
+                self._ready.set()
+                while not self._stop.wait(0.1):
+                    page.wait_for_timeout(1)  # let the page's own loop run
+                self.frames = int(page.evaluate("window.kvflowDashboard.frames"))
+                browser.close()
+        except BaseException as exc:
+            self._error = exc
+            self._ready.set()
 
 
 def summary(rounds: list[Round]) -> dict[str, float]:
