@@ -89,8 +89,8 @@ class SparseMoE(nn.Module):
         weights = weights.gather(1, perm)
         if num_tokens == 1:  # single-stream decode: no grouping to do, fewest ops per expert
             acc = torch.zeros(1, x.shape[1], dtype=torch.float32)
-            for expert_id, weight in zip(ids[0].tolist(), weights[0], strict=True):
-                acc += self.experts[expert_id](x).float() * weight
+            for expert_id, weight in zip(ids[0].tolist(), weights[0].tolist(), strict=True):
+                acc.add_(self.experts[expert_id](x), alpha=weight)  # float32 += weight * expert(x)
             return acc.to(x.dtype)
         flat_ids = ids.reshape(-1)  # [T * k]: pair p is token p // k's choice p % k
         order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, tokens in order
