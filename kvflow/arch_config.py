@@ -365,7 +365,8 @@ def _mla_config(cfg: dict[str, Any], arch: str, source: str) -> MLAConfig | None
     if rope_type != "default" and rope.get("mscale_all_dim"):
         # DeepSeek's YaRN: the softmax scale grows with the context extension (transformers'
         # yarn_apply_mscale), on top of the cos/sin attention_factor kvflow/layers/rotary.py applies.
-        mscale = _yarn_mscale(_as_float(rope["factor"], "factor", source), float(rope["mscale_all_dim"]))
+        factor = _as_float(rope.get("factor"), "factor", source)
+        mscale = _yarn_mscale(factor, _as_float(rope["mscale_all_dim"], "mscale_all_dim", source))
         scale *= mscale * mscale
     return MLAConfig(
         kv_lora_rank=_int(cfg, "kv_lora_rank", source),
@@ -380,6 +381,7 @@ def _mla_config(cfg: dict[str, Any], arch: str, source: str) -> MLAConfig | None
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
+    """YaRN's attention temperature (kvflow/layers/rotary.py has the same for cos/sin)."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 

@@ -158,6 +158,7 @@ def _config(tiny_checkpoint_factory: Callable[..., Path], arch: str) -> dict[str
         ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok"),
         ("qwen2_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step"),
         ("mixtral", {"mlp_bias": True}, "mlp_bias"),
+        ("deepseek_v3", {"rope_parameters": {"rope_type": "yarn", "mscale_all_dim": 1.0}}, "factor"),
     ],
 )
 def test_unsupported_variants_name_their_config_key(
