@@ -53,6 +53,8 @@ def stall_shares(d: Diagnosis) -> dict[str, float] | None:
     prompt = (run.counter("prompt_tokens") or 0.0) - (run.counter("prefix_cache_hits") or 0.0)
     computed = d.prefill_tokens_computed() or prompt
     recompute = max(computed - prompt, 0.0) / computed if computed else 0.0
+    if run.preemptions == 0:  # the server counts preemptions and saw none: the excess is window edges
+        recompute = 0.0
     return {"preemption": recompute, "prefill_chunks": 1.0 - recompute}
 
 

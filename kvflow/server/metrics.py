@@ -124,6 +124,16 @@ class EngineMetrics:
             self.request_success.labels(model_name, reason)
         for kind in STEP_KINDS:
             self.step_time.labels(model_name, kind)
+        # A counter that was never incremented must read 0, not be absent: the doctor tells "no
+        # preemptions" (0) from "this server does not say" (absent).
+        for counter in (
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.preemptions,
+            self.prefix_queries,
+            self.prefix_hits,
+        ):
+            counter.labels(model_name)
 
     def _declare_request_histograms(self, f: _Families, max_model_len: int) -> None:
         lat = REQUEST_LATENCY_BUCKETS
