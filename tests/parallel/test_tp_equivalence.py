@@ -14,6 +14,7 @@ and greedy tokens may part only at a near-tie of that size.
 
 from __future__ import annotations
 
+import multiprocessing
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from kvflow.config import ConfigError
 from kvflow.engine.engine import LLMEngine
 from kvflow.outputs import TokenLogprobs
 from kvflow.sampling_params import SamplingParams
@@ -118,9 +120,24 @@ def test_float32_greedy_identical(
 def test_int8_weights_and_int8_kv_identical(
     tiny_checkpoint_factory: Callable[..., Path], tp_engine: Callable[..., LLMEngine]
 ) -> None:
-    """int8 KV is quantized per token and head, so a rank's heads quantize as they do in TP=1."""
+    """int8 KV is quantized per token and head, so a rank's heads quantize as they do in TP=1. The
+    vocabulary (511) does not split evenly: rank 1's part is padded, its padding logits cut."""
     quant = {"quantization": "int8", "quantize_lm_head": True, "kv_cache_dtype": "int8"}
-    _compare_exact(tiny_checkpoint_factory("qwen2", **WIDE), tp_engine, dtype="float32", **quant)
+    model_dir = tiny_checkpoint_factory("qwen2", vocab_size=511, **WIDE)
+    _compare_exact(model_dir, tp_engine, dtype="float32", **quant)
+
+
+def test_refused_size_stops_the_workers(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    """int4 groups of 128 inputs cannot split the fixture's 64 o_proj columns: a clear error, no
+    worker left behind (it is told to stop before it loads anything)."""
+    with pytest.raises(ConfigError, match="int4 group size 128 would be split across ranks"):
+        LLMEngine.from_kwargs(
+            model=str(tiny_checkpoint_factory("llama", **WIDE)),
+            tensor_parallel_size=2,
+            quantization="int4",
+            quantization_group_size=128,
+        )
+    assert not [p for p in multiprocessing.active_children() if p.name.startswith("kvflow-tp-rank")]
 
 
 def test_speculative_verification_identical(
