@@ -44,7 +44,8 @@ class GrammarBitmask:
     """Structured output's allowed tokens for one step (kvflow/structured/manager.py fills it while the
     forward pass runs). `future` resolves to a numpy int32 array [N, ceil(V_tok / 32)]: row
     `rows[request_id]` holds that request's mask, bit b of word w set = token 32 * w + b allowed
-    (vLLM v1's layout); tokens at or past 32 * width (model vocab padding) are never allowed."""
+    (vLLM v1's layout); tokens at or past 32 * width (model vocab padding) are never allowed. A
+    request verifying k drafts has k + 1 rows from there: the mask after each draft prefix."""
 
     rows: dict[str, int]
     future: Future[Any]

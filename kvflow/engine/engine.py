@@ -305,6 +305,7 @@ class LLMEngine:
             return
         started = time.monotonic()
         self.proposer.propose(running)
+        self.structured.check_drafts(running)  # constrained requests: drafts cut where the grammar says no
         self._propose_seconds = time.monotonic() - started
 
     def _process_update(self, update: RequestUpdate, logprobs: list[TokenLogprobs] | None) -> None:

@@ -4,8 +4,8 @@ requests that can be speculated on; the scheduler verifies them in the next step
 Eligible requests are those whose target distribution the verifier reproduces exactly without the
 sampler's history-dependent steps: no penalties (they would change between draft positions), no
 logprobs (reported per position by the plain sampler only), and past min_tokens (no banned
-tokens), no structured output or logit_bias (see `eligible`). Other requests decode one token per
-step as usual, in the same batch.
+tokens), no logit_bias (see `eligible`). Other requests decode one token per step as usual, in the
+same batch.
 """
 
 from __future__ import annotations
@@ -23,9 +23,10 @@ def eligible(request: Request) -> bool:
         not params.has_penalties
         and params.logprobs is None
         and request.num_output_tokens >= params.min_tokens
-        # Structured output and logit_bias change the target distribution per row; the verifier
-        # does not apply them, so those requests decode one token per step (exact, unspeculated).
-        and params.structured_outputs is None
+        # logit_bias changes the target distribution per row and the verifier does not apply it:
+        # those requests decode one token per step (exact, unspeculated). Structured output is
+        # eligible: the engine cuts drafts at the first token the grammar rejects, and the verifier
+        # masks each verified position with the grammar's mask there (structured/manager.py).
         and not params.logit_bias
     )
 

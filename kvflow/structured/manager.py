@@ -15,8 +15,11 @@ Lifecycle of a constrained request (all calls from the engine thread unless note
 The matcher only ever sees output tokens, and a request keeps its outputs through preemption
 (recompute re-prefills prompt + outputs, then samples the next token), chunked prefill (no sampling
 until the last chunk) and prefix hits (KV reuse only): its state needs no rollback in any of them.
-Speculative decoding never drafts for constrained requests (spec_decode/proposer.py): every step
-samples one token per constrained row, so one mask per row suffices.
+Speculative decoding: `check_drafts` cuts a constrained request's drafts at the first token its
+grammar rejects (a rejected draft could only be refused by the verifier anyway); the step then fills
+1 + k masks for it, the grammar's mask after each accepted-draft prefix (the matcher consumes the
+drafts and rolls them back), and the verifier masks each of its k + 1 target rows with them, so the
+accept/reject rule sees exactly the distributions plain decoding would sample from.
 """
 
 from __future__ import annotations
@@ -150,21 +153,40 @@ class StructuredOutputManager:
         """The allowed tokens of every constrained row that samples this step, filled in the mask
         thread. None when no such row. The matchers must not be touched until the result is waited for."""
         rows: dict[str, int] = {}
-        matchers: list[llguidance.LLMatcher] = []
+        work: list[tuple[llguidance.LLMatcher, list[int]]] = []  # (matcher, drafts), 1 + k rows each
+        num_rows = 0
         for scheduled in scheduler_output.scheduled:
             request = requests.get(scheduled.request_id)
             if not scheduled.do_sample or request is None or request.structured_state is None:
                 continue
             matcher = request.structured_state.matcher
             assert matcher is not None, "a constrained request was scheduled before its grammar was ready"
-            rows[scheduled.request_id] = len(matchers)
-            matchers.append(matcher)
-        if not matchers:
+            drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_spec_tokens :]
+            rows[scheduled.request_id] = num_rows
+            num_rows += 1 + len(drafts)
+            work.append((matcher, drafts))
+        if not work:
             return None
         assert self._backend is not None and self._backend.done()
         width = self._backend.result().bitmask_width
-        future = self._fill_pool.submit(_fill, matchers, width)
+        future = self._fill_pool.submit(_fill, work, num_rows, width)
         return GrammarBitmask(rows=rows, future=future)
+
+    @staticmethod
+    def check_drafts(requests: list[Request]) -> None:
+        """Cut each constrained request's drafts (`spec_token_ids`, and `spec_draft_probs` rows with
+        them) at the first token its grammar would reject."""
+        for request in requests:
+            state: RequestGrammar | None = request.structured_state
+            if state is None or state.matcher is None or not request.spec_token_ids:
+                continue
+            num_valid = state.matcher.try_consume_tokens(request.spec_token_ids)
+            if num_valid:
+                state.matcher.rollback(num_valid)
+            if num_valid < len(request.spec_token_ids):
+                request.spec_token_ids = request.spec_token_ids[:num_valid]
+                if request.spec_draft_probs is not None:
+                    request.spec_draft_probs = request.spec_draft_probs[:num_valid] if num_valid else None
 
     @staticmethod
     def accept(request: Request, token_ids: list[int]) -> str | None:
@@ -182,9 +204,19 @@ class StructuredOutputManager:
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _fill(matchers: list[llguidance.LLMatcher], width: int) -> Any:
-    """[N, width] int32: row i = matcher i's allowed tokens (bit set = allowed)."""
-    bitmask = np.empty((len(matchers), width), dtype=np.int32)
-    for row, matcher in enumerate(matchers):
+def _fill(work: list[tuple[llguidance.LLMatcher, list[int]]], num_rows: int, width: int) -> Any:
+    """[num_rows, width] int32 (bit set = allowed): per (matcher, drafts), 1 + len(drafts) rows: the
+    mask now, then after each draft (consumed, then rolled back: the matcher ends where it started)."""
+    bitmask = np.empty((num_rows, width), dtype=np.int32)
+    row = 0
+    for matcher, drafts in work:
         llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+        for draft in drafts:
+            row += 1
+            if not matcher.consume_token(draft):  # check_drafts kept only valid drafts
+                raise RuntimeError(f"draft token {draft} broke the grammar: {matcher.get_error()}")
+            llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+        if drafts:
+            matcher.rollback(len(drafts))
+        row += 1
     return bitmask

@@ -22,6 +22,7 @@ from kvflow.models.native_decoder import build_native_decoder
 from kvflow.outputs import ModelRunnerOutput, TokenLogprobs
 from kvflow.sample.rejection_sampler import sample_one
 from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
+from kvflow.sample.token_bitmask import apply_token_bitmask
 from kvflow.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
 from kvflow.worker.input_batch import build_input_batch
 from kvflow.worker.prompt_logprobs import compute_prompt_logprobs
@@ -200,16 +201,32 @@ class ModelRunner:
         """Accept a prefix of the drafts by the exact rejection rule (spec_decode/rejection_sampler.py).
         logits [k + 1, V]: row i scores draft i, the last row gives the token after all of them.
         The proposer only drafts for requests without penalties, logprobs or banned tokens, so the
-        target distribution is exactly what the plain sampler would draw from."""
+        target distribution is exactly what the plain sampler would draw from; with structured output,
+        once each row is masked by the grammar's mask at its position."""
         drafts = req.token_ids[-req.num_spec_tokens :]
         params = req.sampling_params
+        logits = logits.float()
+        masks = self._draft_bitmasks(req)  # [k + 1, W] or None
+        if masks is not None:
+            logits = logits.clone()  # the step's shared logits stay untouched
+            apply_token_bitmask(logits, torch.arange(logits.shape[0]), masks)
         if params.is_greedy:
-            emitted, _ = sample_one(logits.float(), drafts, None, greedy=True)
+            emitted, _ = sample_one(logits, drafts, None, greedy=True)
             return emitted
-        probs = filtered_probs(logits.float(), [params] * logits.shape[0])
+        probs = filtered_probs(logits, [params] * logits.shape[0])
         generator = self._generator(req) or self.sampler.default_generator
         emitted, _ = sample_one(probs, drafts, req.spec_draft_probs, greedy=False, generator=generator)
         return emitted
+
+    def _draft_bitmasks(self, req: ScheduledRequest) -> torch.Tensor | None:
+        """A constrained request's k + 1 grammar masks (after each draft prefix), or None."""
+        grammar = self._grammar_bitmask
+        if grammar is None or req.request_id not in grammar.rows:
+            return None
+        if self._grammar_bitmask_tensor is None:
+            self._grammar_bitmask_tensor = torch.from_numpy(grammar.array())  # [N, W]
+        start = grammar.rows[req.request_id]
+        return self._grammar_bitmask_tensor[start : start + 1 + req.num_spec_tokens]
 
 
 def _describe(exc: Exception) -> str:

@@ -135,17 +135,29 @@ def test_scheduler_steps_over_requests_waiting_for_their_grammar() -> None:
     assert not scheduler.waiting
 
 
-def test_speculation_skips_constrained_requests_and_keeps_them_exact(llm: LLM) -> None:
-    """n-gram speculation on: the free request is drafted for, the constrained one is not (its
-    drafts would bypass the grammar), and both give exactly what they give without speculation."""
-    repetitive = "a b c a b c a b c a b c a b c"
-    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    params = [free, constrained(4, json=PERSON), constrained(5, regex=REGEX)]
-    reference = [o.outputs[0].text for o in llm.generate([repetitive] * 3, params)]
+def test_speculated_constrained_requests_stay_exact_and_valid(llm: LLM) -> None:
+    """n-gram speculation on: constrained requests are drafted for, their drafts cut where the
+    grammar says no, each verified row masked by the grammar at its position. Greedy outputs equal
+    the unspeculated ones token for token; sampled ones still satisfy their constraint."""
+    prompt = "ha ha ha ha ha ha ha ha"
+    greedy = [
+        SamplingParams(
+            temperature=0.0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex="(ha ){2,12}ho")
+        ),
+        SamplingParams(
+            temperature=0.0, max_tokens=96, structured_outputs=StructuredOutputsParams(json=PERSON)
+        ),
+    ]
+    reference = [o.outputs[0].token_ids for o in llm.generate([prompt] * 2, greedy)]
     spec = LLM(str(bundled_model_dir()), speculative_method="ngram", speculative_auto_disable=False, **ENGINE)
-    outputs = spec.generate([repetitive] * 3, params)
-    assert [o.outputs[0].text for o in outputs] == reference
-    assert spec.llm_engine.spec_stats.num_drafts > 0  # speculation ran, for the free request
+    assert [o.outputs[0].token_ids for o in spec.generate([prompt] * 2, greedy)] == reference
+    stats = spec.llm_engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0  # the constrained requests were speculated
+    sampled = [constrained(s, json=PERSON) for s in range(3)] + [constrained(7, regex=REGEX)]
+    outputs = spec.generate([prompt] * 4, sampled)
+    for out in outputs[:3]:
+        jsonschema.validate(json.loads(out.outputs[0].text), PERSON)
+    assert re.fullmatch(REGEX, outputs[3].outputs[0].text)
 
 
 def test_abort_while_the_grammar_compiles(llm: LLM) -> None:
