@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import platform
 import socket
 import tempfile
 import uuid
@@ -83,9 +84,11 @@ def connect(
     group: Any = dist.ProcessGroupGloo(store, rank, world_size, COLLECTIVE_TIMEOUT)
     store.set(f"host/{rank}", _host_id())
     hosts = {store.get(f"host/{r}").decode() for r in range(world_size)}
-    shm_possible = len(hosts) == 1 and hasattr(os, "sched_yield") and Path("/proc/self/stat").exists()
+    # x86 only: the shared-memory protocol relies on its store ordering (shm_communicator.py).
+    x86 = platform.machine().lower() in ("x86_64", "amd64")
+    shm_possible = len(hosts) == 1 and x86 and hasattr(os, "sched_yield") and Path("/proc/self/stat").exists()
     if backend == "shm" and not shm_possible:
-        raise ConfigError("all_reduce_backend shm needs every rank on this machine (Linux)")
+        raise ConfigError("all_reduce_backend shm needs every rank on this machine (Linux, x86-64)")
     if backend == "gloo" or not shm_possible:
         return group, GlooCommunicator(group, rank, world_size)
     if rank == 0:
