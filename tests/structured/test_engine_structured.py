@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections.abc import Iterator
 
 import jsonschema
@@ -171,3 +172,33 @@ def test_abort_while_the_grammar_compiles(llm: LLM) -> None:
         outputs += engine.step()
     assert [(o.request_id, o.outputs[0].finish_reason) for o in outputs] == [("waits", "abort")]
     assert engine.structured.num_pending == 0
+
+
+def test_a_compiling_grammar_stalls_nobody_else(llm: LLM) -> None:
+    """While a constrained request's grammar compiles (here: held in the compile thread's queue until
+    released), it waits in WAITING_FOR_GRAMMAR and the other requests decode every step."""
+    engine = llm.llm_engine
+    release = threading.Event()
+    blocker = engine.structured._compile_pool.submit(release.wait)  # occupies the one compile thread
+    new_schema = {
+        "type": "object",
+        "properties": {"blocked": {"enum": ["yes"]}},
+        "required": ["blocked"],
+        "additionalProperties": False,
+    }
+    try:
+        engine.add_request("free", PROMPT, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+        engine.add_request("constrained", PROMPT, constrained(0, json=new_schema))
+        free_tokens = 0
+        for _ in range(5):
+            free_tokens += sum(len(o.delta_token_ids) for o in engine.step() if o.request_id == "free")
+            assert engine.scheduler.requests["constrained"].status is RequestStatus.WAITING_FOR_GRAMMAR
+        assert free_tokens == 5  # one token per step, none lost to the waiting grammar
+    finally:
+        release.set()
+        blocker.result()
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert json.loads(finals["constrained"].outputs[0].text) == {"blocked": "yes"}
+    assert finals["constrained"].metrics.grammar_compile_time > 0
