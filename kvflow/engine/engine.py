@@ -157,7 +157,7 @@ class LLMEngine:
         `add_special_tokens=False` for text that already carries them (a rendered chat template).
         Raises InvalidRequestError / PromptTooLongError."""
         params = sampling_params or SamplingParams()
-        grammar = StructuredOutputManager.prepare(params)  # a bad schema / regex / grammar raises here
+        grammar = self.structured.prepare(params)  # a bad schema / regex / grammar raises here
         if params.prompt_logprobs is not None and self.parallel is not None:
             # The workers compute the LM head's shards only for the rows rank 0 samples (the step
             # message carries no prompt-logprob rows): an extra gather on rank 0 would wait forever.

@@ -171,8 +171,9 @@ async def create_chat_completion(
     logprobs = top_n if body.logprobs else None
 
     def prepare() -> tuple[PromptInput, list[Request], ToolPlan]:
-        tools = plan_tools(body, ctx.tool_call_parser, ctx.tokenizer.chat_template)
-        constraint = tools.constraint() or structured_outputs_from(body)
+        validate = ctx.engine.engine.structured.validate
+        tools = plan_tools(body, ctx.tool_call_parser, ctx.tokenizer.chat_template, validate)
+        constraint = tools.constraint() or structured_outputs_from(body, validate)
         prompt = render_chat_prompt(
             ctx, messages, body.add_generation_prompt, body.chat_template_kwargs, tools.template_tools
         )

@@ -220,7 +220,7 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: H
     ctx.limits.check_choices(len(items), body.n)  # before tokenizing what would be refused anyway
 
     def prepare() -> tuple[list[PromptInput], list[Request]]:
-        constraint = structured_outputs_from(body)
+        constraint = structured_outputs_from(body, ctx.engine.engine.structured.validate)
         prompts = _tokenize(ctx, items)
         return prompts, build_requests(
             ctx, ID_PREFIX, prompts, body, body.max_tokens, body.logprobs, arrival, constraint

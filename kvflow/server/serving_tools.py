@@ -33,9 +33,9 @@ from kvflow.server.protocol import (
     NamedToolChoice,
     ToolCall,
 )
+from kvflow.server.structured_request import Validate
 from kvflow.server.tool_parsers import ParsedToolCall, ToolParser, get_tool_parser
 from kvflow.server.tool_parsers.constrained import parameters_schema, required_schema, split_required_calls
-from kvflow.structured import grammar_spec
 
 ToolMode = Literal["none", "auto", "required", "named"]
 TOOL_CALLS_FINISH = "tool_calls"
@@ -70,7 +70,9 @@ def _bad(message: str, param: str) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
 
 
-def plan_tools(body: ChatCompletionRequest, parser_name: str, chat_template: str | None) -> ToolPlan:
+def plan_tools(
+    body: ChatCompletionRequest, parser_name: str, chat_template: str | None, validate: Validate
+) -> ToolPlan:
     """The request's tool plan; 400 for a tool_choice naming no listed tool, tool_choice without
     tools, a forced call together with another output constraint, or a tool schema that cannot compile."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
@@ -106,7 +108,7 @@ def plan_tools(body: ChatCompletionRequest, parser_name: str, chat_template: str
         if (body.response_format is not None and body.response_format.type != "text") or _guided(body):
             raise _bad("a forced tool call cannot be combined with another output constraint", "tool_choice")
         try:
-            grammar_spec(constraint, field="tools")
+            validate(constraint, "tools")
         except InvalidRequestError as exc:
             raise _bad(f"the tools' parameter schemas do not compile: {exc}", "tools") from exc
     return plan

@@ -3,12 +3,14 @@
 Three spellings, at most one per request: OpenAI's `response_format` (text / json_object /
 json_schema), vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object}) and
 vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`. The constraint is
-compiled-checked here (llguidance validates without a tokenizer in about the time of a compile), so
-an invalid schema, an unsupported keyword or a bad regex is a 400 before any engine work.
+checked here by the engine's grammar validation (llguidance, against the model's tokenizer, about
+the time of a compile, once per distinct grammar), so an invalid schema, an unsupported keyword, a
+bad regex or a grammar naming a token the model lacks is a 400 before any engine work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
@@ -16,15 +18,17 @@ from kvflow.errors import InvalidRequestError
 from kvflow.sampling_params import StructuredOutputsParams
 from kvflow.server.errors import APIError
 from kvflow.server.protocol import _SamplingFields
-from kvflow.structured import grammar_spec
 
 
 def _bad(message: str, param: str) -> APIError:
     return APIError(HTTPStatus.BAD_REQUEST, message, param=param)
 
 
-def structured_outputs_from(body: _SamplingFields) -> StructuredOutputsParams | None:
-    """The request's one constraint (validated), or None for free text."""
+Validate = Callable[[StructuredOutputsParams, str], object]  # StructuredOutputManager.validate
+
+
+def structured_outputs_from(body: _SamplingFields, validate: Validate) -> StructuredOutputsParams | None:
+    """The request's one constraint (validated by `validate`, the engine's grammar check), or None."""
     found = _candidates(body)
     if len(found) > 1:
         names = ", ".join(param for param, _ in found)
@@ -34,7 +38,7 @@ def structured_outputs_from(body: _SamplingFields) -> StructuredOutputsParams | 
     param, fields = found[0]
     try:
         params = StructuredOutputsParams(**fields)
-        grammar_spec(params, field=param)
+        validate(params, param)
     except InvalidRequestError as exc:
         raise _bad(str(exc), param) from exc
     return params

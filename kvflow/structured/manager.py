@@ -1,7 +1,8 @@
 """StructuredOutputManager: compile off the engine thread, cache by grammar, fill masks, advance.
 
 Lifecycle of a constrained request (all calls from the engine thread unless noted):
-  prepare(params)        any thread: build + validate the grammar (InvalidRequestError -> HTTP 400)
+  validate / prepare     any thread: build + validate the grammar, against the tokenizer too
+                         (InvalidRequestError -> HTTP 400)
   submit(request)        status WAITING_FOR_GRAMMAR; its compile is queued in the compile thread,
                          or found in the cache (one compile per distinct grammar, even concurrent)
   poll(request)          at the start of each step: once compiled, the request gets its own matcher
@@ -24,6 +25,7 @@ accept/reject rule sees exactly the distributions plain decoding would sample fr
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -33,8 +35,9 @@ import llguidance
 import llguidance.numpy as llg_numpy
 import numpy as np
 
+from kvflow.errors import InvalidRequestError
 from kvflow.request import Request, RequestStatus
-from kvflow.sampling_params import SamplingParams
+from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.scheduler_output import GrammarBitmask, SchedulerOutput
 from kvflow.structured.backend import GrammarBackend
 from kvflow.structured.grammar_spec import GrammarSpec, grammar_spec
@@ -69,15 +72,38 @@ class StructuredOutputManager:
         self._backend: Future[GrammarBackend] | None = None
         self._cache: OrderedDict[str, Future[llguidance.LLMatcher]] = OrderedDict()
         self._pending: dict[str, Request] = {}  # WAITING_FOR_GRAMMAR, by request id
+        # Grammars already validated against the tokenizer (request threads read and add; the lock
+        # also guards the backend's creation, which any thread may start).
+        self._validated: OrderedDict[str, None] = OrderedDict()
+        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------------------- admission
 
-    @staticmethod
-    def prepare(params: SamplingParams) -> RequestGrammar | None:
+    def validate(self, params: StructuredOutputsParams, field: str | None = None) -> GrammarSpec:
+        """Any thread. The grammar, checked as the compile thread will build it: shape and syntax
+        first, then against the tokenizer (special tokens and token ids a grammar names must exist),
+        once per distinct grammar. Raises InvalidRequestError("<field>: <reason>"). The first call
+        waits for the tokenizer's setup (~0.7 s for a 151k vocabulary, once per engine)."""
+        spec = grammar_spec(params, field)
+        with self._lock:
+            if spec.grammar in self._validated:
+                self._validated.move_to_end(spec.grammar)
+                return spec
+        tokenizer = self._backend_future().result().tokenizer
+        error = llguidance.LLMatcher.validate_grammar(spec.grammar, tokenizer)
+        if error:
+            raise InvalidRequestError(f"{spec.field}: {error.strip()}")
+        with self._lock:
+            self._validated[spec.grammar] = None
+            while len(self._validated) > MAX_CACHED_GRAMMARS:
+                self._validated.popitem(last=False)
+        return spec
+
+    def prepare(self, params: SamplingParams) -> RequestGrammar | None:
         """Any thread. None for an unconstrained request; raises InvalidRequestError for a bad one."""
         if params.structured_outputs is None:
             return None
-        return RequestGrammar(grammar_spec(params.structured_outputs))
+        return RequestGrammar(self.validate(params.structured_outputs))
 
     def submit(self, request: Request) -> None:
         """Queue the request's compile (or find it cached); the request waits in WAITING_FOR_GRAMMAR."""
@@ -100,12 +126,13 @@ class StructuredOutputManager:
         return future
 
     def _backend_future(self) -> Future[GrammarBackend]:
-        if self._backend is None:
-            tok = self._tokenizer
-            self._backend = self._compile_pool.submit(
-                lambda: GrammarBackend(tok.backend.to_str(), tok.eos_token_ids)
-            )
-        return self._backend
+        with self._lock:
+            if self._backend is None:
+                tok = self._tokenizer
+                self._backend = self._compile_pool.submit(
+                    lambda: GrammarBackend(tok.backend.to_str(), tok.eos_token_ids)
+                )
+            return self._backend
 
     # ------------------------------------------------------------------------------- readiness
 

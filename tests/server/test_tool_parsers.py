@@ -21,6 +21,7 @@ from kvflow.server.serving_tools import (
 from kvflow.server.tool_parsers.base import ParsedToolCall
 from kvflow.server.tool_parsers.hermes import HermesToolParser
 from kvflow.server.tool_parsers.llama3_json import Llama3JsonToolParser
+from kvflow.structured import grammar_spec  # the tokenizer-free half of the engine's validation
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 WEATHER = {
@@ -157,14 +158,18 @@ def test_plan_tools_checks_the_request() -> None:
         ),
     ):
         with pytest.raises(APIError) as info:
-            plan_tools(body, "auto", None)
+            plan_tools(body, "auto", None, grammar_spec)
         assert info.value.param == param
-    assert plan_tools(chat_body(tools=[WEATHER]), "auto", None).mode == "auto"
-    assert plan_tools(chat_body(tools=[WEATHER], tool_choice="none"), "auto", None).template_tools is None
+    assert plan_tools(chat_body(tools=[WEATHER]), "auto", None, grammar_spec).mode == "auto"
+    assert (
+        plan_tools(chat_body(tools=[WEATHER], tool_choice="none"), "auto", None, grammar_spec).template_tools
+        is None
+    )
     plan = plan_tools(
         chat_body(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}),
         "hermes",
         None,
+        grammar_spec,
     )
     constraint = plan.constraint()
     assert (

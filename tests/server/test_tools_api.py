@@ -211,6 +211,8 @@ def test_regex_choice_and_schema_on_both_endpoints(client: openai.OpenAI) -> Non
             "Unimplemented",
         ),
         ({"guided_regex": "a(b"}, "guided_regex", "unclosed group"),
+        ({"guided_grammar": "start: <[99999999]>"}, "guided_grammar", "Token range end too large"),
+        ({"guided_grammar": "start: <|no_such_token|>"}, "guided_grammar", "unknown special token"),
         ({"guided_regex": "a", "guided_choice": ["a"]}, "guided_choice", "at most one"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},

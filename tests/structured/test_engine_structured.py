@@ -109,6 +109,9 @@ def test_logit_bias(llm: LLM) -> None:
 def test_bad_constraint_is_refused_before_queueing(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match=r"structured_outputs\.regex"):
         llm.generate([PROMPT], constrained(0, regex="(unclosed"))
+    # Only the tokenizer can tell: this model has no such special token.
+    with pytest.raises(InvalidRequestError, match=r"structured_outputs\.grammar: .*unknown special token"):
+        llm.generate([PROMPT], constrained(0, grammar="start: <|no_such_token|>"))
     assert not llm.llm_engine.has_unfinished_requests()
 
 
