@@ -37,12 +37,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from kvflow.arch_config import ArchConfig
+from kvflow.arch_config import ArchConfig, load_hf_config
 from kvflow.attention.kv_store import KVStore
 from kvflow.config import ConfigError, EngineConfig
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.parallel.errors import WorkerDiedError
-from kvflow.parallel.model_loader import load_shard
+from kvflow.parallel.model_loader import check_supported, load_shard
 from kvflow.parallel.sharding import ShardLayout
 from kvflow.parallel.state import JOIN_TIMEOUT, ParallelContext, connect, pin_threads
 from kvflow.parallel.step_channel import SHUTDOWN, KVSpec, LoadSpec, encode_step
@@ -54,6 +54,7 @@ from kvflow.parallel.worker import (
     run_worker,
     spawned_worker_main,
 )
+from kvflow.quant.checkpoint_formats import parse_quantization_config
 from kvflow.scheduler_output import SchedulerOutput
 from kvflow.worker.model_runner import ModelRunner
 
@@ -228,10 +229,10 @@ class TensorParallelDriver:
         self, model_dir: Path, arch: ArchConfig, dtype: torch.dtype, max_model_len: int
     ) -> LlamaFamilyForCausalLM:
         """Rank 0's shard; every worker loads its own at the same time."""
-        layout = ShardLayout.plan(
-            arch, 0, self.world_size, self.config.quant_config
-        )  # refuse before workers load
-        del layout
+        # Refuse a size that cannot split before the workers load anything.
+        check_supported(arch)
+        checkpoint_quant = parse_quantization_config(load_hf_config(model_dir))
+        ShardLayout.plan(arch, 0, self.world_size, self.config.quant_config, checkpoint_quant)
         self._send_all(LoadSpec(str(dtype).removeprefix("torch."), max_model_len))
         return load_shard(model_dir, arch, dtype, max_model_len, self.config.quant_config, self.ctx)
 

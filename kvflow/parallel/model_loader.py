@@ -80,16 +80,11 @@ class TensorParallelShard:
         return Int8Linear(Int8Weight(q, scales), bias, linear.weight.dtype)
 
 
-def check_supported(model_dir: Path, arch: ArchConfig) -> None:
+def check_supported(arch: ArchConfig) -> None:
     if arch.architecture not in TENSOR_PARALLEL_ARCHITECTURES:
         raise ConfigError(
             f"tensor_parallel_size > 1 is not supported for {arch.architecture} (only "
             f"{', '.join(TENSOR_PARALLEL_ARCHITECTURES)}): run it with tensor_parallel_size 1"
-        )
-    if parse_quantization_config(load_hf_config(model_dir)) is not None:
-        raise ConfigError(
-            "tensor_parallel_size > 1 with a pre-quantized checkpoint (GPTQ / AWQ / compressed-tensors) is "
-            "not supported yet: serve its bf16 checkpoint with --quantization int8 or int4 instead"
         )
 
 
@@ -102,8 +97,9 @@ def load_shard(
     ctx: ParallelContext,
 ) -> LlamaFamilyForCausalLM:
     """This rank's part of the model, read from the files slice by slice."""
-    check_supported(model_dir, arch)
-    layout = ShardLayout.plan(arch, ctx.rank, ctx.world_size, quant)
+    check_supported(arch)
+    checkpoint_quant = parse_quantization_config(load_hf_config(model_dir))
+    layout = ShardLayout.plan(arch, ctx.rank, ctx.world_size, quant, checkpoint_quant)
     shard = TensorParallelShard(layout, ctx, quant)
     model = load_model(model_dir, arch, dtype, max_positions, quant, shard=shard)
     read = 0 if shard.sharded_reader is None else shard.sharded_reader.bytes_read

@@ -14,6 +14,7 @@ import torch
 
 from kvflow.errors import ModelLoadError
 from kvflow.models.loader import open_safetensors
+from kvflow.parallel.prequantized_slices import PackedSlice
 from kvflow.parallel.sharding import ShardLayout, TensorSlice
 
 
@@ -33,10 +34,14 @@ class ShardedTensorReader:
         return self._handles[path]
 
     def read(self, name: str) -> torch.Tensor:
-        part = self.layout.slice_of(name)
+        packed = self.layout.packed_slice_of(name)
+        part = None if packed is not None else self.layout.slice_of(name)
         try:
             view = self._handle(name).get_slice(name)
-            tensor = view[:] if part is None else _read_part(view, part, name)
+            if packed is not None:
+                tensor = _read_packed(view, packed)
+            else:
+                tensor = view[:] if part is None else _read_part(view, part, name)
         except ModelLoadError:
             raise
         except Exception as exc:  # a truncated file, a header listing bytes it does not hold
@@ -62,6 +67,16 @@ def _read_part(view: Any, part: TensorSlice, name: str) -> torch.Tensor:
         pad = torch.zeros((part.pad_to - tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype)
         tensor = torch.cat((tensor, pad))
     return tensor
+
+
+def _read_packed(view: Any, part: PackedSlice) -> torch.Tensor:
+    if part.shape_value is not None:  # compressed-tensors' weight_shape: this rank's [N, K]
+        return torch.tensor(part.shape_value, dtype=_dtype_of(view))
+    if part.dim is None:
+        return view[:]
+    end = part.start + part.length
+    tensor = view[part.start : end] if part.dim == 0 else view[:, part.start : end]
+    return tensor - part.subtract if part.subtract else tensor
 
 
 _SAFETENSORS_DTYPES = {

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 from kvflow.arch_config import ArchConfig
 from kvflow.config import ConfigError, QuantConfig
+from kvflow.parallel.prequantized_slices import PackedSlice, check_alignment, packed_slice
+from kvflow.quant.checkpoint_formats import CheckpointQuant
 
 # A checkpoint tensor's projection and kind: model.layers.<i>.<module>.<proj>.<weight|bias>.
 _PROJECTION = re.compile(r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\.(weight|bias)$")
@@ -45,14 +47,27 @@ class TensorSlice:
     zeros: bool = False
 
 
+_PACKED_PROJECTION = re.compile(
+    r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
+    r"(qweight|qzeros|scales|g_idx|weight_packed|weight_scale|weight_zero_point|weight_shape)$"
+)
+
+
 @dataclass(frozen=True)
 class ShardLayout:
     full: ArchConfig
     rank: int
     world_size: int
+    checkpoint_quant: CheckpointQuant | None = None  # a pre-quantized checkpoint's format
 
     @staticmethod
-    def plan(arch: ArchConfig, rank: int, world_size: int, quant: QuantConfig | None = None) -> ShardLayout:
+    def plan(
+        arch: ArchConfig,
+        rank: int,
+        world_size: int,
+        quant: QuantConfig | None = None,
+        checkpoint_quant: CheckpointQuant | None = None,
+    ) -> ShardLayout:
         """The layout of `rank`, or a ConfigError saying why the model cannot be split N ways."""
         n = world_size
         h, hkv, inter = arch.num_attention_heads, arch.num_key_value_heads, arch.intermediate_size
@@ -74,7 +89,15 @@ class ShardLayout:
                         f"each rank's {what} holds {width} input columns, not a multiple of {g}; choose "
                         "a tensor_parallel_size or quantization_group_size that divides it"
                     )
-        return ShardLayout(arch, rank, n)
+        if checkpoint_quant is not None:
+            q_width, inter_width = h // n * arch.head_dim, inter // n
+            kv_width = max(1, hkv // n) * arch.head_dim
+            check_alignment(
+                checkpoint_quant,
+                {"q_proj": q_width, "k_proj/v_proj": kv_width, "gate_proj/up_proj": inter_width},
+                {"o_proj": q_width, "down_proj": inter_width},
+            )
+        return ShardLayout(arch, rank, n, checkpoint_quant)
 
     @property
     def num_heads(self) -> int:
@@ -142,6 +165,26 @@ class ShardLayout:
             return None if self.rank == 0 else TensorSlice(0, 0, 0, zeros=True)
         width = self.num_heads * d if proj == "o_proj" else self.intermediate_size
         return TensorSlice(1, self.rank * width, width)
+
+    def packed_slice_of(self, name: str) -> PackedSlice | None:
+        """This rank's part of a pre-quantized projection's tensor (prequantized_slices.py); None
+        when `name` is not one."""
+        match = _PACKED_PROJECTION.search(name)
+        if match is None or self.checkpoint_quant is None:
+            return None
+        proj, suffix = match.groups()
+        d, hidden = self.full.head_dim, self.full.hidden_size
+        q_width, inter = self.num_heads * d, self.intermediate_size
+        ranges = {  # projection -> (column-parallel, start, end, outputs, inputs) of the whole layer
+            "q_proj": (True, self.rank * q_width, (self.rank + 1) * q_width, 0, hidden),
+            "k_proj": (True, self.kv_head_start * d, (self.kv_head_start + self.num_kv_heads) * d, 0, hidden),
+            "gate_proj": (True, self.rank * inter, (self.rank + 1) * inter, 0, hidden),
+            "o_proj": (False, self.rank * q_width, (self.rank + 1) * q_width, hidden, 0),
+            "down_proj": (False, self.rank * inter, (self.rank + 1) * inter, hidden, 0),
+        }
+        ranges["v_proj"], ranges["up_proj"] = ranges["k_proj"], ranges["gate_proj"]
+        column, start, end, full_out, full_in = ranges[proj]
+        return packed_slice(self.checkpoint_quant, suffix, column, start, end, full_out, full_in)
 
     def describe(self) -> str:
         """The startup log's line on what this rank holds."""

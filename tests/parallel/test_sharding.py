@@ -104,4 +104,4 @@ def test_other_architectures_are_refused(tiny_checkpoint_factory: Callable[..., 
     arch = load_arch_config(model_dir)
     moe = type(arch)(**{**arch.__dict__, "architecture": "MixtralForCausalLM"})
     with pytest.raises(ConfigError, match="not supported for MixtralForCausalLM"):
-        check_supported(model_dir, moe)
+        check_supported(moe)

@@ -1,0 +1,112 @@
+"""Pre-quantized checkpoints under tensor parallelism: a GPTQ (4-bit, group 32) checkpoint of the
+tiny llama, packed by the format's definition, read packed slice by slice on two ranks, gives
+TP=1's outputs within the bf16 rounding argument of test_tp_equivalence.py (the int4 kernels
+compute in bf16); act-order row-parallel splits are refused."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_tp_equivalence import ENGINE, WIDE, _logprob_gaps, _run, _workload
+
+from kvflow.arch_config import load_arch_config
+from kvflow.config import ConfigError
+from kvflow.engine.engine import LLMEngine
+from kvflow.parallel.sharding import ShardLayout
+from kvflow.quant.checkpoint_formats import CheckpointQuant, parse_quantization_config
+from kvflow.quant.linear import Int4Linear
+
+GROUP = 32
+
+
+def pack_gptq(q_kn: torch.Tensor, zeros_gn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's packing (tests/quant/test_checkpoint_formats.py): 8 levels per int32 along K, zeros along N."""
+    shifts = torch.arange(0, 32, 4)
+    qweight = (q_kn.reshape(-1, 8, q_kn.shape[1]).long() << shifts[None, :, None]).sum(1)
+    qzeros = (zeros_gn.reshape(zeros_gn.shape[0], -1, 8).long() << shifts[None, None, :]).sum(-1)
+    return qweight.to(torch.int32), qzeros.to(torch.int32)
+
+
+def gptq_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [N, K] -> GPTQ v1 tensors: w ~ (q - z) x s per group of GROUP inputs, z an integer level."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))  # [N, G]
+    zero = torch.round(-lo / scale).clamp(1, 15)  # v1 stores zero - 1, which must stay a nibble
+    q = torch.round(w / scale[..., None] + zero[..., None]).clamp(0, 15).reshape(n, k)
+    qweight, qzeros = pack_gptq(q.t().long(), (zero - 1).t().long())  # v1 stores zeros minus one
+    g_idx = (torch.arange(k) // GROUP).to(torch.int32)
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().half().contiguous(), "g_idx": g_idx}
+
+
+@pytest.fixture(scope="module")
+def gptq_checkpoint(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    src = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
+    out = tmp_path_factory.mktemp("gptq")
+    shutil.copytree(src, out, dirs_exist_ok=True)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            base = name.removesuffix(".weight")
+            tensors.update({f"{base}.{k}": v for k, v in gptq_tensors(tensor).items()})
+        else:
+            tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "gptq",
+        "bits": 4,
+        "group_size": GROUP,
+        "desc_act": False,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.fixture
+def engines() -> Iterator[list[LLMEngine]]:
+    made: list[LLMEngine] = []
+    yield made
+    for engine in made:
+        if engine.parallel is not None:
+            engine.parallel.shutdown()
+
+
+def test_gptq_checkpoint_two_ranks_match_one(
+    gptq_checkpoint: Path, tiny_checkpoint_factory: Callable[..., Path], engines: list[LLMEngine]
+) -> None:
+    dense = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
+    work = _workload(512, logprobs=5)
+    float32 = _run(LLMEngine.from_kwargs(model=str(dense), dtype="float32", **ENGINE), work)
+    bfloat16 = _run(LLMEngine.from_kwargs(model=str(dense), dtype="bfloat16", **ENGINE), work)
+    tolerance = max(_logprob_gaps(float32, bfloat16))
+    expected = _run(LLMEngine.from_kwargs(model=str(gptq_checkpoint), **ENGINE), work)
+    engines.append(LLMEngine.from_kwargs(model=str(gptq_checkpoint), tensor_parallel_size=2, **ENGINE))
+    rank0 = engines[-1].model_runner.model
+    assert (
+        sum(isinstance(m, Int4Linear) for m in rank0.modules()) == 4 * 2
+    )  # qkv, o, gate_up, down x 2 layers
+    gaps = _logprob_gaps(expected, _run(engines[-1], work))
+    assert len(gaps) > 100
+    assert max(gaps) <= tolerance
+
+
+def test_act_order_row_parallel_is_refused(gptq_checkpoint: Path) -> None:
+    arch = load_arch_config(gptq_checkpoint)
+    quant = parse_quantization_config(json.loads((gptq_checkpoint / "config.json").read_text()))
+    assert quant is not None
+    ShardLayout.plan(arch, 0, 2, checkpoint_quant=quant)  # without act-order: fine
+    act_order = CheckpointQuant("gptq", 4, GROUP, True, desc_act=True)
+    with pytest.raises(ConfigError, match="act-order"):
+        ShardLayout.plan(arch, 0, 2, checkpoint_quant=act_order)
+    with pytest.raises(ConfigError, match="groups would be split"):  # 64 columns per rank, groups of 128
+        ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("gptq", 4, 128, True))
