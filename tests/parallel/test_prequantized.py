@@ -110,3 +110,53 @@ def test_act_order_row_parallel_is_refused(gptq_checkpoint: Path) -> None:
         ShardLayout.plan(arch, 0, 2, checkpoint_quant=act_order)
     with pytest.raises(ConfigError, match="groups would be split"):  # 64 columns per rank, groups of 128
         ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("gptq", 4, 128, True))
+
+
+def ct_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """compressed-tensors' own packing (pack-quantized, 4-bit, asymmetric, group GROUP): zero points
+    are packed along the outputs, so each rank reads words of them too."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    args = QuantizationArgs(num_bits=4, symmetric=False, group_size=GROUP, strategy="group")
+    scheme = QuantizationScheme(targets=["Linear"], weights=args)
+    w = weight.float()
+    groups = w.reshape(w.shape[0], -1, GROUP)
+    lo, hi = groups.amin(-1).clamp(max=0), groups.amax(-1).clamp(min=0)
+    scale = (hi - lo) / 15
+    zero_point = (torch.round(-lo / scale) - 8).to(torch.int8)  # the library's signed domain
+    state = {"weight": w, "weight_scale": scale.to(torch.bfloat16), "weight_zero_point": zero_point}
+    return dict(PackedQuantizationCompressor.compress(state, scheme))
+
+
+def test_compressed_tensors_checkpoint_two_ranks_match_one(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, engines: list[LLMEngine]
+) -> None:
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is a test dependency")
+    src = tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16, **WIDE)
+    out = tmp_path / "w4a16"
+    shutil.copytree(src, out)
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in load_file(src / "model.safetensors").items():
+        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+            base = name.removesuffix(".weight")
+            tensors.update({f"{base}.{k}": v for k, v in ct_tensors(tensor).items()})
+        else:
+            tensors[name] = tensor
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((src / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 4, "strategy": "group", "group_size": GROUP, "symmetric": False}}},
+    }  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    work = _workload(512, logprobs=5)
+    float32 = _run(LLMEngine.from_kwargs(model=str(src), dtype="float32", **ENGINE), work)
+    bfloat16 = _run(LLMEngine.from_kwargs(model=str(src), dtype="bfloat16", **ENGINE), work)
+    expected = _run(LLMEngine.from_kwargs(model=str(out), **ENGINE), work)
+    engines.append(LLMEngine.from_kwargs(model=str(out), tensor_parallel_size=2, **ENGINE))
+    gaps = _logprob_gaps(expected, _run(engines[-1], work))
+    assert len(gaps) > 100
+    assert max(gaps) <= max(_logprob_gaps(float32, bfloat16))
