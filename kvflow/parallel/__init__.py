@@ -7,6 +7,7 @@ worker processes that receive each step's SchedulerOutput in one message and run
 
     sharding.py        which slice of each checkpoint tensor a rank holds; the per-rank shapes
     sharded_reader.py  reads only those slices from the safetensors files (safe_open get_slice)
+    prequantized_slices.py  the same slices of GPTQ / AWQ / compressed-tensors packed tensors
     layers.py          row-parallel linear, vocab-parallel embedding, parallel LM head
     model_loader.py    checkpoint -> this rank's shard of the llama-family model
     communicator.py    all-reduce / gather: gloo (any machines), shared memory (ranks on one host)
