@@ -7,9 +7,9 @@ a JSON schema and a regex (one run, interleaved rounds); grammar compile time of
                                           [--concurrency 8] [--output-len 64] [--rounds 3]
 
 In-process engine (no HTTP): each scenario submits `--concurrency` requests at once and steps the
-engine until they finish. Every request decodes exactly `--output-len` tokens: the constraints are
-unbounded (an array of objects without maxItems; a repeating regex) and EOS is ignored, so the mask
-is computed and applied on every token and the batch shape matches the unconstrained run. ITL is the
+engine until they finish. Every request decodes exactly `--output-len` tokens (checked): the
+constraints cannot close sooner (`scenarios`) and EOS is ignored, so the mask is computed and
+applied on every token and the batch shape matches the unconstrained run. ITL is the
 median gap between consecutive tokens of a request (its timeline), over all requests of the scenario.
 Targets (the issue): constrained ITL within 5% of unconstrained; a cached schema adds < 1 ms TTFT.
 """
@@ -40,22 +40,29 @@ from kvflow.sampling_params import SamplingParams, StructuredOutputsParams  # no
 from kvflow.structured import grammar_spec  # noqa: E402
 from kvflow.structured.backend import GrammarBackend  # noqa: E402
 
-# Unbounded on purpose: the output runs to max_tokens, masked at every token.
-JSON_SCHEMA: dict[str, Any] = {
-    "type": "array",
-    "items": {
-        "type": "object",
-        "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 8}},
-        "required": ["id", "name"],
-        "additionalProperties": False,
-    },
-}
-REGEX = r"[a-z]{3}(-[a-z0-9]{2,6})*"
-SCENARIOS: dict[str, StructuredOutputsParams | None] = {
-    "none": None,
-    "json_schema": StructuredOutputsParams(json=JSON_SCHEMA),
-    "regex": StructuredOutputsParams(regex=REGEX),
-}
+
+def scenarios(output_len: int) -> dict[str, StructuredOutputsParams | None]:
+    """The constraints cannot close before `output_len` tokens (at least that many array items, or
+    regex repetitions, each a token or more), so every request runs to max_tokens, masked at every
+    token, and the batch keeps the unconstrained run's shape."""
+    json_schema: dict[str, Any] = {
+        "type": "array",
+        "minItems": output_len,
+        "items": {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}, "name": {"type": "string", "maxLength": 8}},
+            "required": ["id", "name"],
+            "additionalProperties": False,
+        },
+    }
+    regex = f"[a-z]{{3}}(-[a-z0-9]{{2,6}}){{{output_len},}}"
+    return {
+        "none": None,
+        "json_schema": StructuredOutputsParams(json=json_schema),
+        "regex": StructuredOutputsParams(regex=regex),
+    }
+
+
 PROMPT = "Write the records:"
 TTFT_SAMPLES = 10
 
@@ -83,7 +90,8 @@ def run_batch(engine: LLMEngine, params: list[SamplingParams]) -> list[RequestOu
 def scenario(
     engine: LLMEngine, constraint: StructuredOutputsParams | None, n: int, output_len: int
 ) -> tuple[list[float], float]:
-    """Per-token gaps (s) of every request, and output tokens per second of the whole batch."""
+    """Per-token gaps (s) of every request, and output tokens per second of the whole batch.
+    Every request must run to `output_len` tokens (the comparison assumes equal batch shapes)."""
     params = [
         SamplingParams(
             temperature=1.0, seed=i, max_tokens=output_len, ignore_eos=True, structured_outputs=constraint
@@ -99,6 +107,10 @@ def scenario(
         times = out.metrics.token_times
         gaps += [b - a for a, b in itertools.pairwise(times)]
         tokens += len(out.outputs[0].token_ids)
+    if tokens != n * output_len:
+        raise RuntimeError(
+            f"expected {n * output_len} output tokens, got {tokens}: a constraint closed early"
+        )
     return gaps, tokens / wall
 
 
@@ -151,14 +163,15 @@ def main() -> None:
     args = parser.parse_args()
     engine = LLMEngine.from_kwargs(model=str(model_path(args.model)), dtype=args.dtype, max_model_len=1024)
 
-    for constraint in SCENARIOS.values():  # warm-up: kernels, the grammar backend, the compile cache
+    cases = scenarios(args.output_len)
+    for constraint in cases.values():  # warm-up: kernels, the grammar backend, the compile cache
         scenario(engine, constraint, args.concurrency, 8)
-    gaps: dict[str, list[float]] = {name: [] for name in SCENARIOS}
-    rates: dict[str, list[float]] = {name: [] for name in SCENARIOS}
-    names = list(SCENARIOS)
+    gaps: dict[str, list[float]] = {name: [] for name in cases}
+    rates: dict[str, list[float]] = {name: [] for name in cases}
+    names = list(cases)
     for r in range(args.rounds):  # interleaved rounds, order rotated: drift hits every scenario alike
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            constraint = SCENARIOS[name]
+            constraint = cases[name]
             g, rate = scenario(engine, constraint, args.concurrency, args.output_len)
             gaps[name] += g
             rates[name].append(rate)
@@ -168,7 +181,7 @@ def main() -> None:
     )
     base_itl = statistics.median(gaps["none"])
     print(f"{'scenario':<12} {'ITL p50 ms':>11} {'ITL p90 ms':>11} {'vs none':>8} {'out tok/s':>10}")
-    for name in SCENARIOS:
+    for name in cases:
         ordered = sorted(gaps[name])
         p50, p90 = statistics.median(ordered), ordered[int(0.9 * (len(ordered) - 1))]
         print(

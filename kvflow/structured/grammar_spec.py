@@ -33,21 +33,27 @@ class GrammarSpec:
     field: str
 
 
+def build_grammar(params: StructuredOutputsParams, field: str | None = None) -> GrammarSpec:
+    """The grammar text, not yet validated (cheap: no parser is built). Raises InvalidRequestError
+    for a schema that is not a JSON object."""
+    where = field or f"structured_outputs.{params.kind}"
+    try:
+        return GrammarSpec(_grammar_text(params), where)
+    except (ValueError, TypeError) as exc:
+        raise InvalidRequestError(f"{where}: {exc}") from exc
+
+
 def grammar_spec(params: StructuredOutputsParams, field: str | None = None) -> GrammarSpec:
     """Build the grammar and validate it (no tokenizer needed: cheap, safe from any thread).
 
     Raises InvalidRequestError("<field>: <reason>") for a schema that is not JSON, a keyword llguidance
     does not implement, a regex or grammar that does not compile. `field` defaults to
     "structured_outputs.<kind>" (the offline API's and vLLM's name)."""
-    where = field or f"structured_outputs.{params.kind}"
-    try:
-        grammar = _grammar_text(params)
-    except (ValueError, TypeError) as exc:
-        raise InvalidRequestError(f"{where}: {exc}") from exc
-    error = llguidance.LLMatcher.validate_grammar(grammar)
+    spec = build_grammar(params, field)
+    error = llguidance.LLMatcher.validate_grammar(spec.grammar)
     if error:
-        raise InvalidRequestError(f"{where}: {error.strip()}")
-    return GrammarSpec(grammar, where)
+        raise InvalidRequestError(f"{spec.field}: {error.strip()}")
+    return spec
 
 
 def _grammar_text(params: StructuredOutputsParams) -> str:

@@ -40,7 +40,7 @@ from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.scheduler_output import GrammarBitmask, SchedulerOutput
 from kvflow.structured.backend import GrammarBackend
-from kvflow.structured.grammar_spec import GrammarSpec, grammar_spec
+from kvflow.structured.grammar_spec import GrammarSpec, build_grammar
 from kvflow.tokenizer import Tokenizer
 
 # Distinct compiled grammars kept (least recently used dropped first). A template is a few hundred KB
@@ -84,7 +84,7 @@ class StructuredOutputManager:
         first, then against the tokenizer (special tokens and token ids a grammar names must exist),
         once per distinct grammar. Raises InvalidRequestError("<field>: <reason>"). The first call
         waits for the tokenizer's setup (~0.7 s for a 151k vocabulary, once per engine)."""
-        spec = grammar_spec(params, field)
+        spec = build_grammar(params, field)
         with self._lock:
             if spec.grammar in self._validated:
                 self._validated.move_to_end(spec.grammar)
