@@ -29,7 +29,7 @@ from kvflow.layers.fused_moe import SparseMoE
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import apply_rotary
-from kvflow.models.llama import MLP, LlamaFamilyForCausalLM
+from kvflow.models.llama import DecoderLayer, LlamaFamilyForCausalLM
 from kvflow.models.moe import checkpoint_sources
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not the config's rms_norm_eps.
@@ -124,26 +124,6 @@ class MLAAttention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, -1))
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, sparse: bool) -> None:
-        super().__init__()
-        assert cfg.moe is not None
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = MLAAttention(cfg, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype) if sparse else MLP(cfg, dtype)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: LatentKVLayer,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
 class DeepseekV2ForCausalLM(LlamaFamilyForCausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM."""
 
@@ -153,7 +133,9 @@ class DeepseekV2ForCausalLM(LlamaFamilyForCausalLM):
 
     def make_layer(self, cfg: ArchConfig, dtype: torch.dtype, index: int) -> nn.Module:
         assert cfg.moe is not None
-        return DeepseekDecoderLayer(cfg, dtype, cfg.moe.sparse_layers[index])
+        sparse = cfg.moe.sparse_layers[index]
+        mlp = SparseMoE(cfg.hidden_size, cfg.moe, dtype) if sparse else None
+        return DecoderLayer(cfg, dtype, self_attn=MLAAttention(cfg, dtype), mlp=mlp)
 
     def checkpoint_sources(self, param_name: str) -> list[str] | None:
         return checkpoint_sources(param_name, self._RENAMES)

@@ -17,6 +17,7 @@ from torch import nn
 from kvflow.arch_config import ArchConfig
 from kvflow.attention.kv_layer import KVLayer
 from kvflow.attention.kv_store import KVStore
+from kvflow.attention.latent_kv_layer import LatentKVLayer
 from kvflow.attention.metadata import AttentionMetadata
 from kvflow.attention.paged_attention import paged_attention
 from kvflow.layers.activation import silu_and_mul
@@ -73,18 +74,27 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+    """Pre-norm residual block: h += attn(norm(h)); h += mlp(norm(h)). The llama family's attention
+    and dense MLP unless others are given (a mixture of experts, DeepSeek's latent attention)."""
+
+    def __init__(
+        self,
+        cfg: ArchConfig,
+        dtype: torch.dtype,
+        self_attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
+        self.self_attn = self_attn if self_attn is not None else Attention(cfg, dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp = MLP(cfg, dtype)
+        self.mlp = mlp if mlp is not None else MLP(cfg, dtype)
 
     def forward(
         self,
         hidden: torch.Tensor,
         cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVLayer,
+        kv_cache: KVLayer | LatentKVLayer,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)

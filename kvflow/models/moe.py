@@ -15,11 +15,8 @@ import torch
 from torch import nn
 
 from kvflow.arch_config import ArchConfig
-from kvflow.attention.kv_layer import KVLayer
-from kvflow.attention.metadata import AttentionMetadata
 from kvflow.layers.fused_moe import SparseMoE
-from kvflow.layers.norm import RMSNorm
-from kvflow.models.llama import MLP, Attention, LlamaFamilyForCausalLM
+from kvflow.models.llama import DecoderLayer, LlamaFamilyForCausalLM
 
 NATIVE_DECODE_UNSUPPORTED_MOE = "mixture-of-experts layers run on the Python path (no native MoE kernel)"
 
@@ -42,32 +39,13 @@ def checkpoint_sources(param_name: str, renames: tuple[tuple[str, str], ...] = (
     return ["model." + n for n in names]
 
 
-class MoEDecoderLayer(nn.Module):
-    def __init__(self, cfg: ArchConfig, dtype: torch.dtype, sparse: bool) -> None:
-        super().__init__()
-        assert cfg.moe is not None
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.self_attn = Attention(cfg, dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
-        self.mlp: nn.Module = SparseMoE(cfg.hidden_size, cfg.moe, dtype) if sparse else MLP(cfg, dtype)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-        kv_cache: KVLayer,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos_sin, kv_cache, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
 class MoEForCausalLM(LlamaFamilyForCausalLM):
     native_decode_unsupported = NATIVE_DECODE_UNSUPPORTED_MOE
 
     def make_layer(self, cfg: ArchConfig, dtype: torch.dtype, index: int) -> nn.Module:
         assert cfg.moe is not None
-        return MoEDecoderLayer(cfg, dtype, cfg.moe.sparse_layers[index])
+        sparse = cfg.moe.sparse_layers[index]
+        return DecoderLayer(cfg, dtype, mlp=SparseMoE(cfg.hidden_size, cfg.moe, dtype) if sparse else None)
 
     def checkpoint_sources(self, param_name: str) -> list[str] | None:
         return checkpoint_sources(param_name)

@@ -18,7 +18,7 @@ from torch import nn
 from kvflow.arch_config import ArchConfig, load_hf_config
 from kvflow.config import ConfigError, QuantConfig
 from kvflow.layers.linear import Linear
-from kvflow.models.llama import DecoderLayer, LlamaFamilyForCausalLM
+from kvflow.models.llama import MLP, Attention, DecoderLayer, LlamaFamilyForCausalLM
 from kvflow.models.loader import load_model
 from kvflow.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
 from kvflow.parallel.sharded_reader import ShardedTensorReader
@@ -58,7 +58,9 @@ class TensorParallelShard:
         assert isinstance(model, LlamaFamilyForCausalLM)
         comm = self.ctx.comm
         for layer in model.layers:
+            # TP>1 refuses MoE and latent attention before loading: the llama family's modules only.
             assert isinstance(layer, DecoderLayer)
+            assert isinstance(layer.self_attn, Attention) and isinstance(layer.mlp, MLP)
             layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, comm)  # type: ignore[assignment]
             layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, comm)  # type: ignore[assignment]
         model.embed_tokens = VocabParallelEmbedding(
