@@ -138,7 +138,7 @@ def test_native_decode_is_not_chosen_and_says_why(
         llm = LLM(str(tiny_checkpoint_factory(arch)), dtype="bfloat16")
     assert llm.llm_engine.model_runner.native_decode is False
     assert any("native decode off" in r.message and "Python path" in r.message for r in caplog.records)
-    with pytest.raises(ConfigError, match="batch_invariant is not supported for .*Python path"):
+    with pytest.raises(ConfigError, match=r"batch_invariant is not supported for .*Python path"):
         LLM(str(tiny_checkpoint_factory(arch)), dtype="bfloat16", batch_invariant=True)
 
 
