@@ -84,14 +84,16 @@ def completion_logprobs(
 def prompt_completion_logprobs(
     ctx: ServingContext, token_ids: list[int], entries: list[TokenLogprobs | None], top_n: int
 ) -> CompletionLogprobs:
-    """An echoed prompt's part of the legacy logprobs: the first token has none (null, as OpenAI)."""
+    """An echoed prompt's part of the legacy logprobs: the first token has none (null, as OpenAI).
+    `text_offset` indexes the echoed text, which shows no special tokens (a BOS the tokenizer added
+    is listed in `tokens` but takes no characters), so the output's offsets continue from it."""
     result = CompletionLogprobs()
     offset = 0
     for token_id, position in zip(token_ids, entries, strict=False):
         token = ctx.tokenizer.decode([token_id], skip_special_tokens=False)
         result.tokens.append(token)
         result.text_offset.append(offset)
-        offset += len(token)
+        offset += len(ctx.tokenizer.decode([token_id], skip_special_tokens=True))
         if position is None:
             result.token_logprobs.append(None)
             result.top_logprobs.append(None)

@@ -64,3 +64,16 @@ def test_vllm_prompt_logprobs_field(server: LiveServer, offline_prompt_logprobs:
     for token, entry, expected in zip(PROMPT[1:], entries[1:], offline_prompt_logprobs[1:], strict=True):
         assert entry[str(token)]["logprob"] == pytest.approx(expected, abs=1e-5)
         assert any(e["rank"] == 1 for e in entry.values())
+
+
+def test_echo_text_offsets_index_the_echoed_text(server: LiveServer) -> None:
+    """Each token's text_offset points at where that token's text sits in the returned text; a
+    special token the tokenizer added at the front (shown in `tokens`) takes no characters there."""
+    body = {"prompt": "hello world", "max_tokens": 3, "echo": True, "logprobs": 1, "temperature": 0}
+    with server.client() as http:
+        choice = http.post("/v1/completions", json=body).json()["choices"][0]
+    text, offsets, tokens = choice["text"], choice["logprobs"]["text_offset"], choice["logprobs"]["tokens"]
+    assert text.startswith("hello world")
+    assert offsets == sorted(offsets) and offsets[-1] <= len(text)
+    for token, start, end in zip(tokens, offsets, [*offsets[1:], len(text)], strict=True):
+        assert text[start:end] in (token, ""), (token, text[start:end])
