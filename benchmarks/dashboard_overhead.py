@@ -8,9 +8,10 @@ one with the dashboard. Each round measures three conditions, in a rotating orde
 (thermal, other load) does not favour one:
   off        the server started with --no-dashboard
   idle       the dashboard is on, nobody watches (the recorder still keeps the window)
-  watched    the dashboard is on and a client reads /dashboard/events, parsing every frame as a
-             browser's EventSource does (--browser: headless Chromium renders the real page instead;
-             on a shared 2-core machine its drawing competes with the engine, so it overstates the cost)
+  watched    the dashboard is on and a client (a process of its own) reads /dashboard/events,
+             parsing every frame as a browser's EventSource does (--browser: headless Chromium
+             renders the real page instead; on a shared 2-core machine its drawing competes with
+             the engine, so it overstates the cost)
 A condition's load: `--concurrency` streaming completions of random prompts, exactly `--output-len`
 tokens each (ignore_eos). ITL is client-side, per token (a chunk of n tokens after a gap g counts as n
 gaps of g/n). Prints each condition's ITL mean / p50 / p99 and output tokens/s over all rounds, and
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import shutil
 import statistics
@@ -92,18 +94,41 @@ async def run_load(base: str, prompts: list[list[int]], output_len: int) -> Roun
     return out
 
 
+def _watch_events(base: str, frames: Any, bytes_: Any, stop: Any) -> None:
+    """The SSE client's process: read the event stream, parse every frame (as EventSource + JSON.parse)."""
+    with httpx.stream("GET", base + "/dashboard/events", timeout=None) as response:
+        for line in response.iter_lines():
+            if stop.is_set():
+                return
+            if line.startswith("data: "):
+                json.loads(line.removeprefix("data: "))
+                with frames.get_lock():
+                    frames.value += 1
+                with bytes_.get_lock():
+                    bytes_.value += len(line)
+
+
 class SSEWatcher:
-    """A dashboard client in a thread: reads the event stream and parses every frame."""
+    """A dashboard client in a process of its own, as a browser is: parsing frames in the load
+    generator's process would hold its GIL and delay the token timestamps it measures."""
 
     def __init__(self, base: str) -> None:
-        self.base = base
-        self.frames = 0
-        self.bytes = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        ctx = multiprocessing.get_context("spawn")
+        self._frames, self._bytes, self._stop = ctx.Value("q", 0), ctx.Value("q", 0), ctx.Event()
+        self._process = ctx.Process(
+            target=_watch_events, args=(base, self._frames, self._bytes, self._stop), daemon=True
+        )
+
+    @property
+    def frames(self) -> int:
+        return int(self._frames.value)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._bytes.value)
 
     def __enter__(self) -> SSEWatcher:
-        self._thread.start()
+        self._process.start()
         deadline = time.monotonic() + 30
         while not self.frames and time.monotonic() < deadline:  # the hello arrived: the client is on
             time.sleep(0.01)
@@ -111,17 +136,9 @@ class SSEWatcher:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        with httpx.stream("GET", self.base + "/dashboard/events", timeout=None) as response:
-            for line in response.iter_lines():
-                if self._stop.is_set():
-                    return
-                if line.startswith("data: "):
-                    json.loads(line.removeprefix("data: "))
-                    self.frames += 1
-                    self.bytes += len(line)
+        self._process.join(5)
+        if self._process.is_alive():  # blocked in a read between frames: nothing more to count
+            self._process.kill()
 
 
 class BrowserWatcher:
