@@ -16,6 +16,7 @@ from typing import Any
 from kvflow.attention.kv_store import KVStore
 from kvflow.config import EngineConfig
 from kvflow.engine.model_setup import (
+    LoadedModel,
     kv_pool_bytes_per_token,
     load_checkpoint,
     log_kv_pool,
@@ -62,7 +63,46 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.arch = loaded.arch
         self.max_model_len = loaded.max_model_len
-        cache, sched = config.cache_config, config.scheduler_config
+        self.dtype = loaded.dtype
+        num_blocks = self._size_kv_pool(loaded)
+        cache, a = config.cache_config, loaded.arch
+        # +1: block 0 is the null block (padding and released sliding-window blocks point to it).
+        kv_store = KVStore(
+            a.num_hidden_layers,
+            num_blocks + 1,
+            cache.block_size,
+            loaded.model.config.num_key_value_heads,  # this rank's heads under tensor parallelism
+            a.head_dim,
+            loaded.dtype,
+            cache.kv_cache_dtype,
+            latent=a.kv_latent,
+        )
+        self.scheduler = Scheduler(
+            config.scheduler_config, cache, num_blocks + 1, self.max_model_len, a.sliding_window
+        )
+        self.model_runner = self._make_model_runner(loaded, kv_store)
+        self.output_processor = OutputProcessor(self.tokenizer)
+        self.proposer = build_proposer(
+            config.speculative_config,
+            self.tokenizer,
+            loaded.dtype,
+            self.max_model_len,
+            num_blocks,
+            cache.block_size,
+            config.model_config.enforce_eager,
+            config.model_config.batch_invariant,
+        )
+        self.spec_stats = SpecDecodeStats()  # cumulative since start (kvflow generate prints it)
+        self.spec_controller = SpecController(config.speculative_config.speculative_auto_disable)
+        self._propose_seconds = 0.0  # the proposal made for the next step
+        self._pending_outputs: list[RequestOutput] = []
+        self._request_counter = itertools.count()
+        self.last_step_stats: StepStats | None = None
+        self.structured = StructuredOutputManager(self.tokenizer)
+
+    def _size_kv_pool(self, loaded: LoadedModel) -> int:
+        """Usable KV blocks (the null block comes on top) for the configured memory; logs the pool."""
+        cache, sched = self.config.cache_config, self.config.scheduler_config
         bytes_per_token = kv_pool_bytes_per_token(loaded, cache.kv_cache_dtype)
         num_blocks = num_kv_blocks_for(cache, sched.max_num_seqs, self.max_model_len, bytes_per_token)
         self.kv_pool_summary = log_kv_pool(
@@ -82,53 +122,17 @@ class LLMEngine:
             self.kv_pool_summary += f"; {per_rank}"
             logger.info("KV cache pool above is %s", per_rank)
         self.kv_bytes_per_token = bytes_per_token
-        self.num_kv_blocks = num_blocks  # usable blocks (the null block comes on top)
-        self.dtype = loaded.dtype
-        a = loaded.arch
-        # +1: block 0 is the null block (padding and released sliding-window blocks point to it).
-        kv_store = KVStore(
-            a.num_hidden_layers,
-            num_blocks + 1,
-            cache.block_size,
-            loaded.model.config.num_key_value_heads,  # this rank's heads under tensor parallelism
-            a.head_dim,
-            loaded.dtype,
-            cache.kv_cache_dtype,
-            latent=a.kv_latent,
+        self.num_kv_blocks = num_blocks
+        return num_blocks
+
+    def _make_model_runner(self, loaded: LoadedModel, kv_store: KVStore) -> ModelRunner:
+        """This process's runner; under tensor parallelism the driver's, which steps the other ranks too."""
+        m = self.config.model_config
+        if self.parallel is not None:
+            return self.parallel.model_runner(loaded.model, kv_store, self.tokenizer.eos_token_ids, m.seed)
+        return ModelRunner(
+            loaded.model, kv_store, self.tokenizer.eos_token_ids, m.seed, m.enforce_eager, m.batch_invariant
         )
-        self.scheduler = Scheduler(sched, cache, num_blocks + 1, self.max_model_len, a.sliding_window)
-        self.model_runner = (
-            ModelRunner(
-                loaded.model,
-                kv_store,
-                self.tokenizer.eos_token_ids,
-                config.model_config.seed,
-                config.model_config.enforce_eager,
-                config.model_config.batch_invariant,
-            )
-            if self.parallel is None
-            else self.parallel.model_runner(
-                loaded.model, kv_store, self.tokenizer.eos_token_ids, config.model_config.seed
-            )
-        )
-        self.output_processor = OutputProcessor(self.tokenizer)
-        self.proposer = build_proposer(
-            config.speculative_config,
-            self.tokenizer,
-            loaded.dtype,
-            self.max_model_len,
-            num_blocks,
-            cache.block_size,
-            config.model_config.enforce_eager,
-            config.model_config.batch_invariant,
-        )
-        self.spec_stats = SpecDecodeStats()  # cumulative since start (kvflow generate prints it)
-        self.spec_controller = SpecController(config.speculative_config.speculative_auto_disable)
-        self._propose_seconds = 0.0  # the proposal made for the next step
-        self._pending_outputs: list[RequestOutput] = []
-        self._request_counter = itertools.count()
-        self.last_step_stats: StepStats | None = None
-        self.structured = StructuredOutputManager(self.tokenizer)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> LLMEngine:
