@@ -23,7 +23,9 @@ from kvflow.server.protocol import (
     ChatStreamChoice,
     ChatTokenLogprob,
     DeltaMessage,
+    PromptLogprob,
     TopLogprob,
+    UsageInfo,
 )
 from kvflow.server.serving import (
     PromptInput,
@@ -33,6 +35,7 @@ from kvflow.server.serving import (
     off_loop,
     unsupported_fields,
 )
+from kvflow.server.serving_completion import vllm_prompt_logprobs
 from kvflow.server.serving_response import ResponseBuilder, serve_choices
 from kvflow.server.serving_tools import (
     ToolCallStreamer,
@@ -91,6 +94,13 @@ def _check(body: ChatCompletionRequest) -> None:
     check_template_kwargs(body.chat_template_kwargs)
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(HTTPStatus.BAD_REQUEST, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if body.prompt_logprobs is not None and body.stream:
+        raise APIError(
+            HTTPStatus.BAD_REQUEST,
+            "prompt_logprobs is returned in non-streamed chat completions only "
+            "(/v1/completions streams them in its first chunk)",
+            param="prompt_logprobs",
+        )
 
 
 class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
@@ -101,7 +111,13 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
     response_type = ChatCompletionResponse
 
     def __init__(
-        self, ctx: ServingContext, n: int, top_n: int, response_id: str, tools: ToolPlan | None = None
+        self,
+        ctx: ServingContext,
+        n: int,
+        top_n: int,
+        response_id: str,
+        tools: ToolPlan | None = None,
+        prompt_logprobs: int | None = None,
     ) -> None:
         super().__init__(response_id, ctx.served_model_name)
         self.ctx = ctx
@@ -109,6 +125,8 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
         self.top_n = top_n  # top_logprobs per token (0: the sampled token's only)
         self.tools = tools if tools is not None and tools.mode != "none" else None
         self._tool_streams: dict[int, ToolCallStreamer] = {}  # per choice index
+        self.prompt_logprobs = prompt_logprobs  # vLLM's top-n for the prompt's tokens, or None
+        self._prompt_entries: list[dict[int, PromptLogprob] | None] | None = None
 
     def stream_head(self) -> list[BaseModel]:
         # OpenAI streams start with the role and empty content, sent before the prompt is even scheduled.
@@ -142,6 +160,11 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
         )
 
     def final_choice(self, index: int, final: RequestOutput) -> ChatChoice:
+        if self.prompt_logprobs is not None and final.prompt_logprobs is not None and index == 0:
+            # The n choices share one prompt: its entries go once, at the response's top level.
+            self._prompt_entries = vllm_prompt_logprobs(
+                final.prompt_logprobs, self.prompt_logprobs, final.prompt_token_ids
+            )
         out = final.outputs[0]
         logprobs = None
         if out.logprobs is not None:
@@ -156,6 +179,14 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
             finish_reason=finish_reason,
             stop_reason=out.stop_reason,
         )
+
+    def response(
+        self, choices: list[ChatChoice], usage: UsageInfo, kvflow: dict[str, Any] | None
+    ) -> BaseModel:
+        response = super().response(choices, usage, kvflow)
+        assert isinstance(response, ChatCompletionResponse)
+        response.prompt_logprobs = self._prompt_entries
+        return response
 
 
 async def create_chat_completion(
@@ -181,5 +212,6 @@ async def create_chat_completion(
         return prompt, requests, tools
 
     prompt, requests, tools = await off_loop(prepare)
-    builder = ChatResponseBuilder(ctx, body.n, top_n, f"{ID_PREFIX}-{raw.state.request_id}", tools)
+    response_id = f"{ID_PREFIX}-{raw.state.request_id}"
+    builder = ChatResponseBuilder(ctx, body.n, top_n, response_id, tools, body.prompt_logprobs)
     return await serve_choices(ctx, raw, body, [prompt], requests, builder)

@@ -86,8 +86,11 @@ def stream_events(response: httpx.Response) -> Iterator[dict[str, Any]]:
 def test_queue_limit_gives_429_and_drops_nothing_admitted(start_server: Callable[..., LiveServer]) -> None:
     server = start_server(max_waiting=2, engine={"max_num_seqs": 1})
     body = {**BODY, "max_tokens": 30, "ignore_eos": True, "stream": True}
+    # The running request must still run when the third one arrives: as long as the test model's
+    # 256-token context allows, so that a busy machine does not let it finish first.
+    long_body = {**body, "max_tokens": 240}
     with server.client() as http, contextlib.ExitStack() as stack:
-        running = stack.enter_context(http.stream("POST", "/v1/completions", json=body))
+        running = stack.enter_context(http.stream("POST", "/v1/completions", json=long_body))
         events = [stream_events(running)]
         next(events[0])  # the first request is running (max_num_seqs=1)
         for _ in range(2):  # two more wait

@@ -77,3 +77,22 @@ def test_echo_text_offsets_index_the_echoed_text(server: LiveServer) -> None:
     assert offsets == sorted(offsets) and offsets[-1] <= len(text)
     for token, start, end in zip(tokens, offsets, [*offsets[1:], len(text)], strict=True):
         assert text[start:end] in (token, ""), (token, text[start:end])
+
+
+def test_chat_prompt_logprobs(server: LiveServer, server_model_dir: Path) -> None:
+    """vLLM's `prompt_logprobs` on chat: the rendered chat prompt's entries once, at the top level
+    (n choices share the prompt), equal to the offline engine's on the same token ids."""
+    messages = [{"role": "user", "content": "What is a paged KV cache?"}]
+    body = {"messages": messages, "max_tokens": 2, "n": 2, "prompt_logprobs": 1, "temperature": 0}
+    with server.client() as http:
+        response = http.post("/v1/chat/completions", json=body).json()
+        prompt_ids = http.post("/tokenize", json={"messages": messages}).json()["tokens"]
+        refused = http.post("/v1/chat/completions", json={**body, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"
+    entries = response["prompt_logprobs"]
+    assert len(response["choices"]) == 2 and len(entries) == len(prompt_ids) and entries[0] is None
+    llm = LLM(str(server_model_dir), **ENGINE_KWARGS)
+    offline = llm.generate([prompt_ids], SamplingParams(max_tokens=1, prompt_logprobs=0))[0].prompt_logprobs
+    assert offline is not None
+    for token, entry, expected in zip(prompt_ids[1:], entries[1:], offline[1:], strict=True):
+        assert entry[str(token)]["logprob"] == pytest.approx(expected[token].logprob, abs=1e-5)
