@@ -1,10 +1,13 @@
 """Pre-quantized checkpoints under tensor parallelism: a GPTQ (4-bit, group 32) checkpoint of the
 tiny llama, packed by the format's definition, read packed slice by slice on two ranks, gives
 TP=1's outputs within the bf16 rounding argument of test_tp_equivalence.py (the int4 kernels
-compute in bf16); act-order row-parallel splits are refused."""
+compute in bf16); likewise an AWQ (GEMM, zero points) checkpoint, whose qweight is packed along the
+outputs, and a compressed-tensors one. Act-order row-parallel splits, and splits that would cut a
+packed word or a group, are refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from collections.abc import Callable, Iterator
@@ -46,30 +49,70 @@ def gptq_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().half().contiguous(), "g_idx": g_idx}
 
 
-@pytest.fixture(scope="module")
-def gptq_checkpoint(
-    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+def pack_awq(q_kn: torch.Tensor, zeros_gn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """AWQ GEMM's packing (autoawq's WQLinear_GEMM.from_linear): 8 levels per int32 along N, bits
+    4j..4j+3 of word c holding column 8c + (0, 2, 4, 6, 1, 3, 5, 7)[j]; zeros packed the same way."""
+    order = torch.tensor([0, 2, 4, 6, 1, 3, 5, 7])
+    shifts = torch.arange(0, 32, 4)
+
+    def pack(levels: torch.Tensor) -> torch.Tensor:
+        words = levels.long().reshape(levels.shape[0], -1, 8)[:, :, order]
+        # A high nibble >= 8 wraps to a negative int32, as checkpoints store it.
+        return (words << shifts[None, None, :]).sum(-1).to(torch.int32)
+
+    return pack(q_kn), pack(zeros_gn)
+
+
+def awq_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [N, K] -> AWQ GEMM tensors (zero_point: true): w[k, n] ~ (q - z) x s per group of GROUP inputs."""
+    n, k = weight.shape
+    w = weight.float().reshape(n, k // GROUP, GROUP)
+    lo, hi = w.amin(-1), w.amax(-1)
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.ones_like(lo))  # [N, G]
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = torch.round(w / scale[..., None] + zero[..., None]).clamp(0, 15).reshape(n, k)
+    qweight, qzeros = pack_awq(q.t(), zero.t())
+    return {"qweight": qweight, "qzeros": qzeros, "scales": scale.t().half().contiguous()}
+
+
+def quantized_checkpoint(
+    src: Path,
+    out: Path,
+    tensors_of: Callable[[torch.Tensor], dict[str, torch.Tensor]],
+    quantization_config: dict[str, object],
 ) -> Path:
-    src = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
-    out = tmp_path_factory.mktemp("gptq")
+    """A copy of `src` with every layer projection replaced by `tensors_of(weight)`."""
     shutil.copytree(src, out, dirs_exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in load_file(src / "model.safetensors").items():
         if name.startswith("model.layers.") and name.endswith("proj.weight"):
             base = name.removesuffix(".weight")
-            tensors.update({f"{base}.{k}": v for k, v in gptq_tensors(tensor).items()})
+            tensors.update({f"{base}.{k}": v for k, v in tensors_of(tensor).items()})
         else:
             tensors[name] = tensor
     save_file(tensors, out / "model.safetensors")
     config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "gptq",
-        "bits": 4,
-        "group_size": GROUP,
-        "desc_act": False,
-    }
+    config["quantization_config"] = quantization_config
     (out / "config.json").write_text(json.dumps(config))
     return out
+
+
+@pytest.fixture(scope="module")
+def gptq_checkpoint(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    src = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
+    config = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False}
+    return quantized_checkpoint(src, tmp_path_factory.mktemp("gptq"), gptq_tensors, config)
+
+
+@pytest.fixture(scope="module")
+def awq_checkpoint(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    src = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
+    config = {"quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm"}
+    return quantized_checkpoint(src, tmp_path_factory.mktemp("awq"), awq_tensors, config)
 
 
 @pytest.fixture
@@ -81,16 +124,21 @@ def engines() -> Iterator[list[LLMEngine]]:
             engine.parallel.shutdown()
 
 
-def test_gptq_checkpoint_two_ranks_match_one(
-    gptq_checkpoint: Path, tiny_checkpoint_factory: Callable[..., Path], engines: list[LLMEngine]
+@pytest.mark.parametrize("fmt", ["gptq", "awq"])
+def test_gptq_and_awq_checkpoints_two_ranks_match_one(
+    fmt: str,
+    request: pytest.FixtureRequest,
+    tiny_checkpoint_factory: Callable[..., Path],
+    engines: list[LLMEngine],
 ) -> None:
+    checkpoint: Path = request.getfixturevalue(f"{fmt}_checkpoint")
     dense = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
     work = _workload(512, logprobs=5)
     float32 = _run(LLMEngine.from_kwargs(model=str(dense), dtype="float32", **ENGINE), work)
     bfloat16 = _run(LLMEngine.from_kwargs(model=str(dense), dtype="bfloat16", **ENGINE), work)
     tolerance = max(_logprob_gaps(float32, bfloat16))
-    expected = _run(LLMEngine.from_kwargs(model=str(gptq_checkpoint), **ENGINE), work)
-    engines.append(LLMEngine.from_kwargs(model=str(gptq_checkpoint), tensor_parallel_size=2, **ENGINE))
+    expected = _run(LLMEngine.from_kwargs(model=str(checkpoint), **ENGINE), work)
+    engines.append(LLMEngine.from_kwargs(model=str(checkpoint), tensor_parallel_size=2, **ENGINE))
     rank0 = engines[-1].model_runner.model
     assert (
         sum(isinstance(m, Int4Linear) for m in rank0.modules()) == 4 * 2
@@ -110,6 +158,19 @@ def test_act_order_row_parallel_is_refused(gptq_checkpoint: Path) -> None:
         ShardLayout.plan(arch, 0, 2, checkpoint_quant=act_order)
     with pytest.raises(ConfigError, match="groups would be split"):  # 64 columns per rank, groups of 128
         ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("gptq", 4, 128, True))
+
+
+def test_awq_splits_that_cut_a_word_or_a_group_are_refused(awq_checkpoint: Path) -> None:
+    arch = load_arch_config(awq_checkpoint)
+    quant = parse_quantization_config(json.loads((awq_checkpoint / "config.json").read_text()))
+    assert quant == CheckpointQuant("awq", 4, GROUP, False)
+    ShardLayout.plan(arch, 0, 2, checkpoint_quant=quant)
+    with pytest.raises(ConfigError, match="groups would be split"):  # 64 columns per rank, groups of 128
+        ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("awq", 4, 128, False))
+    # 136 MLP outputs: 68 per rank would cut gate_proj/up_proj's qweight words (8 columns each).
+    odd = dataclasses.replace(arch, intermediate_size=136)
+    with pytest.raises(ConfigError, match="gate_proj/up_proj would hold 68 outputs"):
+        ShardLayout.plan(odd, 0, 2, checkpoint_quant=quant)
 
 
 def ct_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -134,24 +195,13 @@ def test_compressed_tensors_checkpoint_two_ranks_match_one(
 ) -> None:
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is a test dependency")
     src = tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16, **WIDE)
-    out = tmp_path / "w4a16"
-    shutil.copytree(src, out)
-    tensors: dict[str, torch.Tensor] = {}
-    for name, tensor in load_file(src / "model.safetensors").items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
-            base = name.removesuffix(".weight")
-            tensors.update({f"{base}.{k}": v for k, v in ct_tensors(tensor).items()})
-        else:
-            tensors[name] = tensor
-    save_file(tensors, out / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
+    config = {
         "quant_method": "compressed-tensors",
         "format": "pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 4, "strategy": "group", "group_size": GROUP, "symmetric": False}}},
     }  # fmt: skip
-    (out / "config.json").write_text(json.dumps(config))
+    out = quantized_checkpoint(src, tmp_path / "w4a16", ct_tensors, config)
     work = _workload(512, logprobs=5)
     float32 = _run(LLMEngine.from_kwargs(model=str(src), dtype="float32", **ENGINE), work)
     bfloat16 = _run(LLMEngine.from_kwargs(model=str(src), dtype="bfloat16", **ENGINE), work)
