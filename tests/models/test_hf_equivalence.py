@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from fixtures.checkpoints import MLA_ARCHS, MOE_ARCHS
 from fixtures.reference import hf_greedy
 
 from kvflow import LLM, SamplingParams
@@ -37,18 +38,24 @@ def _prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return prompts
 
 
-@pytest.fixture(scope="module", params=ARCHS)
-def reference(request: pytest.FixtureRequest, tiny_checkpoint_factory: Callable[..., Path]) -> dict[str, Any]:
-    """The checkpoint, its prompts and transformers' greedy tokens and logprobs for each."""
-    path = tiny_checkpoint_factory(request.param)
+def hf_reference(path: Path, num_prompts: int | None = None) -> dict[str, Any]:
+    """The checkpoint's prompts (the first `num_prompts`) and transformers' greedy tokens and
+    float32 logprobs for each."""
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    prompts = _prompts(model.config.vocab_size)
+    prompts = _prompts(model.config.vocab_size)[:num_prompts]
     tokens, logprobs = [], []
     for prompt in prompts:
         new_tokens, logits = hf_greedy(model, prompt, NUM_NEW_TOKENS)
         tokens.append(new_tokens)
         logprobs.append([torch.log_softmax(step.float(), -1) for step in logits])
-    return {"path": path, "arch": request.param, "prompts": prompts, "tokens": tokens, "logprobs": logprobs}
+    return {"path": path, "prompts": prompts, "tokens": tokens, "logprobs": logprobs}
+
+
+# Dense, mixture-of-experts and latent-attention models share the scenarios below.
+@pytest.fixture(scope="module", params=[*ARCHS, *MOE_ARCHS, *MLA_ARCHS])
+def reference(request: pytest.FixtureRequest, tiny_checkpoint_factory: Callable[..., Path]) -> dict[str, Any]:
+    """The checkpoint, its prompts and transformers' greedy tokens and logprobs for each."""
+    return {**hf_reference(tiny_checkpoint_factory(request.param)), "arch": request.param}
 
 
 def _params() -> SamplingParams:
