@@ -183,30 +183,10 @@ def test_prequantized_expert_checkpoint_loads_packed(
     """A compressed-tensors w4a16 MoE checkpoint (as llm-compressor writes Qwen3-MoE's): every
     expert's gate/up/down arrive packed and run as Int4Linear; the router stays float32."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is a test dependency")
-    from quant.test_checkpoint_formats import ct_compress
+    from quant.test_checkpoint_formats import write_w4a16_checkpoints
 
     src = tiny_checkpoint_factory("qwen3_moe", dtype=torch.bfloat16)
-    packed_dir, dense_dir = tmp_path / "w4a16", tmp_path / "dequantized"
-    for d in (packed_dir, dense_dir):
-        shutil.copytree(src, d)
-    packed, dense = {}, {}
-    for name, tensor in load_file(src / "model.safetensors").items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
-            out = ct_compress(tensor.float(), 4, 32, False)
-            packed.update({f"{name.removesuffix('.weight')}.{k}": v for k, v in out["packed"].items()})
-            dense[name] = out["reference"].to(torch.bfloat16)
-        else:
-            packed[name] = dense[name] = tensor
-    save_file(packed, packed_dir / "model.safetensors")
-    save_file(dense, dense_dir / "model.safetensors")
-    config = json.loads((src / "config.json").read_text())
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-            "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False}}},
-    }  # fmt: skip
-    (packed_dir / "config.json").write_text(json.dumps(config))
+    packed_dir, dense_dir = write_w4a16_checkpoints(src, tmp_path)
     quantized = LLM(str(packed_dir), max_model_len=256)
     for block in _moe_blocks(quantized):
         assert all(

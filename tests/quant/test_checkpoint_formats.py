@@ -154,17 +154,15 @@ def mine_weight(u: UnpackedInt4) -> Any:
     return Int4Weight(u.q, u.scale, u.min, u.group_size)
 
 
-def test_compressed_tensors_checkpoint_loads_and_matches_its_dequantization(
-    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
-) -> None:
-    pytest.importorskip("compressed_tensors", reason="compressed-tensors is a test dependency")
-    src = tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16)
-    packed_dir, dense_dir = tmp_path / "w4a16", tmp_path / "dequantized"
+def write_w4a16_checkpoints(src: Path, out_dir: Path) -> tuple[Path, Path]:
+    """`src` as llm-compressor's w4a16 writes it (every decoder-layer projection packed by
+    compressed-tensors: 4 bits, groups of 32, asymmetric) and, beside it, the same checkpoint with
+    those weights replaced by their bf16 dequantization: (packed_dir, dense_dir)."""
+    packed_dir, dense_dir = out_dir / "w4a16", out_dir / "dequantized"
     for d in (packed_dir, dense_dir):
         shutil.copytree(src, d)
-    tensors = load_file(src / "model.safetensors")
     packed_tensors, dense_tensors = {}, {}
-    for name, tensor in tensors.items():
+    for name, tensor in load_file(src / "model.safetensors").items():
         if name.startswith("model.layers.") and name.endswith("proj.weight"):
             out = ct_compress(tensor.float(), 4, 32, False)
             base = name.removesuffix(".weight")
@@ -182,10 +180,19 @@ def test_compressed_tensors_checkpoint_loads_and_matches_its_dequantization(
             "num_bits": 4, "strategy": "group", "group_size": 32, "symmetric": False}}},
     }  # fmt: skip
     (packed_dir / "config.json").write_text(json.dumps(config))
+    return packed_dir, dense_dir
+
+
+def test_compressed_tensors_checkpoint_loads_and_matches_its_dequantization(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors is a test dependency")
+    src = tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16)
+    packed_dir, dense_dir = write_w4a16_checkpoints(src, tmp_path)
     quantized = LLM(str(packed_dir), max_model_len=128)
     modules = list(quantized.llm_engine.model_runner.model.modules())
-    # qkv, o, gate_up and down per layer.
-    assert sum(isinstance(m, Int4Linear) for m in modules) == 4 * config["num_hidden_layers"]
+    num_layers = json.loads((src / "config.json").read_text())["num_hidden_layers"]
+    assert sum(isinstance(m, Int4Linear) for m in modules) == 4 * num_layers  # qkv, o, gate_up, down
     assert not any(isinstance(m, Int8Linear) for m in modules)
     dense = LLM(str(dense_dir), max_model_len=128)
     params = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3)
