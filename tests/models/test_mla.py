@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from quant.test_kv_quant import teacher_forced_agreement
 from test_hf_equivalence import _prompts
 
 from kvflow import LLM, SamplingParams
@@ -114,16 +115,9 @@ def test_quantized_latent_kv_is_close_to_bf16(
         max_num_batched_tokens=4,
         enable_prefix_caching=False,
     )
-    contexts, targets = [], []
-    for prompt, ref in zip(prompts, reference, strict=True):
-        for i in range(0, len(ref), 2):
-            contexts.append(prompt + ref[:i])
-            targets.append(ref[i])
-    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-    predicted = [o.outputs[0].token_ids[0] for o in llm.generate(contexts, one)]
-    agree = sum(p == t for p, t in zip(predicted, targets, strict=True))
-    print(f"deepseek_v3 {kind} latent KV: teacher-forced top-1 agreement with bf16 KV {agree}/{len(targets)}")
-    assert agree / len(targets) >= KV_AGREEMENT_FLOOR[kind]
+    agree, total = teacher_forced_agreement(llm, prompts, reference)
+    print(f"deepseek_v3 {kind} latent KV: teacher-forced top-1 agreement with bf16 KV {agree}/{total}")
+    assert agree / total >= KV_AGREEMENT_FLOOR[kind]
 
 
 def test_int8_latent_kv_under_preemption(tiny_checkpoint_factory: Callable[..., Path]) -> None:

@@ -9,6 +9,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from test_tool_parsers import WEATHER
+
 from kvflow.assets import bundled_model_dir
 from kvflow.server.serving_tools import tool_call_arguments_as_objects
 from kvflow.server.tool_parsers import detect_parser, get_tool_parser
@@ -16,18 +18,6 @@ from kvflow.server.tool_parsers.hermes import HermesToolParser
 from kvflow.tokenizer import Tokenizer
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-            "required": ["city"],
-        },
-    },
-}
 CALL_ARGS = {"city": 'Zürich "Old Town"', "unit": "c"}
 
 
