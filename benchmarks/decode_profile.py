@@ -1,16 +1,19 @@
-"""Where one single-stream decode step's time goes: kernels against everything else.
+"""Where one decode step's time goes: kernels against everything else.
 
     python benchmarks/decode_profile.py [--quantization none|int8|int4] [--group-size 32]
-                                        [--quantize-lm-head] [--context 512] [--enforce-eager]
+                                        [--quantize-lm-head] [--context 512] [--batch 1]
+                                        [--enforce-eager]
 
-On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it), one
-request decodes after a `--context`-token prompt; the last decode step's exact inputs are captured
-and replayed, each piece timed alone (median of `--repeats`, microseconds):
+On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it),
+`--batch` requests (1: single stream) decode together after `--context`-token prompts; the last
+decode step's exact inputs are captured and replayed, each piece timed alone (median of
+`--repeats`, microseconds):
     engine step     LLMEngine.step(): schedule -> input batch -> forward -> logits -> sample -> outputs
                     (the median gap between one request's tokens)
     forward         the model over the 24 layers (embedding to final norm)
     kernels         every layer's linears (GEMVs) and its decode attention, called alone on the
                     same inputs: the work that cannot shrink without fewer bytes
+    attention       of which the 24 decode attentions alone
     layer glue      forward - kernels: norms, RoPE, KV write, SiLU, residuals, Python, dispatch
     LM head         the head's GEMV over the vocabulary (+ float32 cast)
     sample          the sampler on those logits
@@ -51,19 +54,27 @@ def median_us(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times) * 1e6
 
 
-def capture_decode_inputs(llm: LLM, context: int) -> tuple[Any, ...]:
-    """Run one request to its decode phase; return the last forward call's (input_ids, meta, store)."""
+def random_prompts(context: int, batch: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(QWEN25_05B["vocab_size"]) for _ in range(context)] for _ in range(batch)]
+
+
+def capture_decode_inputs(llm: LLM, context: int, batch: int) -> tuple[Any, ...]:
+    """Run `batch` requests to their decode phase together; return the last forward call's
+    (input_ids, meta, store): a decode step of `batch` rows."""
     model = llm.llm_engine.model_runner.model
     captured: list[tuple[Any, ...]] = []
     original = model.forward
 
     def spy(input_ids: torch.Tensor, meta: Any, kv_store: Any) -> torch.Tensor:
-        captured[:] = [(input_ids, meta, kv_store)]
+        if input_ids.numel() == batch:  # a decode step of all `batch` rows (prefill steps are longer)
+            captured[:] = [(input_ids, meta, kv_store)]
         return original(input_ids, meta, kv_store)
 
     model.forward = spy  # type: ignore[method-assign]
-    prompt = [random.Random(0).randrange(QWEN25_05B["vocab_size"]) for _ in range(context)]
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    # Enough tokens that all `batch` requests, prefilled a few steps apart, decode together.
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    llm.generate(random_prompts(context, batch, 0), params)
     model.forward = original  # type: ignore[method-assign]
     return captured[0]
 
@@ -79,21 +90,22 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def profile(llm: LLM, context: int, repeats: int, rounds: int) -> dict[str, float]:
+def profile(llm: LLM, context: int, batch: int, repeats: int, rounds: int) -> dict[str, float]:
     """Each piece timed `rounds` times, the pieces interleaved round by round (the machine's
     bandwidth drifts within minutes), medians across rounds."""
     engine = llm.llm_engine
     model = engine.model_runner.model
     runner = engine.model_runner
-    input_ids, meta, store = capture_decode_inputs(llm, context)
-    prompt = [random.Random(1).randrange(QWEN25_05B["vocab_size"]) for _ in range(context)]
+    input_ids, meta, store = capture_decode_inputs(llm, context, batch)
+    prompts = random_prompts(context, batch, 1)
     with torch.inference_mode():
         hidden = model(input_ids, meta, store)
         logits = model.compute_logits(hidden)
     pieces: dict[str, Callable[[], float]] = {
-        "engine step": lambda: engine_step_us(llm, prompt, repeats),
+        "engine step": lambda: engine_step_us(llm, prompts, repeats),
         "forward": lambda: median_us(lambda: model(input_ids, meta, store), repeats),
         "kernels": lambda: layer_kernels_us(model, hidden, meta, store, repeats),
+        "attention": lambda: layer_kernels_us(model, hidden, meta, store, repeats, attention_only=True),
         "LM head": lambda: median_us(lambda: model.compute_logits(hidden), repeats),
         "sample": lambda: sample_us(runner, logits, repeats),
     }
@@ -108,7 +120,9 @@ def profile(llm: LLM, context: int, repeats: int, rounds: int) -> dict[str, floa
     return times
 
 
-def layer_kernels_us(model: Any, hidden: torch.Tensor, meta: Any, store: Any, repeats: int) -> float:
+def layer_kernels_us(
+    model: Any, hidden: torch.Tensor, meta: Any, store: Any, repeats: int, attention_only: bool = False
+) -> float:
     """Every layer's linears and decode attention, called back to back on inputs of the right shape
     (all layers in one sweep, so weights come from DRAM as in a real step, not from cache)."""
     from kvflow.attention.paged_attention import _decode_attention
@@ -121,6 +135,9 @@ def layer_kernels_us(model: Any, hidden: torch.Tensor, meta: Any, store: Any, re
 
     def sweep() -> None:
         for i, layer in enumerate(model.layers):
+            if attention_only:
+                _decode_attention(q, store.layer(i), meta)
+                continue
             layer.self_attn.qkv_proj(x)
             _decode_attention(q, store.layer(i), meta)
             layer.self_attn.o_proj(o_in)
@@ -130,22 +147,24 @@ def layer_kernels_us(model: Any, hidden: torch.Tensor, meta: Any, store: Any, re
     return median_us(sweep, repeats)
 
 
-def engine_step_us(llm: LLM, prompt: list[int], repeats: int) -> float:
-    """Median gap between one request's tokens while it decodes alone (= one engine step)."""
+def engine_step_us(llm: LLM, prompts: list[list[int]], repeats: int) -> float:
+    """Median gap between a request's tokens while the `len(prompts)` requests decode together
+    (= one engine step)."""
     params = SamplingParams(temperature=0.0, max_tokens=repeats, ignore_eos=True)
-    out = llm.generate([prompt], params)[0]
-    return statistics.median(out.metrics.itl) * 1e6
+    outs = llm.generate(prompts, params)
+    return statistics.median(gap for out in outs for gap in out.metrics.itl) * 1e6
 
 
 def sample_us(runner: Any, logits: torch.Tensor, repeats: int) -> float:
     from kvflow.sample.sampler import SamplingBatch
 
+    rows = logits.shape[0]
     batch = SamplingBatch(
-        params=[SamplingParams(temperature=0.0)],
-        prompt_token_ids=[[1, 2, 3]],
-        output_token_ids=[[4]],
-        generators=[None],
-        banned_token_ids=[[]],
+        params=[SamplingParams(temperature=0.0)] * rows,
+        prompt_token_ids=[[1, 2, 3]] * rows,
+        output_token_ids=[[4]] * rows,
+        generators=[None] * rows,
+        banned_token_ids=[[]] * rows,
     )
     return median_us(lambda: runner.sampler(logits, batch), repeats)
 
@@ -156,6 +175,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--quantize-lm-head", action="store_true")
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--batch", type=int, default=1, help="sequences decoding together (rows per step)")
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--enforce-eager", action="store_true", help="the Python layer path (the reference)")
@@ -170,18 +190,21 @@ def main() -> None:
         quantize_lm_head=args.quantize_lm_head,
         enforce_eager=args.enforce_eager,
     )
-    times = profile(llm, args.context, args.repeats, args.rounds)
+    times = profile(llm, args.context, args.batch, args.repeats, args.rounds)
     bandwidth = measure_bandwidth_gbs()
     nbytes = weight_bytes(llm.llm_engine.model_runner.model)
     roofline_us = nbytes / (bandwidth * 1e9) * 1e6
     head = "quantized" if args.quantize_lm_head else "bf16"
     print(
         f"{args.quantization} (group {args.group_size}, head {head}), context {args.context}, "
+        f"{args.batch} sequence(s), "
         f"{'Python layers (--enforce-eager)' if args.enforce_eager else 'native decode'}, "
         f"{torch.get_num_threads()} threads, medians of {args.rounds} interleaved rounds"
     )
     step = times["engine step"]
-    for key in ("engine step", "forward", "kernels", "layer glue", "LM head", "sample", "step overhead"):
+    pieces = ("engine step", "forward", "kernels", "attention", "layer glue", "LM head", "sample")
+    pieces += ("step overhead",)
+    for key in pieces:
         print(f"  {key:<14} {times[key] / 1e3:8.2f} ms  {times[key] / step:6.1%} of the step")
     per_layer = times["layer glue"] / QWEN25_05B["num_hidden_layers"]
     print(f"  layer glue per layer: {per_layer:.0f} us")

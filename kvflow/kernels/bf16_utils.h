@@ -3,6 +3,8 @@
 // a .cpp (or clear ~/.cache/kvflow/kernels) to force a rebuild.
 #pragma once
 
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -24,5 +26,33 @@ inline float bf16_to_float(uint16_t h) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+
+// 16 lanes of float_to_bf16 (the same bits: integer round-to-nearest-even, NaN kept quiet; unlike
+// vcvtneps2bf16, which flushes denormals), each result in the top half of its 32-bit lane (so the
+// lane reads as the rounded fp32 value).
+inline __m512i round_to_bf16_lanes(__m512 f) {
+  const __m512i bits = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  const __m512i quiet = _mm512_or_si512(bits, _mm512_set1_epi32(0x400000));
+  return _mm512_and_si512(_mm512_mask_mov_epi32(rounded, nan, quiet), _mm512_set1_epi32(int32_t(0xffff0000u)));
+}
+
+// fp32 -> fp32 rounded through bf16 (through_bf16 on 16 lanes).
+inline __m512 through_bf16_lanes(__m512 f) { return _mm512_castsi512_ps(round_to_bf16_lanes(f)); }
+
+// Store 16 lanes as bf16 (float_to_bf16 each), `mask` selecting the lanes written.
+inline void store_bf16_lanes(uint16_t* p, __m512 f, __mmask16 mask) {
+  _mm256_mask_storeu_epi16(p, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_to_bf16_lanes(f), 16)));
+}
+
+// 16 bf16 -> fp32 (`mask` selecting the lanes read, the others 0).
+inline __m512 load_bf16_lanes(const uint16_t* p, __mmask16 mask) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+}
+
+inline __mmask16 lanes_left(int64_t left) { return left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u); }
 
 }  // namespace kvflow

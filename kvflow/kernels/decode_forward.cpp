@@ -174,12 +174,18 @@ void rope_and_write_kv(const torch::Tensor& q_in, const torch::Tensor& k_in, con
   const uint16_t* cp = bf16_ptr(cos);
   const uint16_t* sp = bf16_ptr(sin);
   uint16_t* qo = bf16_ptr_mut(q_out);
-  std::vector<float> row(D);
+  // Vectorised over D, 16 lanes at a time, with the scalar float_to_bf16's rounding (bf16_utils.h).
+  std::vector<float> xf(D), rolled(D), row(D);
   const auto rotate = [&](const uint16_t* x, const uint16_t* c, const uint16_t* s, float* out) {
-    for (int64_t d = 0; d < D; ++d) {
-      const float rolled = bf16_to_float(x[(d + half) % D]);  // roll(x, D/2)[d]
-      out[d] = through_bf16(through_bf16(bf16_to_float(x[d]) * bf16_to_float(c[d])) +
-                            through_bf16(rolled * bf16_to_float(s[d])));
+    for (int64_t d = 0; d < D; ++d) xf[d] = bf16_to_float(x[d]);
+    std::memcpy(rolled.data(), xf.data() + half, (D - half) * sizeof(float));  // roll(x, D/2)
+    std::memcpy(rolled.data() + (D - half), xf.data(), half * sizeof(float));
+    for (int64_t d = 0; d < D; d += 16) {
+      const __mmask16 m = lanes_left(D - d);
+      const __m512 a = through_bf16_lanes(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xf.data() + d), load_bf16_lanes(c + d, m)));
+      const __m512 b =
+          through_bf16_lanes(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, rolled.data() + d), load_bf16_lanes(s + d, m)));
+      _mm512_mask_storeu_ps(out + d, m, through_bf16_lanes(_mm512_add_ps(a, b)));
     }
   };
   for (int64_t m = 0; m < M; ++m) {
@@ -188,7 +194,9 @@ void rope_and_write_kv(const torch::Tensor& q_in, const torch::Tensor& k_in, con
     for (int64_t h = 0; h < Hq; ++h) {
       const uint16_t* x = bf16_ptr(q_in) + m * q_in.stride(0) + h * q_in.stride(1);
       rotate(x, c, s, row.data());
-      for (int64_t d = 0; d < D; ++d) qo[(m * Hq + h) * D + d] = float_to_bf16(row[d]);
+      for (int64_t d = 0; d < D; d += 16)  // row holds bf16 values: the store is exact
+        store_bf16_lanes(qo + (m * Hq + h) * D + d, _mm512_maskz_loadu_ps(lanes_left(D - d), row.data() + d),
+                         lanes_left(D - d));
     }
     for (int64_t h = 0; h < Hkv; ++h) {
       rotate(bf16_ptr(k_in) + m * k_in.stride(0) + h * k_in.stride(1), c, s, row.data());
@@ -205,7 +213,10 @@ void add_into(torch::Tensor& a, const torch::Tensor& b) {
   uint16_t* ap = bf16_ptr_mut(a);
   const uint16_t* bp = bf16_ptr(b);
   const int64_t n = a.numel();
-  for (int64_t i = 0; i < n; ++i) ap[i] = float_to_bf16(bf16_to_float(ap[i]) + bf16_to_float(bp[i]));
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes_left(n - i);
+    store_bf16_lanes(ap + i, _mm512_add_ps(load_bf16_lanes(ap + i, m), load_bf16_lanes(bp + i, m)), m);
+  }
 }
 
 }  // namespace

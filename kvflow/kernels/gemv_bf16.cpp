@@ -31,7 +31,7 @@ namespace {
 
 constexpr int64_t kTileRows = 16;         // output rows per tile: one per fp32 lane
 constexpr int64_t kMaxRows = 8;           // activation rows sharing one pass over the weights
-constexpr int64_t kPrefetchBytes = 1024;  // weights prefetched ahead of the loads
+constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loads
 
 struct TiledGemv {
   const uint16_t* w;  // [N_pad / 16, K / 2, 16, 2]

@@ -29,7 +29,7 @@ namespace {
 
 using namespace kvflow::gemv;
 
-constexpr int64_t kPrefetchBytes = 1024;  // int8 weights prefetched ahead of the loads
+constexpr int64_t kPrefetchBytes = 4096;  // int8 weights prefetched ahead of the loads
 
 // 32 int8 weights at p (the first `n` of them, the rest read as 0) -> 32 bf16 in one register,
 // element order preserved: low half from weights 0..15, high half from 16..31.

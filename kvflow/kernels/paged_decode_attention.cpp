@@ -261,6 +261,176 @@ void attend_one(const Problem<Rows>& P, int64_t b, int64_t h, std::vector<float>
       P.out[(b * P.Hq + h * G + g) * D + d] = kvflow::float_to_bf16(acc[g * padded + d] * inv_sum[g]);
 }
 
+// ---- bf16 pools: keys along the lanes -----------------------------------------------------------
+// The row-reader path above costs ~190 cycles per key and KV head at GQA 7:1, D = 64 (8 sequences
+// x 543 keys: 5.6 ms of a 31 ms decode step; benchmarks/NOTES.md): every key's 7 dot products end
+// in a horizontal sum, and every key is widened to fp32 before its dot products and again, per
+// 16-dim chunk, in the P.V pass. For bf16 pools two changes remove most of that work:
+//   Q.K   16 keys' rows are transposed in registers so that lane j holds key j: dword p of the
+//         block (dims 2p, 2p + 1 of each key) meets the query's dword p broadcast to every lane in
+//         one vdpbf16ps (bf16 x bf16 products are exact in fp32), so each query head's 16 scores
+//         come out as one register, with no horizontal sums and no widening of K.
+//   P.V   keys outermost: each V row is read once, split into its even and odd dims as fp32 (a
+//         shift and a mask: bf16 is the top half of an fp32) and multiplied into up to 7 heads x
+//         64 dims of accumulators held in registers (the probabilities broadcast from memory).
+// Probabilities and accumulation stay fp32 (as above); only the order of additions differs.
+
+constexpr int64_t kKeysPerBlock = 16;  // keys transposed together: one per fp32 lane
+constexpr int64_t kDwordsPerBlock = 16;  // dims 32 at a time = 16 bf16 pairs (one 512-bit row load)
+constexpr int64_t kMaxHeadsPerPass = 8;  // query heads scored per pass over a key block (registers)
+constexpr int64_t kMaxValueHeads = 7;    // P.V: 7 heads x 4 vectors = 28 accumulators + 4 V vectors
+
+// Permutation indices of one stage of a 16 x 16 dword transpose (stage s swaps bit s of the row
+// index with bit s of the column index). Rows a (bit s clear) and b (bit s set) become
+//   lo[j] = j_s ? b[j - 2^s] : a[j]        hi[j] = j_s ? b[j] : a[j + 2^s]
+// (indices >= 16 select from b in vpermt2d).
+struct TransposeStage {
+  __m512i lo, hi;
+  explicit TransposeStage(int s) {
+    alignas(64) int32_t l[16], h[16];
+    const int32_t bit = 1 << s;
+    for (int32_t j = 0; j < 16; ++j) {
+      l[j] = (j & bit) ? 16 + (j & ~bit) : j;
+      h[j] = (j & bit) ? 16 + j : (j | bit);
+    }
+    lo = _mm512_load_si512(l);
+    hi = _mm512_load_si512(h);
+  }
+};
+
+// r[i] = row i (16 dwords) -> r[p] = column p (dword p of every row, row i in lane i).
+inline void transpose16(__m512i* r, const TransposeStage* stages) {
+  for (int s = 0; s < 4; ++s) {
+    const int64_t bit = int64_t(1) << s;
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i & bit) continue;
+      const __m512i a = r[i], b = r[i | bit];
+      r[i] = _mm512_permutex2var_epi32(a, stages[s].lo, b);
+      r[i | bit] = _mm512_permutex2var_epi32(a, stages[s].hi, b);
+    }
+  }
+}
+
+struct Bf16Attention {
+  const uint16_t* q;   // [B, Hq, D]
+  const uint16_t* k;   // [S, Hkv, D]
+  const uint16_t* v;   // [S, Hkv, D]
+  const int64_t* slots;
+  const int64_t* seq_lens;
+  uint16_t* out;
+  int64_t Hq, Hkv, D, Lmax;
+  float scale;
+  TransposeStage stages[4] = {TransposeStage(0), TransposeStage(1), TransposeStage(2), TransposeStage(3)};
+
+  const uint16_t* key_row(int64_t slot, int64_t h) const { return k + (slot * Hkv + h) * D; }
+  const uint16_t* value_row(int64_t slot, int64_t h) const { return v + (slot * Hkv + h) * D; }
+
+  // scores[g * L + l] = scale * <q[b, h*G + g], K[l]> for heads [g0, g0 + GN) of the group.
+  void score_heads(const int64_t* sl, int64_t b, int64_t h, int64_t G, int64_t g0, int64_t GN, int64_t L,
+                   float* scores) const {
+    const int64_t dwords = D / 2, blocks = (dwords + kDwordsPerBlock - 1) / kDwordsPerBlock;
+    const uint32_t* qd = reinterpret_cast<const uint32_t*>(q + (b * Hq + h * G + g0) * D);  // bf16 pairs
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t l0 = 0; l0 < L; l0 += kKeysPerBlock) {
+      const int64_t nk = std::min(kKeysPerBlock, L - l0);
+      for (int64_t j = 0; j < kKeysPerBlock && l0 + kKeysPerBlock + j < L; ++j)  // the next block's rows
+        prefetch_row(key_row(sl[l0 + kKeysPerBlock + j], h), 2 * D);
+      __m512 acc[kMaxHeadsPerPass];
+      for (int64_t g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const int64_t p0 = blk * kDwordsPerBlock, np = std::min(kDwordsPerBlock, dwords - p0);
+        const __mmask16 cols = tail_mask(np);
+        __m512i r[kKeysPerBlock];
+        for (int64_t j = 0; j < kKeysPerBlock; ++j)
+          r[j] = j < nk ? _mm512_maskz_loadu_epi32(cols, key_row(sl[l0 + j], h) + 2 * p0) : _mm512_setzero_si512();
+        transpose16(r, stages);  // r[p] lane j = dword p0 + p of key l0 + j
+        for (int64_t p = 0; p < np; ++p)
+          for (int64_t g = 0; g < GN; ++g)
+            acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)r[p],
+                                      (__m512bh)_mm512_set1_epi32(int32_t(qd[g * dwords + p0 + p])));
+      }
+      for (int64_t g = 0; g < GN; ++g)
+        _mm512_mask_storeu_ps(scores + (g0 + g) * L + l0, tail_mask(nk), _mm512_mul_ps(acc[g], vscale));
+    }
+  }
+
+  // acc_out[g][d] = sum_l probs[(g0 + g) * L + l] * V[l][d] for dims [32 * blk0, 32 * blk0 + 32 NB).
+  // Accumulators per head: [even dims, odd dims] per 32-dim block.
+  template <int64_t GN, int64_t NB>
+  void value_pass(const int64_t* sl, int64_t h, int64_t L, int64_t g0, int64_t blk0, const float* probs,
+                  float* acc_out) const {
+    __m512 acc[GN][2 * NB];
+    for (int64_t g = 0; g < GN; ++g)
+      for (int64_t c = 0; c < 2 * NB; ++c) acc[g][c] = _mm512_setzero_ps();
+    __mmask32 masks[NB];
+    for (int64_t n = 0; n < NB; ++n) {
+      const int64_t left = D - 32 * (blk0 + n);
+      masks[n] = left >= 32 ? ~__mmask32(0) : (__mmask32(1) << left) - 1;
+    }
+    const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
+    for (int64_t l = 0; l < L; ++l) {
+      if (l + kPrefetchKeys < L) prefetch_row(value_row(sl[l + kPrefetchKeys], h) + 32 * blk0, 64 * NB);
+      const uint16_t* row = value_row(sl[l], h) + 32 * blk0;
+      __m512 vv[2 * NB];
+      for (int64_t n = 0; n < NB; ++n) {
+        const __m512i x = _mm512_maskz_loadu_epi16(masks[n], row + 32 * n);
+        vv[2 * n] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));      // dims 2i
+        vv[2 * n + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, high));  // dims 2i + 1
+      }
+      for (int64_t g = 0; g < GN; ++g) {
+        const __m512 p = _mm512_set1_ps(probs[(g0 + g) * L + l]);
+        for (int64_t c = 0; c < 2 * NB; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    }
+    for (int64_t g = 0; g < GN; ++g)
+      for (int64_t c = 0; c < 2 * NB; ++c) _mm512_storeu_ps(acc_out + (g * 2 * NB + c) * kLanes, acc[g][c]);
+  }
+
+  template <int64_t NB>
+  void value_heads(const int64_t* sl, int64_t h, int64_t L, int64_t g0, int64_t GN, int64_t blk0, const float* probs,
+                   float* acc_out) const {
+    switch (GN) {
+      case 1: value_pass<1, NB>(sl, h, L, g0, blk0, probs, acc_out); break;
+      case 2: value_pass<2, NB>(sl, h, L, g0, blk0, probs, acc_out); break;
+      case 3: value_pass<3, NB>(sl, h, L, g0, blk0, probs, acc_out); break;
+      case 4: value_pass<4, NB>(sl, h, L, g0, blk0, probs, acc_out); break;
+      case 5: value_pass<5, NB>(sl, h, L, g0, blk0, probs, acc_out); break;
+      case 6: value_pass<6, NB>(sl, h, L, g0, blk0, probs, acc_out); break;
+      default: value_pass<7, NB>(sl, h, L, g0, blk0, probs, acc_out); break;
+    }
+  }
+
+  void attend(int64_t b, int64_t h, std::vector<float>& scratch) const {
+    const int64_t G = Hq / Hkv, L = seq_lens[b], blocks32 = (D + 31) / 32;
+    const int64_t* sl = slots + b * Lmax;
+    scratch.resize(G * L + kMaxValueHeads * 4 * kLanes);
+    float* scores = scratch.data();
+    float* acc = scores + G * L;  // one value pass's accumulators, [GN][2 NB][16]
+    for (int64_t g0 = 0; g0 < G; g0 += kMaxHeadsPerPass)
+      score_heads(sl, b, h, G, g0, std::min(kMaxHeadsPerPass, G - g0), L, scores);
+    float inv_sum[64];
+    for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalised(scores + g * L, L);
+    for (int64_t blk0 = 0; blk0 < blocks32; blk0 += 2) {
+      const int64_t NB = std::min<int64_t>(2, blocks32 - blk0);
+      for (int64_t g0 = 0; g0 < G; g0 += kMaxValueHeads) {
+        const int64_t GN = std::min(kMaxValueHeads, G - g0);
+        if (NB == 2) value_heads<2>(sl, h, L, g0, GN, blk0, scores, acc);
+        else value_heads<1>(sl, h, L, g0, GN, blk0, scores, acc);
+        for (int64_t g = 0; g < GN; ++g)
+          for (int64_t n = 0; n < NB; ++n)
+            for (int64_t i = 0; i < kLanes; ++i) {
+              const int64_t d = 32 * (blk0 + n) + 2 * i;
+              if (d >= D) break;
+              const float* a = acc + (g * 2 * NB + 2 * n) * kLanes;
+              uint16_t* o = out + (b * Hq + h * G + g0 + g) * D;
+              o[d] = kvflow::float_to_bf16(a[i] * inv_sum[g0 + g]);
+              o[d + 1] = kvflow::float_to_bf16(a[kLanes + i] * inv_sum[g0 + g]);
+            }
+      }
+    }
+  }
+};
+
 template <typename Rows>
 void run_all(const Problem<Rows>& P, int64_t B) {
   at::parallel_for(0, B * P.Hkv, 1, [&](int64_t begin, int64_t end) {
@@ -302,7 +472,18 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
   TORCH_CHECK(key_cache.size(2) == D, "head_dim mismatch");
   const auto* kp = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>());
-  return launch(q, Bf16Rows{kp, Hkv, D}, Bf16Rows{vp, Hkv, D}, slots, seq_lens, scale);
+  if (D % 2 != 0)  // the keys-along-lanes path reads bf16 pairs
+    return launch(q, Bf16Rows{kp, Hkv, D}, Bf16Rows{vp, Hkv, D}, slots, seq_lens, scale);
+  auto out = torch::empty_like(q);
+  const Bf16Attention A{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kp, vp,
+                        slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
+                        reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                        q.size(1), Hkv, D, slots.size(1), static_cast<float>(scale)};
+  at::parallel_for(0, q.size(0) * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch;
+    for (int64_t i = begin; i < end; ++i) A.attend(i / Hkv, i % Hkv, scratch);
+  });
+  return out;
 }
 
 // kind: "int8" | "fp8_e4m3" | "int4". k_data/v_data: [S, Hkv, D] (int4: [S, Hkv, D / 2] uint8);

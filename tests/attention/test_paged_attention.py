@@ -17,6 +17,9 @@ CASES = [  # (num_kv_heads, queries per kv head, head_dim)
     (1, 4, 16),
     (4, 1, 80),
     (2, 2, 128),
+    (1, 16, 96),  # more query heads than one pass scores (8) or accumulates (7); a half 64-dim block
+    (2, 3, 18),  # a partial 32-dim block
+    (1, 2, 17),  # odd head_dim: the row-reader path
 ]
 
 
