@@ -51,7 +51,7 @@ inline float through_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 const uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* bf16_ptr_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
-// oneDNN's GEMM on a weight reordered at load, the op kvflow/layers/linear.py calls for M > 4.
+// oneDNN's GEMM on a weight reordered at load, the op kvflow/layers/linear.py calls past max_gemv_rows.
 torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")

@@ -35,7 +35,7 @@ struct NativeLinear {
   enum class Kind { kBf16, kInt8, kInt4 };
   Kind kind;
   torch::Tensor weight;  // bf16 16-row tiles [N_pad / 16, K / 2, 16, 2] | int8 [N, K] | int4 tiles [N_pad / 16, 8K]
-  torch::Tensor packed;  // bf16 only: oneDNN's blocked copy (rows > 8)
+  torch::Tensor packed;  // bf16 only: oneDNN's blocked copy (rows > max_gemv_rows)
   torch::Tensor scales;  // int8 [N] fp32 | int4 [N_pad / 16, K / g, 16] bf16
   torch::Tensor mins;    // int4 [N_pad / 16, K / g, 16] bf16
   c10::optional<torch::Tensor> bias;
@@ -44,7 +44,7 @@ struct NativeLinear {
   int64_t out_features = 0, in_features = 0;
   // Rows up to which the GEMV runs (beyond: oneDNN / dequantize-and-GEMM tiles). Batch-invariant
   // mode sets it unbounded: the GEMVs' rows do not depend on each other.
-  int64_t max_gemv_rows = 8;
+  int64_t max_gemv_rows = 32;  // kvflow/layers/linear.py SKINNY_MAX_ROWS (the modules hand theirs over)
 
   torch::Tensor forward(const torch::Tensor& x) const;  // [M, K] bf16 -> [M, N] bf16
 };

@@ -16,8 +16,9 @@
 // Batch invariance: output (m, n) is lane n % 16 of two accumulators (even and odd pairs) summed
 // at the end, in the same order whatever M is, so a token's logits do not depend on what else is
 // decoded with it (speculative verification reproduces plain decoding bit for bit). Up to 8 rows
-// share one pass over the weights (registers: 2 accumulators per row); more rows take more passes,
-// which only batch-invariant mode asks for (kvflow/layers/linear.py: oneDNN is faster there).
+// share one pass over the weights (registers: 2 accumulators per row); more rows take more passes
+// over each tile while it is in L1/L2, so up to ~32 rows the weights still come from DRAM once
+// (kvflow/layers/linear.py: past 32 rows oneDNN is faster, except in batch-invariant mode).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
