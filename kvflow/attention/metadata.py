@@ -21,6 +21,9 @@ class PrefillChunkMetadata:
     kv_slots: torch.Tensor | None  # [num_keys] int64
     # attend[i, j]: may query i see key j; None = plain causal over the chunk itself.
     attend: torch.Tensor | None  # [num_queries, num_keys] bool
+    # Query i attends exactly the first num_keys - num_queries + i + 1 keys (causal, no sliding
+    # window cutting any): the native kernel can then read them in place, one row per query.
+    leading_keys: bool = False
 
 
 @dataclass

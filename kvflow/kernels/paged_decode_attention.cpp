@@ -154,10 +154,10 @@ struct Problem {
   const uint16_t* q;       // [B, Hq, D]
   Rows k;                  // [S, Hkv, D] (as the format stores it)
   Rows v;
-  const int64_t* slots;    // [B, Lmax]
+  const int64_t* slots;    // [B, L] with row stride slot_stride (0: every row reads the same keys)
   const int64_t* seq_lens; // [B]
   uint16_t* out;           // [B, Hq, D]
-  int64_t Hq, Hkv, D, Lmax;
+  int64_t Hq, Hkv, D, slot_stride;
   float scale;
 };
 
@@ -239,7 +239,7 @@ template <typename Rows>
 void attend_one(const Problem<Rows>& P, int64_t b, int64_t h, std::vector<float>& scratch) {
   const int64_t G = P.Hq / P.Hkv, D = P.D, L = P.seq_lens[b], chunks = (D + kLanes - 1) / kLanes;
   const int64_t padded = chunks * kLanes;
-  const int64_t* slots = P.slots + b * P.Lmax;
+  const int64_t* slots = P.slots + b * P.slot_stride;
   scratch.assign(G * L + 2 * G * padded + G * kKeyBlock * kLanes, 0.0f);
   float* scores = scratch.data();
   float* qf = scores + G * L;  // [G, padded]: q widened to fp32, pre-scaled, zero tail
@@ -318,7 +318,7 @@ struct Bf16Attention {
   const int64_t* slots;
   const int64_t* seq_lens;
   uint16_t* out;
-  int64_t Hq, Hkv, D, Lmax;
+  int64_t Hq, Hkv, D, slot_stride;
   float scale;
   TransposeStage stages[4] = {TransposeStage(0), TransposeStage(1), TransposeStage(2), TransposeStage(3)};
 
@@ -402,7 +402,7 @@ struct Bf16Attention {
 
   void attend(int64_t b, int64_t h, std::vector<float>& scratch) const {
     const int64_t G = Hq / Hkv, L = seq_lens[b], blocks32 = (D + 31) / 32;
-    const int64_t* sl = slots + b * Lmax;
+    const int64_t* sl = slots + b * slot_stride;
     scratch.resize(G * L + kMaxValueHeads * 4 * kLanes);
     float* scores = scratch.data();
     float* acc = scores + G * L;  // one value pass's accumulators, [GN][2 NB][16]
@@ -453,7 +453,7 @@ torch::Tensor launch(torch::Tensor q, Rows k, Rows v, torch::Tensor slots, torch
   const Problem<Rows> P{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), k, v,
                         slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                        q.size(1), k.Hkv, q.size(2), slots.size(1), static_cast<float>(scale)};
+                        q.size(1), k.Hkv, q.size(2), slots.stride(0), static_cast<float>(scale)};
   run_all(P, q.size(0));
   return out;
 }
@@ -465,7 +465,8 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
   TORCH_CHECK(key_cache.dtype() == torch::kBFloat16 && value_cache.dtype() == torch::kBFloat16, "bf16 k/v expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV pools must be contiguous");
   q = q.contiguous();
-  slots = slots.contiguous();
+  // Rows may share one slot list (stride 0: prefill rows of one chunk); keys must be unit-stride.
+  if (slots.stride(1) != 1) slots = slots.contiguous();
   seq_lens = seq_lens.contiguous();
   const int64_t Hkv = key_cache.size(1), D = q.size(2);
   check_common(q, slots, seq_lens, Hkv);
@@ -478,7 +479,7 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
   const Bf16Attention A{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kp, vp,
                         slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                        q.size(1), Hkv, D, slots.size(1), static_cast<float>(scale)};
+                        q.size(1), Hkv, D, slots.stride(0), static_cast<float>(scale)};
   at::parallel_for(0, q.size(0) * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) A.attend(i / Hkv, i % Hkv, scratch);
@@ -496,7 +497,8 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
     TORCH_CHECK(t->is_contiguous(), "KV pools must be contiguous");
   TORCH_CHECK(k_scale.dtype() == torch::kFloat16 && v_scale.dtype() == torch::kFloat16, "fp16 scales expected");
   q = q.contiguous();
-  slots = slots.contiguous();
+  // Rows may share one slot list (stride 0: prefill rows of one chunk); keys must be unit-stride.
+  if (slots.stride(1) != 1) slots = slots.contiguous();
   seq_lens = seq_lens.contiguous();
   const int64_t Hkv = k_data.size(1), D = q.size(2);
   check_common(q, slots, seq_lens, Hkv);

@@ -49,9 +49,10 @@ def window_log_probs(
         return _decode_log_probs(model, token_ids, store)
     n = len(token_ids)
     slots = SCORING_BLOCK_SIZE + torch.arange(n)  # skip the null block
-    chunk = PrefillChunkMetadata(0, n, None, None)
+    chunk = PrefillChunkMetadata(0, n, None, None, leading_keys=True)
     if kv_cache_dtype in QUANTIZED_KV_DTYPES:
-        chunk = PrefillChunkMetadata(0, n, slots, torch.ones(n, n, dtype=torch.bool).tril())
+        causal = torch.ones(n, n, dtype=torch.bool).tril()
+        chunk = PrefillChunkMetadata(0, n, slots, causal, leading_keys=True)
     meta = AttentionMetadata(
         positions=torch.arange(n),
         slot_mapping=slots,

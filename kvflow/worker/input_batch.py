@@ -84,14 +84,15 @@ def _prefill_metadata(
     query_pos = torch.arange(start, start + n)  # [n]
     windowed = sliding_window is not None and n > sliding_window
     if start == 0 and not windowed:
-        return PrefillChunkMetadata(token_start, token_end, kv_slots=None, attend=None)
+        return PrefillChunkMetadata(token_start, token_end, kv_slots=None, attend=None, leading_keys=True)
     attend = key_pos[None, :] <= query_pos[:, None]
     if sliding_window is not None:
         attend &= key_pos[None, :] > query_pos[:, None] - sliding_window
-    if start == 0:  # no cached context: attend to the chunk's own fresh K/V under the window mask
-        return PrefillChunkMetadata(token_start, token_end, kv_slots=None, attend=attend)
-    kv_slots = torch.tensor(_slots(req.block_ids, first_key, start + n, block_size), dtype=torch.int64)
-    return PrefillChunkMetadata(token_start, token_end, kv_slots=kv_slots, attend=attend)
+    leading = sliding_window is None or start + n <= sliding_window  # no key leaves any window
+    kv_slots = None  # no cached context: attend to the chunk's own fresh K/V under the window mask
+    if start > 0:
+        kv_slots = torch.tensor(_slots(req.block_ids, first_key, start + n, block_size), dtype=torch.int64)
+    return PrefillChunkMetadata(token_start, token_end, kv_slots, attend, leading_keys=leading)
 
 
 def build_input_batch(

@@ -134,8 +134,11 @@ class ModelRunner:
             row += 1 + req.num_spec_tokens
         output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         if plain_requests:
-            rows = torch.tensor(plain_rows, dtype=torch.int64)
-            self._sample_plain(logits.index_select(0, rows), plain_requests, output)
+            if len(plain_rows) == logits.shape[0]:  # no verification rows: every row, in order
+                self._sample_plain(logits, plain_requests, output)
+            else:
+                rows = torch.tensor(plain_rows, dtype=torch.int64)
+                self._sample_plain(logits.index_select(0, rows), plain_requests, output)
         for req, first in spec:
             try:
                 output.sampled_token_ids[req.request_id] = self._verify(

