@@ -39,10 +39,11 @@ TileBf16Weight = Callable[[torch.Tensor], torch.Tensor]
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
-# (x [M, K] bf16, qweight [N, K] int8, scales [N] fp32, bias) -> [M, N] bf16
+# (x [M, K] bf16, tiles [N_pad / 16, K_pad / 4, 16, 4] uint8, scales [N] fp32, bias) -> [M, N] bf16
+# (layout in gemv_int8.cpp)
 SkinnyLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
-# (qweight [N, K] int8, scales [N] fp32, n_begin, n_end) -> [n_end - n_begin, K] bf16
-DequantizeInt8Rows = Callable[[torch.Tensor, torch.Tensor, int, int], torch.Tensor]
+# (tiles, scales [N] fp32, K, n_begin (a multiple of 16), n_end) -> [n_end - n_begin, K] bf16
+DequantizeInt8Rows = Callable[[torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
 # (q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, slots, seq_lens, scale, kind) -> [B, Hq, D]
 PagedDecodeAttentionQuantized = Callable[
     [

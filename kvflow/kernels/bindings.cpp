@@ -37,14 +37,15 @@ void bind_decode_forward(py::module& m) {
           "bf16 16-row tiles (tile_bf16_weight), the oneDNN-blocked weight, N, bias, GEMV row limit")
       .def_static(
           "int8",
-          [](torch::Tensor qweight, torch::Tensor scales, OptTensor bias, int64_t max_gemv_rows) {
-            auto l = make_linear(NativeLinear::Kind::kInt8, qweight, qweight.size(1));
+          [](torch::Tensor tiles, torch::Tensor scales, int64_t in_features, OptTensor bias, int64_t max_gemv_rows) {
+            auto l = make_linear(NativeLinear::Kind::kInt8, tiles, in_features);
+            l->out_features = scales.numel();
             l->scales = scales.contiguous();
             l->bias = bias;
             l->max_gemv_rows = max_gemv_rows;
             return l;
           },
-          "int8 [N, K] weight, fp32 row scales [N], optional bias, GEMV row limit")
+          "int8 16-row tiles (pack_int8_tiles), fp32 row scales [N], K, optional bias, GEMV row limit")
       .def_static(
           "int4",
           [](torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size, int64_t out_features,
@@ -107,9 +108,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "single-query attention over the paged bf16 KV pool, GQA-aware");
   m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
         "single-query attention over a paged int8 / fp8_e4m3 / int4 KV pool, dequantized as read");
-  m.def("skinny_linear_int8", &skinny_linear_int8, "y = x @ (q * s)^T (+ b) for few rows x, int8 weights");
+  m.def("skinny_linear_int8", &skinny_linear_int8, "y = x @ (q * s)^T (+ b) for few rows x, int8 16-row tiles");
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
   m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16 (n_begin % 16 == 0)");
-  m.def("dequantize_int8_rows", &dequantize_int8_rows, "rows [n_begin, n_end) of q * s as bf16");
+  m.def("dequantize_int8_rows", &dequantize_int8_rows, "rows [n_begin, n_end) of q * s as bf16 (n_begin % 16 == 0)");
   bind_decode_forward(m);
 }

@@ -41,6 +41,7 @@ namespace {
 
 constexpr int64_t kPrefillTileElements = 4 << 20;  // kvflow/quant/linear.py PREFILL_TILE_ELEMENTS
 constexpr int64_t kInt4TileRows = 16;              // kvflow/quant/linear.py INT4_TILE_ROWS
+constexpr int64_t kInt8TileRows = 16;              // kvflow/quant/linear.py INT8_TILE_ROWS
 constexpr float kInt8Max = 127.0f;         // kvflow/attention/kv_layer.py INT8_MAX
 constexpr float kFp8E4m3Max = 448.0f;      // FP8_E4M3_MAX
 constexpr float kInt4Levels = 15.0f;       // INT4_LEVELS
@@ -84,8 +85,8 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
     case Kind::kInt8:
       if (M <= max_gemv_rows) return skinny_linear_int8(x_in, weight, scales, bias);
       return gemm_over_tiles(
-          x_in, out_features, in_features, 1,
-          [&](int64_t n0, int64_t n1) { return dequantize_int8_rows(weight, scales, n0, n1); }, bias);
+          x_in, out_features, in_features, kInt8TileRows,
+          [&](int64_t n0, int64_t n1) { return dequantize_int8_rows(weight, scales, in_features, n0, n1); }, bias);
     case Kind::kInt4: {
       const torch::Tensor x = perm.has_value() ? x_in.index_select(1, *perm) : x_in;
       if (M <= max_gemv_rows) return skinny_linear_int4(x, weight, scales, mins, group_size, out_features, bias);

@@ -14,13 +14,14 @@
 torch::Tensor tile_bf16_weight(torch::Tensor w);
 torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
                                  c10::optional<torch::Tensor> bias);
-torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
                                  c10::optional<torch::Tensor> bias);
 torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                                  int64_t group_size, int64_t out_features, c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize_int4_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                                    int64_t group_size, int64_t out_features, int64_t n_begin, int64_t n_end);
-torch::Tensor dequantize_int8_rows(torch::Tensor qweight, torch::Tensor scales, int64_t n_begin, int64_t n_end);
+torch::Tensor dequantize_int8_rows(torch::Tensor tiles, torch::Tensor scales, int64_t in_features, int64_t n_begin,
+                                   int64_t n_end);
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                           torch::Tensor slots, torch::Tensor seq_lens, double scale);
 torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale,
@@ -34,7 +35,8 @@ namespace kvflow {
 struct NativeLinear {
   enum class Kind { kBf16, kInt8, kInt4 };
   Kind kind;
-  torch::Tensor weight;  // bf16 16-row tiles [N_pad / 16, K / 2, 16, 2] | int8 [N, K] | int4 tiles [N_pad / 16, 8K]
+  torch::Tensor weight;  // bf16 tiles [N_pad / 16, K / 2, 16, 2] | int8 tiles [N_pad / 16, K_pad / 4, 16, 4] | int4
+                         // tiles [N_pad / 16, 8K]
   torch::Tensor packed;  // bf16 only: oneDNN's blocked copy (rows > max_gemv_rows)
   torch::Tensor scales;  // int8 [N] fp32 | int4 [N_pad / 16, K / g, 16] bf16
   torch::Tensor mins;    // int4 [N_pad / 16, K / g, 16] bf16

@@ -31,12 +31,14 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "activation_quant.h"
 #include "bf16_utils.h"
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 // VNNI (vpdpbusd) for this file only: every CPU with AVX512-BF16 has it, and kvflow/kernels checks
@@ -51,7 +53,6 @@ constexpr int64_t kTileRows = 16;          // output rows per tile: one per fp32
 constexpr int64_t kXBlock = 32;            // inputs per activation scale (llama.cpp's q8_0 block)
 constexpr int64_t kTileBlockBytes = 256;   // 16 rows x 32 int4 weights
 constexpr int64_t kMaxRowsPerPass = 8;     // activation rows sharing one pass over the weights
-constexpr float kInt8Max = 127.0f;
 constexpr int64_t kPrefetchBytes = 1024;   // packed weights prefetched ahead of the loads
 
 inline __m512 load_bf16x16(const uint16_t* p) {
@@ -66,23 +67,14 @@ struct QuantizedActivations {
 };
 
 QuantizedActivations quantize_activations(const uint16_t* x, int64_t M, int64_t K, int64_t g) {
-  QuantizedActivations a{std::vector<int8_t>(M * K), std::vector<float>(M * (K / kXBlock)), std::vector<float>(M * (K / g))};
-  float xf[kXBlock];
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < K / kXBlock; ++b) {
-      const uint16_t* xb = x + m * K + b * kXBlock;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < kXBlock; ++i) amax = std::max(amax, std::fabs(xf[i] = bf16_to_float(xb[i])));
-      const float inv = amax > 0.0f ? kInt8Max / amax : 0.0f;
-      for (int64_t i = 0; i < kXBlock; ++i) a.q[m * K + b * kXBlock + i] = static_cast<int8_t>(std::nearbyint(xf[i] * inv));
-      a.scales[m * (K / kXBlock) + b] = amax / kInt8Max;
-    }
+  kvflow::Int8Activations q8 = kvflow::quantize_activations_int8(x, M, K);  // K % 32 == 0 here
+  QuantizedActivations a{std::move(q8.q), std::move(q8.scales), std::vector<float>(M * (K / g))};
+  for (int64_t m = 0; m < M; ++m)
     for (int64_t j = 0; j < K / g; ++j) {
       float sum = 0.0f;
       for (int64_t i = 0; i < g; ++i) sum += bf16_to_float(x[m * K + j * g + i]);
       a.sums[m * (K / g) + j] = sum;
     }
-  }
   return a;
 }
 

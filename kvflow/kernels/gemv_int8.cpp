@@ -1,112 +1,186 @@
-// Weight-only int8 kernels: decode GEMV on the packed int8 matrix, and row-block dequantization
-// for prefill.
+// Weight-only int8 kernels: decode GEMV on 16-row tiles with VNNI, and row-block dequantization of
+// those tiles for prefill.
 //
-// Weights: q[N, K] int8 (symmetric, per output channel), scales[N] fp32: W[n, k] = q[n, k] * s[n].
+// Weights: q[N, K] int8 (symmetric, per output channel, |q| <= 127), scales[N] fp32:
+// W[n, k] = q[n, k] * s[n].
 //
-// skinny_linear_int8: y[M, N] = x[M, K] @ W^T (+ bias) for few rows (decode). Bandwidth-bound, so
-// the point is to stream 1 byte per weight instead of 2. PyTorch's `_weight_int8pack_mm` reads
-// ~18 GB/s of int8 at M=1 here (benchmarks/NOTES.md), slower than the bf16 GEMV reads twice the
-// bytes. Each weight is widened in registers (int8 -> int32 -> fp32 -> bf16, exact: |q| <= 127
-// has 7 significant bits and bf16 keeps 8) and dotted with the bf16 activations by AVX512-BF16
-// (vdpbf16ps, fp32 accumulation); the row's scale is applied once to the finished dot product.
-// So the result is x . q exactly summed in fp32, then * s: the same numbers a bf16 model with
-// weights q * s would give, less one rounding of the weights.
+// Layout: tiles of 16 output rows (N padded to a multiple of 16 with zero rows, K to a multiple of
+// 32 with zero inputs), each weight stored as the unsigned byte q + 128: per tile t and input
+// quad p, 64 bytes in which bytes 4l..4l+3 are row 16t + l's inputs 4p..4p+3:
+//   tiles[t, p, l, i] = q[16t + l, 4p + i] + 128            ([N_pad / 16, K_pad / 4, 16, 4] uint8)
+// so one vpdpbusd multiplies 4 weights of each of 16 rows by the same 4 activations (broadcast)
+// and adds them into 16 int32 lanes, lane l = output row 16t + l. No horizontal sums.
 //
-// dequantize_int8_rows: W[n0:n1] as bf16, for prefill chunks (M large, compute-bound): the caller
-// multiplies a block of rows at a time with oneDNN's bf16 GEMM, so no whole matrix is ever
-// materialized and the block stays in cache between dequantization and use.
+// skinny_linear_int8: y[M, N] = x[M, K] @ W^T (+ bias) for few rows (decode). The activations are
+// quantized to int8 per 32 inputs (activation_quant.h, llama.cpp's q8_0), then per block b:
+//   sum_k (q + 128) xq = sum_k q xq + 128 * xsum_b       (exact in int32: 32 * 255 * 127 < 2^31)
+//   y[m, n] = s[n] * sum_b dx_{m,b} * (dot_b - 128 * xsum_{m,b})     (+ bias)
+// fp32 accumulation in block order whatever M is (batch-invariant).
+// Why: the previous kernel widened every int8 weight to bf16 for vdpbf16ps (5 instructions per 32
+// weights), which left 8-row decode compute-bound at ~13 GB/s of int8 (benchmarks/NOTES.md); here
+// one instruction covers 64 multiply-adds and nothing is widened. The cost: activations rounded to
+// int8 per block, measured with `kvflow quant-eval` in NOTES.md.
+//
+// dequantize_int8_rows: W[n0:n1] as bf16 ([rows, K], q * s rounded once), n0 a multiple of 16, for
+// prefill chunks multiplied a block of rows at a time with oneDNN (compute-bound there).
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
-#include "gemv_common.h"
+#include "activation_quant.h"
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+
+// VNNI (vpdpbusd) for this file only: every CPU with AVX512-BF16 has it, and kvflow/kernels checks
+// the avx512_vnni CPU flag before building.
+#pragma GCC target("avx512vnni")
 
 namespace {
 
-using namespace kvflow::gemv;
+constexpr int64_t kTileRows = 16;         // output rows per tile: one per int32 lane
+constexpr int64_t kQuadBytes = 64;        // 16 rows x 4 inputs
+constexpr int64_t kQuadsPerBlock = 8;     // 32 inputs per activation block
+constexpr int64_t kMaxRowsPerPass = 8;    // activation rows sharing one pass over a tile
+constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loads
+constexpr int32_t kWeightOffset = 128;    // stored byte = q + 128
 
-constexpr int64_t kPrefetchBytes = 4096;  // int8 weights prefetched ahead of the loads
+struct Gemv {
+  const uint8_t* w;    // [N_pad / 16, K_pad / 4, 16, 4]
+  const float* scales; // [N]
+  const kvflow::Int8Activations* x;
+  const float* bias;   // [N] or null
+  uint16_t* y;         // [M, N] bf16
+  int64_t M, N, K_pad;
 
-// 32 int8 weights at p (the first `n` of them, the rest read as 0) -> 32 bf16 in one register,
-// element order preserved: low half from weights 0..15, high half from 16..31.
-inline __m512bh widen_int8_to_bf16(const int8_t* p, int64_t n) {
-  const __mmask16 m0 = n >= 16 ? __mmask16(0xffff) : __mmask16((1u << std::max<int64_t>(n, 0)) - 1u);
-  const int64_t n1 = n - 16;
-  const __mmask16 m1 = n1 >= 16 ? __mmask16(0xffff) : n1 <= 0 ? __mmask16(0) : __mmask16((1u << n1) - 1u);
-  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m0, p)));
-  const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m1, p + 16)));
-  return _mm512_cvtne2ps_pbh(hi, lo);
-}
-
-struct Int8Row {  // an int8 weight row, widened exactly to bf16 as it is read
-  const int8_t* w;
-  __m512bh chunk(int64_t k) const {
-    const __m128i* p = reinterpret_cast<const __m128i*>(w + k);
-    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p)));
-    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1)));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+  // acc[m] (lane l: row 16t + l) = sum_b dx_b * (q[16t + l] . xq[m0 + m])_b for MB activation rows.
+  template <int64_t MB>
+  inline void tile_dot(int64_t t, int64_t m0, __m512* acc) const {
+    const int64_t blocks = K_pad / kvflow::kActivationBlock;
+    const uint8_t* wt = w + t * (K_pad / 4) * kQuadBytes;
+    for (int64_t m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* wb = wt + b * kQuadsPerBlock * kQuadBytes;
+      for (int64_t line = 0; line < kQuadsPerBlock * kQuadBytes; line += 128)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+      __m512i dot[MB];
+      for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+      for (int64_t c = 0; c < kQuadsPerBlock; ++c) {
+        const __m512i wq = _mm512_loadu_si512(wb + c * kQuadBytes);
+        for (int64_t m = 0; m < MB; ++m) {
+          int32_t x4;  // 4 activations, broadcast to every row's lane
+          std::memcpy(&x4, x->q.data() + (m0 + m) * K_pad + b * kvflow::kActivationBlock + 4 * c, 4);
+          dot[m] = _mm512_dpbusd_epi32(dot[m], wq, _mm512_set1_epi32(x4));
+        }
+      }
+      for (int64_t m = 0; m < MB; ++m) {
+        const int64_t i = (m0 + m) * blocks + b;
+        const __m512i exact = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(kWeightOffset * x->sums[i]));
+        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x->scales[i]), acc[m]);
+      }
+    }
   }
-  __m512bh tail(int64_t k, int64_t left) const { return widen_int8_to_bf16(w + k, left); }
-  void prefetch(int64_t k) const {
-    for (int64_t line = 0; line < kLanes * kUnroll; line += 64)  // one prefetch per 64-byte line
-      _mm_prefetch(reinterpret_cast<const char*>(w + k + kPrefetchBytes + line), _MM_HINT_T0);
+
+  void tiles(int64_t t_begin, int64_t t_end) const {
+    __m512 acc[kMaxRowsPerPass];
+    for (int64_t t = t_begin; t < t_end; ++t) {
+      const int64_t n0 = t * kTileRows, valid = std::min(kTileRows, N - n0);
+      const __mmask16 keep = __mmask16((1u << valid) - 1u);
+      const __m512 s = _mm512_maskz_loadu_ps(keep, scales + n0);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
+        const int64_t mb = std::min(kMaxRowsPerPass, M - m0);
+        switch (mb) {
+          case 1: tile_dot<1>(t, m0, acc); break;
+          case 2: tile_dot<2>(t, m0, acc); break;
+          case 3: tile_dot<3>(t, m0, acc); break;
+          case 4: tile_dot<4>(t, m0, acc); break;
+          case 5: tile_dot<5>(t, m0, acc); break;
+          case 6: tile_dot<6>(t, m0, acc); break;
+          case 7: tile_dot<7>(t, m0, acc); break;
+          default: tile_dot<8>(t, m0, acc); break;
+        }
+        for (int64_t m = 0; m < mb; ++m) {  // bf16(acc * s + bias), round to nearest even
+          const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m], s, b));
+          _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
+        }
+      }
+    }
   }
 };
 
+// The tiles' K_pad (from their shape), checked against x's K and the scales' N.
+int64_t check_tiles(const torch::Tensor& tiles, const torch::Tensor& scales) {
+  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && scales.dtype() == torch::kFloat32, "uint8 tiles and fp32 scales");
+  TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "contiguous tiles and scales expected");
+  TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == kTileRows && tiles.size(3) == 4 &&
+                  (tiles.size(1) * 4) % kvflow::kActivationBlock == 0,
+              "tiles must be [N_pad / 16, K_pad / 4, 16, 4] (kvflow/quant/linear.py pack_int8_tiles)");
+  const int64_t N = scales.numel();
+  TORCH_CHECK(0 < N && N <= tiles.size(0) * kTileRows && N > (tiles.size(0) - 1) * kTileRows,
+              "scales do not match the tiles");
+  return tiles.size(1) * 4;
+}
+
 }  // namespace
 
-// x: [M, K] bf16, qweight: [N, K] int8, scales: [N] fp32, bias: optional [N] -> [M, N] bf16.
-torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor qweight, torch::Tensor scales,
+// x: [M, K] bf16; tiles: the layout above; scales: [N] fp32; bias: optional [N] -> [M, N] bf16.
+torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
                                  c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && qweight.dtype() == torch::kInt8 && scales.dtype() == torch::kFloat32,
-              "bf16 x, int8 weight and fp32 scales expected");
-  TORCH_CHECK(x.dim() == 2 && qweight.dim() == 2 && x.size(1) == qweight.size(1) && scales.numel() == qweight.size(0),
-              "shape mismatch");
+  const int64_t K_pad = check_tiles(tiles, scales), N = scales.numel();
+  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) <= K_pad &&
+                  x.size(1) > K_pad - kvflow::kActivationBlock,
+              "bf16 x [M, K] matching the tiles expected");
   x = x.contiguous();
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "contiguous weight and scales expected");
-  const int64_t M = x.size(0), K = x.size(1), N = qweight.size(0);
+  const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  const kvflow::Int8Activations activations =
+      kvflow::quantize_activations_int8(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, x.size(1));
   torch::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
-  const int8_t* wp = qweight.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
-  const auto row_dot = [&](int64_t n, auto rows, int64_t m0, float* out) {
-    dot_rows<decltype(rows)::value>(Int8Row{wp + n * K}, xp + m0 * K, K, out);
-  };
-  const auto finish = [&](int64_t n, float dot) { return dot * sp[n] + (b ? b[n] : 0.0f); };
+  const Gemv gemv{tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), &activations,
+                  bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
+                  reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K_pad};
   // Grain: a thread streams >= ~64 KiB of weights between synchronisations.
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / K);
-  at::parallel_for(0, N, grain, [&](int64_t begin, int64_t end) { gemv_rows(M, N, begin, end, row_dot, finish, yp); });
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K_pad * kTileRows));
+  at::parallel_for(0, tiles.size(0), grain, [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
   return y;
 }
 
-// qweight: [N, K] int8, scales: [N] fp32 -> rows [n_begin, n_end) of q * s as bf16 [n_end - n_begin, K].
-torch::Tensor dequantize_int8_rows(torch::Tensor qweight, torch::Tensor scales, int64_t n_begin, int64_t n_end) {
-  TORCH_CHECK(qweight.dtype() == torch::kInt8 && scales.dtype() == torch::kFloat32, "int8 weight, fp32 scales");
-  TORCH_CHECK(qweight.is_contiguous() && scales.is_contiguous(), "contiguous weight and scales expected");
-  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= qweight.size(0), "row range out of bounds");
-  const int64_t K = qweight.size(1), rows = n_end - n_begin;
-  auto out = torch::empty({rows, K}, qweight.options().dtype(torch::kBFloat16));
-  const int8_t* w = qweight.data_ptr<int8_t>() + n_begin * K;
-  const float* s = scales.data_ptr<float>() + n_begin;
+// Rows [n_begin, n_end) of q * s as bf16 [n_end - n_begin, K] (K = in_features <= K_pad), n_begin
+// a multiple of 16.
+torch::Tensor dequantize_int8_rows(torch::Tensor tiles, torch::Tensor scales, int64_t in_features, int64_t n_begin,
+                                   int64_t n_end) {
+  const int64_t K_pad = check_tiles(tiles, scales), K = in_features;
+  TORCH_CHECK(0 < K && K <= K_pad && K > K_pad - kvflow::kActivationBlock, "in_features does not match the tiles");
+  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= scales.numel() && n_begin % kTileRows == 0,
+              "row range out of bounds (or not starting on a 16-row tile)");
+  auto out = torch::empty({n_end - n_begin, K}, scales.options().dtype(torch::kBFloat16));
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const __m512 scale = _mm512_set1_ps(s[r]);
-      for (int64_t k = 0; k < K; k += 16) {
-        const int64_t left = K - k;
-        const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
-        const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, w + r * K + k)));
-        // Round to nearest even exactly as torch's fp32 -> bf16 cast does.
-        const __m256i packed = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(f, scale));
-        _mm256_mask_storeu_epi16(o + r * K + k, mask, packed);
+  const uint8_t* w = tiles.data_ptr<uint8_t>();
+  const float* s = scales.data_ptr<float>();
+  const int64_t t_begin = n_begin / kTileRows, t_end = (n_end + kTileRows - 1) / kTileRows;
+  at::parallel_for(t_begin, t_end, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t valid = std::min(kTileRows, n_end - t * kTileRows);
+      for (int64_t l = 0; l < valid; ++l) {  // row 16t + l: its 4 bytes of every quad
+        const int64_t n = t * kTileRows + l;
+        const __m512 scale = _mm512_set1_ps(s[n]);
+        const uint8_t* row = w + t * (K_pad / 4) * kQuadBytes + 4 * l;
+        uint16_t* dst = o + (n - n_begin) * K;
+        for (int64_t k = 0; k < K; k += 16) {  // 4 quads = 16 inputs per step
+          alignas(16) uint8_t bytes[16];
+          for (int64_t j = 0; j < 4; ++j) std::memcpy(bytes + 4 * j, row + (k / 4 + j) * kQuadBytes, 4);
+          const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes))),
+                                             _mm512_set1_epi32(kWeightOffset));
+          const int64_t left = K - k;
+          const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
+          // Round to nearest even as torch's fp32 -> bf16 cast does.
+          _mm256_mask_storeu_epi16(dst + k, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(q), scale)));
+        }
       }
     }
   });

@@ -10,7 +10,7 @@ The sequence is cut into windows of at most `window` tokens, each scored over a 
              engine runs for a prompt (large matrix products, bf16 activations);
     decode   the positions are decode rows, DECODE_ROWS per step in order, each attending the keys
              the earlier steps wrote: the forward that produces generated tokens (the few-row GEMVs,
-             which for int4 weights quantize activations to int8, and the decode attention kernel).
+             which for int8 and int4 weights quantize activations to int8, and the decode attention kernel).
 """
 
 from __future__ import annotations

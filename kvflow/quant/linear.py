@@ -2,10 +2,12 @@
 
 Never dequantize a whole matrix per step: decode is bandwidth-bound, and the point of int8/int4 is
 to stream fewer bytes.
-- int8, bf16 models with kvflow's native kernels (kvflow/kernels/gemv_int8.cpp), by row count M
-  (measured on 9728 x 896 matrices, benchmarks/NOTES.md):
-  M <= 8 (decode): the native int8 GEMV, 1.6-2x PyTorch's `_weight_int8pack_mm` and ~2x the bf16
-  GEMV at M = 1 (it reads half the bytes);
+- int8, bf16 models with kvflow's native kernels (kvflow/kernels/gemv_int8.cpp), on its 16-row
+  tiles of unsigned bytes q + 128 (`pack_int8_tiles`), by row count M (benchmarks/NOTES.md):
+  M <= 8 (decode): the native GEMV, which quantizes the activations to int8 per 32 inputs and
+  multiplies them with VNNI as llama.cpp's q8_0 x q8_0 does (its quality cost in NOTES.md): at
+  M = 1 it streams at the memory's pace, at M = 8 it is no longer compute-bound on widening
+  weights to bf16 (the previous kernel's ~13 GB/s);
   M > 8 (prefill chunks, compute-bound): blocks of rows dequantized to bf16 and multiplied with
   oneDNN's GEMM, ~1.1x the bf16 model's time against ~3x for `_weight_int8pack_mm` at M = 512.
   A block is at most PREFILL_TILE_ELEMENTS weights, so it stays in cache between its
@@ -44,6 +46,12 @@ from kvflow.quant.weights import Int4Weight, Int8Weight
 
 # Up to this many rows the native int8/int4 GEMVs beat dequantize-and-GEMM (measured at M = 4..16).
 NATIVE_GEMV_MAX_ROWS = 8
+# The native int8 layout (kvflow/kernels/gemv_int8.cpp): tiles of 16 output rows, per input quad
+# 16 rows x 4 bytes (one VNNI register), inputs padded to whole 32-input activation blocks.
+INT8_TILE_ROWS = 16
+INT8_TILE_QUAD = 4
+INT8_ACTIVATION_BLOCK = 32
+INT8_WEIGHT_OFFSET = 128  # stored byte = q + 128 (vpdpbusd multiplies unsigned by signed bytes)
 # The native int4 layout (kvflow/kernels/gemv_int4.cpp): tiles of 16 output rows, one per 32-bit
 # lane of a VNNI register, each 32 inputs of a tile in 4 quarters of 16 x 8 nibbles.
 INT4_TILE_ROWS = 16
@@ -61,8 +69,21 @@ INT4_KERNEL_OFFSET = 8
 INT4_INNER_K_TILES = 2
 
 
+def pack_int8_tiles(q: torch.Tensor) -> torch.Tensor:
+    """q [out, in] int8 -> the native kernel's tiles [ceil(out / 16), in_pad / 4, 16, 4] uint8 of
+    q + 128 (kvflow/kernels/gemv_int8.cpp), in_pad = in rounded up to 32. Padding weights are 0."""
+    out, inp = q.shape
+    tiles, padded_in = -(-out // INT8_TILE_ROWS), -(-inp // INT8_ACTIVATION_BLOCK) * INT8_ACTIVATION_BLOCK
+    padded = torch.zeros(tiles * INT8_TILE_ROWS, padded_in, dtype=torch.int16)
+    padded[:out, :inp] = q.to(torch.int16)
+    unsigned = (padded + INT8_WEIGHT_OFFSET).to(torch.uint8)
+    # [t, l, p, i] (row 16t + l, input 4p + i) -> [t, p, l, i]
+    quads = unsigned.view(tiles, INT8_TILE_ROWS, padded_in // INT8_TILE_QUAD, INT8_TILE_QUAD)
+    return quads.permute(0, 2, 1, 3).contiguous()
+
+
 class Int8Linear(nn.Module):
-    qweight: torch.Tensor  # [out, in] int8
+    qweight: torch.Tensor  # native: pack_int8_tiles(q); otherwise q [out, in] int8
     scales: torch.Tensor  # [out]: float32 for the native kernels, else the activation dtype
     bias: torch.Tensor | None
 
@@ -74,7 +95,8 @@ class Int8Linear(nn.Module):
         )
         scale_dtype = torch.float32 if self._native is not None else dtype
         self.max_gemv_rows = NATIVE_GEMV_MAX_ROWS  # ALL_ROWS in batch-invariant mode
-        self.register_buffer("qweight", weight.qweight.contiguous())
+        qweight = weight.qweight.contiguous()
+        self.register_buffer("qweight", pack_int8_tiles(qweight) if self._native is not None else qweight)
         self.register_buffer("scales", weight.scales.to(scale_dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
@@ -83,9 +105,9 @@ class Int8Linear(nn.Module):
             gemv, dequantize_rows = self._native
             if x.shape[0] <= self.max_gemv_rows:
                 return gemv(x, self.qweight, self.scales, self.bias)
+            blocks = _row_blocks(self.out_features, self.in_features, INT8_TILE_ROWS)
             tiles = (
-                dequantize_rows(self.qweight, self.scales, n0, n1)
-                for n0, n1 in _row_blocks(self.out_features, self.in_features)
+                dequantize_rows(self.qweight, self.scales, self.in_features, n0, n1) for n0, n1 in blocks
             )
             return _gemm_over_tiles(x, tiles, self.bias)
         y = torch._weight_int8pack_mm(x, self.qweight, self.scales)
@@ -95,7 +117,7 @@ class Int8Linear(nn.Module):
         """This layer for the native decode forward: the same kernels as `forward` (None: torch only)."""
         if self._native is None:
             return None
-        return classes.linear.int8(self.qweight, self.scales, self.bias, self.max_gemv_rows)
+        return classes.linear.int8(self.qweight, self.scales, self.in_features, self.bias, self.max_gemv_rows)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, int8 per channel"
