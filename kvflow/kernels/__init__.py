@@ -60,6 +60,7 @@ SkinnyLinearInt4 = Callable[
 # (packed, scales, mins, g, N, n_begin, n_end) -> [n_end - n_begin, K] bf16; n_begin % 16 == 0
 DequantizeInt4Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int], torch.Tensor]
 _SOURCES = (
+    "argmax.cpp",
     "bindings.cpp",
     "decode_forward.cpp",
     "gemv_bf16.cpp",
@@ -146,6 +147,12 @@ def _native_module() -> ModuleType | None:
 def skinny_linear_bf16() -> tuple[SkinnyLinear, TileBf16Weight] | None:
     module = _native_module()
     return None if module is None else (module.skinny_linear_bf16, module.tile_bf16_weight)
+
+
+def argmax_rows() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """logits [R, V] fp32 -> [R] int64: torch.argmax(logits, -1), vectorised (argmax.cpp)."""
+    module = _native_module()
+    return None if module is None else module.argmax_rows
 
 
 def paged_decode_attention_bf16() -> PagedDecodeAttention | None:

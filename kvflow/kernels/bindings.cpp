@@ -4,6 +4,8 @@
 
 #include "decode_forward.h"
 
+torch::Tensor argmax_rows(torch::Tensor logits);
+
 namespace py = pybind11;
 using kvflow::NativeDecoder;
 using kvflow::NativeDecoderLayer;
@@ -112,5 +114,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
   m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16 (n_begin % 16 == 0)");
   m.def("dequantize_int8_rows", &dequantize_int8_rows, "rows [n_begin, n_end) of q * s as bf16 (n_begin % 16 == 0)");
+  m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (torch.argmax(logits, -1))");
   bind_decode_forward(m);
 }
