@@ -3,9 +3,11 @@
 - `skinny_linear_bf16()`: the AVX512-BF16 GEMV for few-row (decode) linears on 16-row tiles of the
   weights, and the tiling (gemv_bf16.cpp);
 - `paged_decode_attention_bf16()` / `paged_decode_attention_quantized()`: decode attention read in
-  place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4 (paged_decode_attention.cpp);
-- `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs for decode and row-block
-  dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
+  place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4, and causal prefill rows over bf16
+  pools (paged_decode_attention.cpp);
+- `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs on 16-row tiles with VNNI
+  for decode and row-block dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
+- `argmax_rows()`: greedy sampling's argmax over the vocabulary (argmax.cpp);
 - `native_decoder_classes()`: the decoder layers of a decode step in one native call, over the
   kernels above (decode_forward.cpp; built by kvflow/models/native_decoder.py).
 Each returns None when this CPU lacks AVX512-BF16, no compiler is available, or the build fails;

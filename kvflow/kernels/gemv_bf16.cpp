@@ -24,6 +24,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "row_dispatch.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -83,16 +85,7 @@ struct TiledGemv {
   void tiles(int64_t t_begin, int64_t t_end) const {
     for (int64_t t = t_begin; t < t_end; ++t) {
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        switch (std::min(kMaxRows, M - m0)) {
-          case 1: tile<1>(t, m0); break;
-          case 2: tile<2>(t, m0); break;
-          case 3: tile<3>(t, m0); break;
-          case 4: tile<4>(t, m0); break;
-          case 5: tile<5>(t, m0); break;
-          case 6: tile<6>(t, m0); break;
-          case 7: tile<7>(t, m0); break;
-          default: tile<8>(t, m0); break;
-        }
+        kvflow::with_row_count(std::min(kMaxRows, M - m0), [&](auto rows) { tile<decltype(rows)::value>(t, m0); });
       }
     }
   }

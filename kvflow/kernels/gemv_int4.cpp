@@ -32,6 +32,7 @@
 #include <torch/extension.h>
 
 #include "activation_quant.h"
+#include "row_dispatch.h"
 #include "bf16_utils.h"
 
 #include <algorithm>
@@ -138,16 +139,7 @@ struct Gemv {
       const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
         const int64_t mb = std::min(kMaxRowsPerPass, M - m0);
-        switch (mb) {
-          case 1: tile_dot<1>(t, m0, acc); break;
-          case 2: tile_dot<2>(t, m0, acc); break;
-          case 3: tile_dot<3>(t, m0, acc); break;
-          case 4: tile_dot<4>(t, m0, acc); break;
-          case 5: tile_dot<5>(t, m0, acc); break;
-          case 6: tile_dot<6>(t, m0, acc); break;
-          case 7: tile_dot<7>(t, m0, acc); break;
-          default: tile_dot<8>(t, m0, acc); break;
-        }
+        kvflow::with_row_count(mb, [&](auto rows) { tile_dot<decltype(rows)::value>(t, m0, acc); });
         for (int64_t m = 0; m < mb; ++m) {  // bf16(acc + bias), round to nearest even
           const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
           _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
