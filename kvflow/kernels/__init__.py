@@ -8,6 +8,7 @@
 - `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs on 16-row tiles with VNNI
   for decode and row-block dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
 - `argmax_rows()`: greedy sampling's argmax over the vocabulary (argmax.cpp);
+- `elementwise_kernels()`: bf16 RMSNorm and SiLU-and-mul in one pass each (elementwise.cpp);
 - `native_decoder_classes()`: the decoder layers of a decode step in one native call, over the
   kernels above (decode_forward.cpp; built by kvflow/models/native_decoder.py).
 Each returns None when this CPU lacks AVX512-BF16, no compiler is available, or the build fails;
@@ -65,6 +66,7 @@ _SOURCES = (
     "argmax.cpp",
     "bindings.cpp",
     "decode_forward.cpp",
+    "elementwise.cpp",
     "gemv_bf16.cpp",
     "gemv_int8.cpp",
     "gemv_int4.cpp",
@@ -155,6 +157,18 @@ def argmax_rows() -> Callable[[torch.Tensor], torch.Tensor] | None:
     """logits [R, V] fp32 -> [R] int64: torch.argmax(logits, -1), vectorised (argmax.cpp)."""
     module = _native_module()
     return None if module is None else module.argmax_rows
+
+
+class ElementwiseKernels(NamedTuple):
+    """elementwise.cpp: a decoder layer's bf16 element-wise steps, one pass each."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]  # (x [R, H], w [H], eps) -> [R, H]
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]  # [R, 2I] ([gate | up]) -> [R, I]
+
+
+def elementwise_kernels() -> ElementwiseKernels | None:
+    module = _native_module()
+    return None if module is None else ElementwiseKernels(module.rms_norm_bf16, module.silu_and_mul_bf16)
 
 
 def paged_decode_attention_bf16() -> PagedDecodeAttention | None:

@@ -114,6 +114,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
   m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16 (n_begin % 16 == 0)");
   m.def("dequantize_int8_rows", &dequantize_int8_rows, "rows [n_begin, n_end) of q * s as bf16 (n_begin % 16 == 0)");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "y = x * rsqrt(mean(x^2) + eps) * w over bf16 rows, one rounding");
+  m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up over bf16 [gate | up] rows");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (torch.argmax(logits, -1))");
   bind_decode_forward(m);
 }

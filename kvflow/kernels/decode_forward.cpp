@@ -8,8 +8,9 @@
 //   - the linears call the very functions the Python modules call (the native GEMVs, oneDNN's
 //     blocked GEMM for bf16 and dequantize-and-GEMM tiles for int8/int4 above max_gemv_rows),
 //     with the same dispatch threshold, which each Python module hands over;
-//   - RMSNorm and SiLU are the ATen ops F.rms_norm and F.silu call (their reductions and exp
-//     approximations are not reimplemented);
+//   - RMSNorm and SiLU-and-mul of the hidden rows are elementwise.cpp's kernels, which the Python
+//     layers call too (kvflow/layers/norm.py, activation.py); Qwen3's per-head q/k norms are
+//     ATen's F.rms_norm on both paths;
 //   - the element-wise steps are done here with ATen's bf16 rounding: every bf16 op computes in
 //     fp32 and rounds once to nearest even, so residual adds are bf16(a + b) and RoPE is
 //     bf16(bf16(x * cos) + bf16(roll(x) * sin_signed)), as kvflow/layers/rotary.py computes it;
@@ -233,7 +234,7 @@ torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, to
   const int64_t q_size = num_heads * head_dim;
   for (size_t i = 0; i < layers.size(); ++i) {
     const NativeDecoderLayer& layer = layers[i];
-    const torch::Tensor h = at::rms_norm(hidden, {hidden.size(1)}, layer.input_norm, eps);
+    const torch::Tensor h = rms_norm_bf16(hidden, layer.input_norm, eps);
     const torch::Tensor qkv = layer.qkv->forward(h).view({M, num_heads + 2 * num_kv_heads, head_dim});
     torch::Tensor q_in = qkv.slice(1, 0, num_heads);
     torch::Tensor k_in = qkv.slice(1, num_heads, num_heads + num_kv_heads);
@@ -248,14 +249,12 @@ torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, to
     torch::Tensor o = layer.o->forward(attn.reshape({M, q_size}));
     if (all_reduce) all_reduce(o);
     add_into(hidden, o);
-    const torch::Tensor gate_up = layer.gate_up->forward(at::rms_norm(hidden, {hidden.size(1)}, layer.post_norm, eps));
-    const int64_t I = gate_up.size(1) / 2;
-    const torch::Tensor act = at::silu(gate_up.slice(1, 0, I)) * gate_up.slice(1, I);
-    torch::Tensor down = layer.down->forward(act);
+    const torch::Tensor gate_up = layer.gate_up->forward(rms_norm_bf16(hidden, layer.post_norm, eps));
+    torch::Tensor down = layer.down->forward(silu_and_mul_bf16(gate_up));
     if (all_reduce) all_reduce(down);
     add_into(hidden, down);
   }
-  return at::rms_norm(hidden, {hidden.size(1)}, final_norm, eps);
+  return rms_norm_bf16(hidden, final_norm, eps);
 }
 
 }  // namespace kvflow

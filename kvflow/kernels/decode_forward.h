@@ -12,6 +12,8 @@
 #include <vector>
 
 torch::Tensor tile_bf16_weight(torch::Tensor w);
+torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up);
 torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
                                  c10::optional<torch::Tensor> bias);
 torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
