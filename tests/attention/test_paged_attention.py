@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvflow.attention.kv_layer import PlainKVLayer
-from kvflow.attention.metadata import AttentionMetadata
+from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
 from kvflow.attention.paged_attention import paged_attention
 from kvflow.kernels import paged_decode_attention_bf16
 
@@ -80,3 +80,36 @@ def test_sdpa_decode_path_matches_reference(hkv: int, g: int, d: int) -> None:
     kv.key_cache, kv.value_cache = kc, vc
     out = paged_attention(q, k_new, k_new.clone(), kv, meta)
     torch.testing.assert_close(out.double(), _reference(q, kc, vc, slots, num_keys), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("cached", [0, 23])
+@pytest.mark.parametrize("leading_keys", [True, False])
+def test_prefill_chunk_native_rows_and_sdpa_match_reference(cached: int, leading_keys: bool) -> None:
+    """A causal prefill chunk (after `cached` tokens of context already in the pool) through the
+    native kernel's per-token rows (leading_keys) and through SDPA: both equal the float64 reference
+    of each query over its leading keys."""
+    hkv, g, d, n = 2, 7, 64, 40
+    gen = torch.Generator().manual_seed(3)
+    num_slots = 128
+    kv = PlainKVLayer(num_slots, hkv, d, torch.bfloat16, torch.bfloat16)
+    kv.key_cache = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    kv.value_cache = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_slots - 1, generator=gen)[: cached + n] + 1  # scattered, never 0
+    q = torch.randn(n, hkv * g, d, generator=gen).to(torch.bfloat16)
+    k_new = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
+    attend = torch.ones(n, cached + n, dtype=torch.bool).tril(cached) if cached else None
+    chunk = PrefillChunkMetadata(0, n, slots if cached else None, attend, leading_keys=leading_keys)
+    meta = AttentionMetadata(
+        positions=torch.arange(cached, cached + n),
+        slot_mapping=slots[cached:],
+        num_decode_tokens=0,
+        decode_kv_slots=None,
+        decode_attend=None,
+        decode_num_keys=None,
+        prefills=[chunk],
+    )
+    out = paged_attention(q, k_new, v_new, kv, meta)  # writes the chunk's K/V at its slots first
+    rows = slots[None, :].expand(n, -1)
+    ref = _reference(q, kv.key_cache, kv.value_cache, rows, torch.arange(cached + 1, cached + n + 1))
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
