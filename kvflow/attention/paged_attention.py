@@ -69,7 +69,7 @@ def _prefill_attention(
     if chunk.leading_keys and query.dtype == torch.bfloat16 and pools is not None and native is not None:
         # Each query row is a decode-style row over the chunk's keys, read in place from the pool
         # (the chunk's own K/V were written before): row i sees the first L - n + i + 1 of them.
-        # Measured 2x torch's CPU flash SDPA at 512 tokens (benchmarks/NOTES.md).
+        # Measured 1.6x torch's CPU flash SDPA at 512 tokens, even at 2,048 (benchmarks/NOTES.md).
         slots = slot_mapping[s:e] if chunk.kv_slots is None else chunk.kv_slots  # [L]
         n, num_keys = e - s, slots.shape[0]
         row_keys = torch.arange(num_keys - n + 1, num_keys + 1)  # [n]
