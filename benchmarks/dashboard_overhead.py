@@ -41,7 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # run from a checkout, as the other benchmarks
 
 from kvflow.assets import bundled_model_dir  # noqa: E402
-from kvflow.bench.metrics import percentile  # noqa: E402
+from kvflow.bench.client import ClientConfig, Prompt, send_request  # noqa: E402
+from kvflow.bench.events import RequestRecord  # noqa: E402
+from kvflow.bench.metrics import percentile, request_metrics  # noqa: E402
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
 CONDITIONS = ("off", "idle", "watched")
@@ -56,39 +58,21 @@ class Round:
 
 
 async def one_request(client: httpx.AsyncClient, prompt: list[int], output_len: int, out: Round) -> None:
-    body = {
-        "model": "bench",
-        "prompt": prompt,
-        "max_tokens": output_len,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    seen, last = 0, None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            now = time.perf_counter()
-            chunk = json.loads(line.removeprefix("data: "))
-            if not chunk["choices"]:
-                continue
-            n = chunk["usage"]["completion_tokens"] - seen
-            seen = chunk["usage"]["completion_tokens"]
-            if n > 0 and last is not None:
-                out.gaps_ms += [1e3 * (now - last) / n] * n
-            if n > 0:
-                last = now
-    if seen != output_len:
-        raise RuntimeError(f"got {seen} tokens, expected {output_len}")
-    out.tokens += seen
+    """One streamed completion through kvflow bench's client (kvflow/bench/client.py); its
+    per-token ITL as `kvflow bench` computes it (a chunk's gap split over the tokens it carries)."""
+    config = ClientConfig(base_url=str(client.base_url), model="bench")
+    record = RequestRecord(index=0, send_time=0.0, prompt_tokens=len(prompt))
+    await send_request(client, config, Prompt(max_tokens=output_len, prompt=prompt), record, None)
+    if record.error is not None or record.output_tokens != output_len:
+        raise RuntimeError(f"got {record.output_tokens} tokens, expected {output_len} ({record.error})")
+    out.gaps_ms += request_metrics(record).itl_ms
+    out.tokens += record.output_tokens
 
 
 async def run_load(base: str, prompts: list[list[int]], output_len: int) -> Round:
     out = Round()
     start = time.perf_counter()
-    async with httpx.AsyncClient(base_url=base, timeout=600) as client:
+    async with httpx.AsyncClient(base_url=base + "/v1", timeout=600) as client:
         await asyncio.gather(*(one_request(client, p, output_len, out) for p in prompts))
     out.wall_s = time.perf_counter() - start
     return out
