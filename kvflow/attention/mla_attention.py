@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from kvflow.attention.latent_kv_layer import LatentKVLayer
 from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
+from kvflow.attention.paged_attention import chunk_sdpa
 
 
 def _expand(
@@ -96,15 +97,7 @@ def _prefill(
     s, e = chunk.token_start, chunk.token_end
     context = latent[s:e] if chunk.kv_slots is None else kv.gather(chunk.kv_slots)  # [N, L]
     k, v = _expand(context, kv_b, q.shape[1], dn)
-    out = F.scaled_dot_product_attention(
-        q[s:e].transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=chunk.attend,
-        is_causal=chunk.attend is None,
-        scale=scale,
-    )  # [1, H, n, dv]
-    return out[0].transpose(0, 1)
+    return chunk_sdpa(q[s:e], k, v, chunk, scale=scale)  # [n, H, dv]
 
 
 def mla_attention(

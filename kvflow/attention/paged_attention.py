@@ -22,6 +22,8 @@ only.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -69,7 +71,7 @@ def _prefill_attention(
     if chunk.leading_keys and query.dtype == torch.bfloat16 and pools is not None and native is not None:
         # Each query row is a decode-style row over the chunk's keys, read in place from the pool
         # (the chunk's own K/V were written before): row i sees the first L - n + i + 1 of them.
-        # Measured 1.6x torch's CPU flash SDPA at 512 tokens, even at 2,048 (benchmarks/NOTES.md).
+        # Measured 1.6x torch's CPU flash SDPA at 512 tokens, on par at 2,048 (benchmarks/NOTES.md).
         slots = slot_mapping[s:e] if chunk.kv_slots is None else chunk.kv_slots  # [L]
         n, num_keys = e - s, slots.shape[0]
         row_keys = torch.arange(num_keys - n + 1, num_keys + 1)  # [n]
@@ -79,15 +81,23 @@ def _prefill_attention(
         k, v = key[s:e], value[s:e]  # [n, Hkv, D]: the chunk is its whole context
     else:
         k, v = kv.gather(chunk.kv_slots)  # [L, Hkv, D]
-    q = query[s:e].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+    return chunk_sdpa(query[s:e], k, v, chunk, enable_gqa=True)
+
+
+def chunk_sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: PrefillChunkMetadata, **sdpa: Any
+) -> torch.Tensor:
+    """SDPA of one prefill chunk on token-major tensors: q [n, Hq, D], k [L, Hk, D], v [L, Hk, Dv]
+    -> [n, Hq, Dv], under the chunk's mask (plain causal when it has none). `sdpa`: SDPA's options
+    (enable_gqa, scale). Shared with latent attention (mla_attention.py)."""
     out = F.scaled_dot_product_attention(
-        q,
+        q.transpose(0, 1).unsqueeze(0),
         k.transpose(0, 1).unsqueeze(0),
         v.transpose(0, 1).unsqueeze(0),
         attn_mask=chunk.attend,
         is_causal=chunk.attend is None,
-        enable_gqa=True,
-    )  # [1, Hq, n, D]
+        **sdpa,
+    )  # [1, Hq, n, Dv]
     return out[0].transpose(0, 1)
 
 
