@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from quant.test_weight_quant import kernel_view
-from safetensors.torch import load_file, save_file
+from quant.test_weight_quant import dequantized_checkpoint
 from test_hf_equivalence import _prompts
 
 from kvflow import LLM, SamplingParams
@@ -77,20 +75,10 @@ def test_decode_runs_only_the_routed_experts(tiny_checkpoint_factory: Callable[.
 UNQUANTIZED = (".gate.weight", "shared_expert_gate.weight", "kv_b_proj.weight")
 
 
-def dequantized_checkpoint(src: Path, dst: Path, method: str, group_size: int) -> Path:
-    """tests/quant/test_weight_quant.py's round-trip checkpoint for the projections kvflow quantizes
-    in these families: every 2-D layer weight but UNQUANTIZED (Mixtral's w1/w2/w3 and DeepSeek's
-    kv_a_proj_with_mqa do not end in proj.weight)."""
-    dst.mkdir()
-    for item in src.iterdir():
-        if item.name != "model.safetensors":
-            shutil.copy(item, dst / item.name)
-    tensors = load_file(src / "model.safetensors")
-    for name, tensor in tensors.items():
-        if name.startswith("model.layers.") and tensor.dim() == 2 and not name.endswith(UNQUANTIZED):
-            tensors[name] = kernel_view(tensor, method, group_size).to(tensor.dtype)
-    save_file(tensors, dst / "model.safetensors")
-    return dst
+def moe_layer_weight(name: str, tensor: torch.Tensor) -> bool:
+    """The projections kvflow quantizes in these families: every 2-D layer weight but UNQUANTIZED
+    (Mixtral's w1/w2/w3 and DeepSeek's kv_a_proj_with_mqa do not end in proj.weight)."""
+    return name.startswith("model.layers.") and tensor.dim() == 2 and not name.endswith(UNQUANTIZED)
 
 
 # int4 groups of 32 need in_features multiples of 32: qwen2_moe's shared expert (48) and DeepSeek-V3's
@@ -112,7 +100,9 @@ def test_weight_quantization_reaches_the_experts(
         if block.shared_expert is not None:
             assert isinstance(block.shared_expert.down_proj, kind)
         assert block.gate.weight.dtype == torch.float32  # the router is never quantized
-    reference = LLM(str(dequantized_checkpoint(path, tmp_path / "deq", method, 32)), dtype=DTYPE)
+    reference = LLM(
+        str(dequantized_checkpoint(path, tmp_path / "deq", method, 32, moe_layer_weight)), dtype=DTYPE
+    )
     prompts = _prompts(512)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, min_tokens=NUM_TOKENS, logprobs=5)
     got, expected = llm.generate(prompts, params), reference.generate(prompts, params)

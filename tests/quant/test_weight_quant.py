@@ -152,17 +152,29 @@ def kernel_view(weight: torch.Tensor, method: str, group_size: int) -> torch.Ten
     return ((groups - 8) * scale[..., None] + zero[..., None]).reshape(weight.shape)
 
 
-def dequantized_checkpoint(src: Path, dst: Path, method: str, group_size: int) -> Path:
-    """A copy of `src` whose linear weights are replaced by their quantize -> dequantize round trip:
-    what the quantized engine should compute, up to the kernels' bf16 rounding. (kvflow fuses q/k/v
-    and gate/up along the output dimension; per-row scales and per-row groups are unaffected.)"""
+def projection_weight(name: str, tensor: torch.Tensor) -> bool:
+    """The dense families' quantized weights: every layer projection (q/k/v/o, gate/up/down)."""
+    return name.startswith("model.layers.") and name.endswith("proj.weight")
+
+
+def dequantized_checkpoint(
+    src: Path,
+    dst: Path,
+    method: str,
+    group_size: int,
+    quantized: Callable[[str, torch.Tensor], bool] = projection_weight,
+) -> Path:
+    """A copy of `src` whose quantized weights (`quantized(name, tensor)`) are replaced by their
+    quantize -> dequantize round trip: what the quantized engine should compute, up to the kernels'
+    bf16 rounding. (kvflow fuses q/k/v and gate/up along the output dimension; per-row scales and
+    per-row groups are unaffected.)"""
     dst.mkdir()
     for item in src.iterdir():
         if item.name != "model.safetensors":
             shutil.copy(item, dst / item.name)
     tensors = load_file(src / "model.safetensors")
     for name, tensor in tensors.items():
-        if name.startswith("model.layers.") and name.endswith("proj.weight"):
+        if quantized(name, tensor):
             tensors[name] = kernel_view(tensor, method, group_size).to(tensor.dtype)
     save_file(tensors, dst / "model.safetensors")
     return dst
