@@ -48,7 +48,7 @@ def _decode_attention(query: torch.Tensor, kv: KVLayer, meta: AttentionMetadata)
                 meta.decode_kv_slots, meta.decode_num_keys, scale, p.kind,
             )  # fmt: skip
     slots = meta.decode_kv_slots  # [B, L]
-    k_flat, v_flat = kv.gather(slots.view(-1))  # [B * L, Hkv, D] (dequantized if the pool is)
+    k_flat, v_flat = kv.gather(slots.reshape(-1))  # [B * L, Hkv, D] (dequantized if the pool is)
     num_kv_heads = k_flat.shape[1]
     q = query.view(num_decodes, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, Hkv, G, D]
     # [B * L, Hkv, D] -> [B, L, Hkv, D] -> [B, Hkv, L, D]

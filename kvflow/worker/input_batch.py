@@ -14,6 +14,7 @@ query never needs keys before q - W + 1 and blocks released by the KV manager ar
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,8 @@ def _decode_metadata(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Padded key slots [B, L], the attend mask [B, 1, 1, L] and the number of valid keys [B] of
     single-token query rows (valid keys are each row's leading entries)."""
+    if sliding_window is None:
+        return _causal_decode_metadata(rows, block_size)
     query_pos = torch.tensor([r.position for r in rows], dtype=torch.int64)  # [B]
     first_key = torch.tensor(
         [_first_key_position(r.position, sliding_window) for r in rows], dtype=torch.int64
@@ -72,6 +75,32 @@ def _decode_metadata(
     slots = block_tables.gather(1, key_pos // block_size) * block_size + key_pos % block_size
     slots = torch.where(valid, slots, 0)
     return slots, valid[:, None, None, :], num_keys
+
+
+def _causal_decode_metadata(
+    rows: list[_QueryRow], block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_decode_metadata without a sliding window: every row's keys are positions 0..p, so the slots
+    come from one table per request (the rows of a request share its block list), expanded over
+    the blocks at once; a request's several rows (speculative verification) index the same table
+    row. The same values as the windowed path, in fewer small tensor ops (this runs every step)."""
+    tables: list[list[int]] = []  # distinct block lists, in row order
+    owner: list[int] = []  # row -> its table
+    for r in rows:
+        if not tables or r.block_ids is not tables[-1]:
+            tables.append(r.block_ids)
+        owner.append(len(tables) - 1)
+    max_keys = max(r.position for r in rows) + 1
+    max_blocks = -(-max_keys // block_size)
+    block_tables = torch.tensor(
+        [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables], dtype=torch.int64
+    )  # [num_tables, max_blocks], padded with the null block
+    slots = (block_tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_keys]
+    if len(tables) < len(rows):
+        slots = slots[owner]  # [B, L]
+    num_keys = torch.tensor([r.position + 1 for r in rows], dtype=torch.int64)
+    valid = torch.arange(max_keys)[None, :] < num_keys[:, None]
+    return torch.where(valid, slots, 0), valid[:, None, None, :], num_keys
 
 
 def _prefill_metadata(
@@ -146,4 +175,41 @@ def build_input_batch(
         attn_metadata=meta,
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         sampling_requests=[r for r in ordered if r.do_sample],
+    )
+
+
+def slot_vector(block_ids: Sequence[int], block_size: int) -> torch.Tensor:
+    """[len(block_ids) * block_size] int64: the slot of every position a request's blocks hold."""
+    blocks = torch.tensor(block_ids, dtype=torch.int64)
+    return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+
+
+def query_rows_metadata(rows: Sequence[tuple[torch.Tensor, int, int]]) -> AttentionMetadata:
+    """Metadata of a batch of query rows only (no prefill chunk, no sliding window), built from each
+    request's slot vector instead of its block table: a draft model's k steps reuse one vector.
+
+    rows[i] = (slots, start, n): request i feeds n tokens at positions start .. start + n - 1, and
+    slots (from slot_vector, at least start + n entries) are the slots of its positions from 0. A
+    row at position p attends the leading p + 1 entries, so one request's rows all read the same
+    vector (stride 0, nothing copied); entries past a row's keys are the request's own slots (never
+    read by the native kernel, masked by `decode_attend` in the torch path).
+    """
+    max_keys = max(start + n for _, start, n in rows)
+    tables, slot_mapping = [], []
+    for slots, start, n in rows:
+        padded = slots[:max_keys]
+        if len(padded) < max_keys:  # a shorter request: pad with the null block's slot 0
+            padded = torch.cat([padded, padded.new_zeros(max_keys - len(padded))])
+        tables.append(padded.expand(n, max_keys))
+        slot_mapping.append(slots[start : start + n])
+    positions = torch.tensor([p for _, start, n in rows for p in range(start, start + n)], dtype=torch.int64)
+    num_keys = positions + 1
+    return AttentionMetadata(
+        positions=positions,
+        slot_mapping=slot_mapping[0] if len(rows) == 1 else torch.cat(slot_mapping),
+        num_decode_tokens=len(positions),
+        decode_kv_slots=tables[0] if len(rows) == 1 else torch.cat(tables),  # [R, max_keys]
+        decode_attend=(torch.arange(max_keys)[None, :] < num_keys[:, None])[:, None, None, :],
+        decode_num_keys=num_keys,
+        prefills=[],
     )
