@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from kvflow.sample.sampler import argmax_tokens
+
 # Below this residual mass the target and draft agree everywhere up to rounding: draw from p.
 MIN_RESIDUAL_MASS = 1e-12
 
@@ -61,7 +63,7 @@ def sample_one(
     Returns (emitted tokens: the accepted drafts + one more, number of drafts accepted)."""
     k = len(draft_ids)
     if greedy:
-        best = target_probs.argmax(dim=-1).tolist()
+        best = argmax_tokens(target_probs).tolist()  # torch.argmax's answer, natively
         accepted = 0
         while accepted < k and draft_ids[accepted] == best[accepted]:
             accepted += 1

@@ -98,7 +98,7 @@ class Sampler:
         """Steps 3-4: greedy rows by argmax, random rows by filters + exponential race.  -> [B] int64."""
         random_rows = [i for i, p in enumerate(batch.params) if not p.is_greedy]
         if not random_rows:  # fast path: no softmax, sort or random draw at all
-            return _argmax(logits)
+            return argmax_tokens(logits)
         all_random = len(random_rows) == batch.num_rows
         row_index = torch.tensor(random_rows, dtype=torch.long, device=logits.device)  # [R]
         random_logits = logits if all_random else logits.index_select(0, row_index)  # [R, V]
@@ -107,12 +107,12 @@ class Sampler:
         sampled = exponential_race(probs, generators, self.default_generator)  # [R]
         if all_random:
             return sampled
-        tokens = _argmax(logits)  # [B]: greedy rows keep theirs, random rows are overwritten
+        tokens = argmax_tokens(logits)  # [B]: greedy rows keep theirs, random rows are overwritten
         tokens[row_index] = sampled
         return tokens
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] float32 -> [B] int64, torch.argmax's answer; the native kernel where it exists
     (4-10x torch's CPU argmax over 151,936 logits, kvflow/kernels/argmax.cpp)."""
     native = argmax_rows()

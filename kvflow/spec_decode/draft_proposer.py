@@ -6,6 +6,10 @@ Per request the draft keeps the tokens it has fed (`fed`) and their K/V in its b
      the accepted drafts it already holds stay, only the target's extra token is new), found as
      the common prefix of `fed` and the request's tokens, so rejected guesses are simply dropped;
   2. k - 1 more single-token steps, feeding each guess back, all requests in one batch per step.
+Steps whose every feed is a few tokens (all but a prompt's first catch-up) are query rows, built
+straight from each request's slot vector (input_batch.query_rows_metadata) rather than through a
+SchedulerOutput and build_input_batch: a draft forward is a few hundred microseconds, so the
+per-step bookkeeping is a large part of what speculation pays per guess.
 Guesses are the draft's argmax for greedy requests, and draws from the draft's filtered
 distribution q otherwise; q is kept on the request so that the verifier can apply the exact
 rejection rule with it (kvflow/sample/rejection_sampler.py).
@@ -23,10 +27,15 @@ import torch
 from kvflow.attention.kv_store import KVStore
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.request import Request
-from kvflow.sample.sampler import filtered_probs
+from kvflow.sample.sampler import argmax_tokens, filtered_probs
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 from kvflow.spec_decode.proposer import eligible
-from kvflow.worker.input_batch import build_input_batch
+from kvflow.worker.input_batch import (
+    MAX_QUERY_ROWS_PER_CHUNK,
+    build_input_batch,
+    query_rows_metadata,
+    slot_vector,
+)
 from kvflow.worker.model_runner import enable_batch_invariance
 
 
@@ -34,11 +43,17 @@ from kvflow.worker.model_runner import enable_batch_invariance
 class _DraftState:
     blocks: list[int] = field(default_factory=list)
     fed: list[int] = field(default_factory=list)  # tokens whose draft K/V is in `blocks`
+    # fed[:confirmed] are the request's own tokens (checked last round). A request's tokens only
+    # grow, so they stay so: the next round compares from here, not from 0.
+    confirmed: int = 0
+    # Slots of positions [0, len(blocks) * block_size), rebuilt when blocks are added.
+    slots: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def _common_prefix(a: Sequence[int], b: Sequence[int], start: int = 0) -> int:
+    """Length of the common prefix of a and b, given that a[:start] == b[:start]."""
     n = min(len(a), len(b))
-    i = 0
+    i = start
     while i < n and a[i] == b[i]:
         i += 1
     return i
@@ -58,6 +73,7 @@ class DraftModelProposer:
         self.model = model
         self.k = num_speculative_tokens
         self.block_size = block_size
+        self.sliding_window = cfg.sliding_window
         self.max_model_len = max_model_len
         # +1: block 0 is the null block, as in the target's pool.
         self.kv_store = KVStore(
@@ -86,6 +102,8 @@ class DraftModelProposer:
             return False
         for _ in range(max(needed, 0)):
             state.blocks.append(self.free_blocks.pop())
+        if needed > 0:
+            state.slots = slot_vector(state.blocks, self.block_size)
         return True
 
     def _drop(self, request_id: str) -> None:
@@ -111,10 +129,11 @@ class DraftModelProposer:
             )
             k = min(self.k, remaining, self.max_model_len - request.num_tokens - 1)
             state = self.states.setdefault(request.request_id, _DraftState())
-            keep = _common_prefix(state.fed, request.all_token_ids)
-            state.fed = state.fed[:keep]
+            keep = _common_prefix(state.fed, request.all_token_ids, state.confirmed)
+            del state.fed[keep:]
             if keep == request.num_tokens:  # keep one token to feed: its logits give the first guess
                 state.fed.pop()
+            state.confirmed = len(state.fed)
             if k > 0 and self._ensure_blocks(state, request.num_tokens + k):
                 chosen.append((request, state, k))
         if not chosen:
@@ -124,9 +143,14 @@ class DraftModelProposer:
         feeds = {r.request_id: list(r.all_token_ids[len(s.fed) :]) for r, s, _ in chosen}
         for step in range(max(k for _, _, k in chosen)):
             active = [(r, s) for r, s, k in chosen if step < k]
-            logits = self._forward([(r, s, feeds[r.request_id]) for r, s in active])
-            for (request, state), row in zip(active, logits, strict=True):
-                token, q = self._guess(request, row)
+            items = [(r, s, feeds[r.request_id]) for r, s in active]
+            if self.sliding_window is None and all(len(f) <= MAX_QUERY_ROWS_PER_CHUNK for _, _, f in items):
+                logits = self._rows_forward(items)
+            else:
+                logits = self._forward(items)
+            for (request, state), (token, q) in zip(
+                active, self._guess([r for r, _ in active], logits), strict=True
+            ):
                 state.fed.extend(feeds[request.request_id])
                 feeds[request.request_id] = [token]
                 guesses[request.request_id].append(token)
@@ -165,9 +189,25 @@ class DraftModelProposer:
         order = {r.request_id: i for i, r in enumerate(batch.sampling_requests)}
         return logits[[order[request.request_id] for request, _, _ in items]]
 
-    def _guess(self, request: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        params = request.sampling_params
-        if params.is_greedy:
-            return int(logits.argmax()), None
-        q = filtered_probs(logits[None].float(), [params])[0]
-        return int(torch.multinomial(q, 1, generator=self.generator)), q
+    def _rows_forward(self, items: list[tuple[Request, _DraftState, list[int]]]) -> torch.Tensor:
+        """_forward for feeds that are query rows only (no sliding window): each one's last logits [B, V]."""
+        rows = [(state.slots, len(state.fed), len(tokens)) for _, state, tokens in items]
+        input_ids = torch.tensor([t for _, _, tokens in items for t in tokens], dtype=torch.int64)
+        hidden = self.model(input_ids, query_rows_metadata(rows), self.kv_store)  # [R, hidden]
+        if len(input_ids) > len(items):  # some request fed several tokens: keep each one's last row
+            last = torch.tensor([len(tokens) for _, _, tokens in items]).cumsum(0) - 1
+            hidden = hidden.index_select(0, last)
+        return self.model.compute_logits(hidden)
+
+    def _guess(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
+        """Each request's guess from its logits row [B, V], with q for a sampled one (None: greedy)."""
+        greedy = argmax_tokens(logits).tolist()  # one native call for the batch's greedy rows
+        guesses: list[tuple[int, torch.Tensor | None]] = []
+        for request, row, best in zip(requests, logits, greedy, strict=True):
+            params = request.sampling_params
+            if params.is_greedy:
+                guesses.append((best, None))
+                continue
+            q = filtered_probs(row[None].float(), [params])[0]
+            guesses.append((int(torch.multinomial(q, 1, generator=self.generator)), q))
+        return guesses
