@@ -113,3 +113,45 @@ def test_prefill_chunk_native_rows_and_sdpa_match_reference(cached: int, leading
     rows = slots[None, :].expand(n, -1)
     ref = _reference(q, kv.key_cache, kv.value_cache, rows, torch.arange(cached + 1, cached + n + 1))
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(("hkv", "g", "d"), CASES)
+def test_native_rows_sharing_keys_give_each_rows_own_result_bit_for_bit(hkv: int, g: int, d: int) -> None:
+    """Rows whose keys are leading entries of one slot list (a request's verification rows, a
+    prefill chunk's rows) are attended as a group; each output must equal the same row attended
+    alone, bit for bit, whether the rows share the list (stride 0) or carry padded copies of it."""
+    kernel = paged_decode_attention_bf16()
+    if kernel is None:
+        pytest.skip("native AVX512-BF16 kernels unavailable on this CPU/toolchain")
+    gen = torch.Generator().manual_seed(5)
+    num_slots = 512
+    kc = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    # Two requests of 5 rows (keys 40..44 and 3..7) and one lone row, then 9 rows of another list.
+    lists = [torch.randperm(num_slots - 1, generator=gen)[:60] + 1 for _ in range(4)]
+    rows = (
+        [(0, n) for n in range(40, 45)]
+        + [(1, n) for n in range(3, 8)]
+        + [(2, 17)]
+        + [(3, n) for n in range(50, 59)]
+    )
+    max_keys = max(n for _, n in rows)
+    padded = torch.zeros(len(rows), max_keys, dtype=torch.int64)  # as build_input_batch pads: zeros
+    for i, (which, n) in enumerate(rows):
+        padded[i, :n] = lists[which][:n]
+    num_keys = torch.tensor([n for _, n in rows])
+    q = torch.randn(len(rows), hkv * g, d, generator=gen).to(torch.bfloat16)
+    alone = torch.cat(
+        [
+            kernel(q[i : i + 1], kc, vc, padded[i : i + 1], num_keys[i : i + 1], d**-0.5)
+            for i in range(len(rows))
+        ]
+    )
+    assert torch.equal(kernel(q, kc, vc, padded, num_keys, d**-0.5), alone)
+    # One list shared by every row of a chunk (stride 0): a prefill chunk's causal rows.
+    shared = lists[3][:max_keys].expand(len(rows), max_keys)
+    causal = torch.arange(max_keys - len(rows) + 1, max_keys + 1)
+    alone = torch.cat(
+        [kernel(q[i : i + 1], kc, vc, shared[:1], causal[i : i + 1], d**-0.5) for i in range(len(rows))]
+    )
+    assert torch.equal(kernel(q, kc, vc, shared, causal, d**-0.5), alone)
