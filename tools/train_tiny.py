@@ -10,6 +10,14 @@ A byte-level BPE tokenizer with the chat special tokens is trained on the train 
 --tokenizer: a draft model must share its target's vocabulary), and a Llama model (GQA, RoPE, RMSNorm,
 SwiGLU, tied embeddings) is trained on random windows of the tokenized stream.
 
+Distillation (`--teacher TARGET_DIR`, for speculative-decoding drafts): the loss becomes the mean
+KL(teacher || student) of the next-token distributions at every position of the same windows, the
+teacher being a trained checkpoint on the same tokenizer (run in eval mode, no gradients). A draft
+trained on its own data's next tokens learns the corpus; a draft distilled from its target learns what
+the target would say, which is what speculation accepts (DistillSpec, Zhou et al. 2023). `--init DIR`
+starts from a checkpoint's weights instead of random ones (e.g. the CE-trained draft). The held-out
+evaluation then also reports the teacher-forced greedy agreement with the teacher.
+
 Output (DIR): an ordinary Hugging Face checkpoint that `transformers.AutoModelForCausalLM` and
 `kvflow.LLM` both load (config.json, model.safetensors in bf16, tokenizer.json, tokenizer_config.json,
 generation_config.json), plus train_log.json, the resumable train_state.pt and the cached token streams.
@@ -349,12 +357,101 @@ def sample_windows(
     return stream[starts[:, None] + torch.arange(window)].long()
 
 
+# The shortest span with_repeats restates: about a line of code (a repeated 2-token span is a
+# stutter, not a restatement).
+MIN_REPEAT_SPAN = 16
+
+
+def with_repeats(windows: torch.Tensor, fraction: float, generator: torch.Generator) -> torch.Tensor:
+    """A `fraction` of the windows [B, W] get their tail overwritten by a repeat of an earlier span of
+    themselves: from a split point s (uniform in [W/4, 3W/4)) on, the tokens [r, s) (r uniform in
+    [0, s - MIN_REPEAT_SPAN]) are written out again, periodically if the tail is longer. Text that
+    restates text in its context (code edits, quotes, a function written out again) is where a
+    target's next token is a copy; a distilled draft then sees how the target continues such text."""
+    count, width = windows.shape
+    chosen = torch.rand(count, generator=generator) < fraction
+    splits = torch.randint(width // 4, 3 * width // 4, (count,), generator=generator)
+    sources = (torch.rand(count, generator=generator) * (splits - MIN_REPEAT_SPAN + 1).clamp(min=1)).long()
+    out = windows.clone()
+    for i in torch.nonzero(chosen).flatten().tolist():
+        split, source = int(splits[i]), int(sources[i])
+        period = torch.arange(width - split) % (split - source) + source
+        out[i, split:] = windows[i, period]
+    return out
+
+
 def mean_token_loss(model: torch.nn.Module, windows: torch.Tensor, autocast: bool) -> torch.Tensor:
     """Mean next-token cross-entropy over windows [B, T + 1] (inputs [:, :-1], targets [:, 1:])."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = model(input_ids=windows[:, :-1], use_cache=False).logits  # [B, T, V]
     # The softmax in fp32 whatever the matmuls ran in: bf16 log-probabilities lose ~3 significant digits.
     return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+
+
+def distillation_loss(
+    student: torch.nn.Module, teacher: torch.nn.Module, windows: torch.Tensor, autocast: bool
+) -> torch.Tensor:
+    """Mean over the positions of windows[:, :-1] of KL(teacher || student) between the next-token
+    distributions: forward KL, so the student spreads its mass wherever the teacher puts some (the
+    exact rejection rule accepts a draft token with probability min(1, p/q): mass the draft lacks is
+    what rejects, mode-seeking would keep only the argmax)."""
+    inputs = windows[:, :-1]
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.no_grad():
+            teacher_logits = teacher(input_ids=inputs, use_cache=False).logits  # [B, T, V]
+        student_logits = student(input_ids=inputs, use_cache=False).logits  # [B, T, V]
+    # Softmaxes in fp32, as in mean_token_loss.
+    teacher_logp = F.log_softmax(teacher_logits.float().flatten(0, 1), dim=-1)
+    student_logp = F.log_softmax(student_logits.float().flatten(0, 1), dim=-1)
+    return F.kl_div(student_logp, teacher_logp, log_target=True, reduction="batchmean")
+
+
+@torch.no_grad()
+def teacher_agreement(
+    student: torch.nn.Module,
+    teacher: torch.nn.Module,
+    eval_windows: torch.Tensor,
+    batch_size: int,
+    autocast: bool,
+) -> float:
+    """Fraction of held-out positions where the student's and the teacher's argmax next tokens agree
+    (teacher-forced): the greedy acceptance rate a draft can expect on text like this."""
+    student.eval()
+    agree = total = 0
+    for batch in eval_windows.split(batch_size):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            s = student(input_ids=batch[:, :-1], use_cache=False).logits.float().argmax(-1)
+            t = teacher(input_ids=batch[:, :-1], use_cache=False).logits.float().argmax(-1)
+        agree += int((s == t).sum())
+        total += s.numel()
+    student.train()
+    return agree / total
+
+
+def load_teacher(path: Path, tokenizer: Tokenizer) -> torch.nn.Module:
+    """A trained checkpoint on this run's tokenizer, in eval mode, its weights frozen."""
+    from transformers import AutoModelForCausalLM
+
+    own = path / "tokenizer.json"
+    if not own.is_file() or Tokenizer.from_file(str(own)).to_str() != tokenizer.to_str():
+        raise SystemExit(f"--teacher {path}: its tokenizer.json differs from this run's tokenizer")
+    with hf_progress_bars_disabled():
+        teacher: torch.nn.Module = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    teacher.eval().requires_grad_(False)
+    return teacher
+
+
+def load_init_weights(model: torch.nn.Module, path: Path) -> None:
+    """Start from DIR/model.safetensors (same shape) instead of random weights."""
+    from safetensors.torch import load_file
+
+    state = load_file(str(path / "model.safetensors"))
+    missing, unexpected = model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    # A tied-embedding checkpoint stores the embedding once; lm_head.weight is that same tensor.
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise SystemExit(
+            f"--init {path}: not this model's shape (missing {missing}, unexpected {unexpected})"
+        )
 
 
 @torch.no_grad()
@@ -386,6 +483,9 @@ TRAJECTORY_ARGS = (
     "max_corpus_bytes",
     "vocab_size",
     "autocast",
+    "teacher",
+    "init",
+    "repeat_fraction",
 )
 
 
@@ -397,7 +497,9 @@ class Progress:
     tokens_seen: int = 0  # predicted tokens (batch_size x seq_len per step)
     elapsed_s: float = 0.0  # wall time over all sessions
     losses: list[float] = field(default_factory=list)  # train loss of every step
-    history: list[dict[str, float]] = field(default_factory=list)  # {step, train_loss, heldout_ppl}
+    history: list[dict[str, float]] = field(
+        default_factory=list
+    )  # {step, train_loss, heldout_ppl[, agreement]}
 
 
 def save_state(
@@ -526,6 +628,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--autocast", choices=("bf16", "fp32"), default=DEFAULT_AUTOCAST, help="matmul precision"
     )
+    parser.add_argument(
+        "--teacher", type=Path, help="distil from this checkpoint (KL to its next-token distributions)"
+    )
+    parser.add_argument("--init", type=Path, help="start from this checkpoint's weights (same --size)")
+    parser.add_argument(
+        "--repeat-fraction",
+        type=float,
+        default=0.0,
+        help="fraction of training windows whose tail repeats an earlier span (with_repeats)",
+    )
     args = parser.parse_args(argv)
     if args.size == "draft" and args.tokenizer is None:
         parser.error("--size draft needs --tokenizer TARGET_DIR: a draft must share its target's vocabulary")
@@ -589,6 +701,9 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     shape = SIZES[args.size]
     model = build_model(llama_config(shape, vocab_size, special_token_id(tokenizer, ENDOFTEXT)), args.seed)
     _report_parameters(model, shape, vocab_size, args.size)
+    if args.init is not None and not resuming:  # a resumed run's state holds the weights
+        load_init_weights(model, args.init)
+    teacher = load_teacher(args.teacher, tokenizer) if args.teacher is not None else None
     optimizer = make_optimizer(model, args.lr)
     record = _args_record(args)
     progress = load_state(out, model, optimizer, record) if resuming else Progress()
@@ -598,7 +713,7 @@ def train(args: argparse.Namespace, argv: Sequence[str]) -> dict[str, Any]:
     eval_windows = sample_windows(
         heldout_stream, EVAL_WINDOWS, args.seq_len, _generator(args.seed, "heldout")
     )
-    session = _train_loop(args, model, optimizer, progress, train_stream, eval_windows, tokenizer)
+    session = _train_loop(args, model, teacher, optimizer, progress, train_stream, eval_windows, tokenizer)
     log = _train_log(args, argv, progress, session, shape, vocab_size, len(train_np), len(heldout_np))
     _write_json(out / LOG_FILE, log)
     return log
@@ -619,6 +734,7 @@ class Session:
 def _train_loop(
     args: argparse.Namespace,
     model: torch.nn.Module,
+    teacher: torch.nn.Module | None,
     optimizer: torch.optim.AdamW,
     progress: Progress,
     train_stream: torch.Tensor,
@@ -632,7 +748,7 @@ def _train_loop(
     elapsed_before = progress.elapsed_s
     while progress.step < last_step:
         started = time.perf_counter()
-        loss, lr = _train_step(args, model, optimizer, progress.step, train_stream, autocast)
+        loss, lr = _train_step(args, model, teacher, optimizer, progress.step, train_stream, autocast)
         session.step_time_s += time.perf_counter() - started
         session.tokens += args.batch_size * args.seq_len
         progress.step += 1
@@ -642,7 +758,7 @@ def _train_loop(
         progress.elapsed_s = elapsed_before + time.perf_counter() - session_start
         done = progress.step == last_step
         if progress.step % args.eval_every == 0 or done:
-            _evaluate(args, model, progress, eval_windows, display, autocast)
+            _evaluate(args, model, teacher, progress, eval_windows, display, autocast)
         if progress.step % args.save_every == 0 or done:
             save_state(args.out, model, optimizer, progress, _args_record(args))
             export_checkpoint(args.out, model, tokenizer)
@@ -653,6 +769,7 @@ def _train_loop(
 def _train_step(
     args: argparse.Namespace,
     model: torch.nn.Module,
+    teacher: torch.nn.Module | None,
     optimizer: torch.optim.AdamW,
     step: int,
     train_stream: torch.Tensor,
@@ -665,7 +782,12 @@ def _train_step(
     windows = sample_windows(
         train_stream, args.batch_size, args.seq_len, _generator(args.seed, "train", step)
     )
-    loss = mean_token_loss(model, windows, autocast)
+    if args.repeat_fraction > 0:
+        windows = with_repeats(windows, args.repeat_fraction, _generator(args.seed, "repeats", step))
+    if teacher is None:
+        loss = mean_token_loss(model, windows, autocast)
+    else:
+        loss = distillation_loss(model, teacher, windows, autocast)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP_NORM)
@@ -676,6 +798,7 @@ def _train_step(
 def _evaluate(
     args: argparse.Namespace,
     model: torch.nn.Module,
+    teacher: torch.nn.Module | None,
     progress: Progress,
     eval_windows: torch.Tensor,
     display: ProgressDisplay,
@@ -686,8 +809,13 @@ def _evaluate(
     # --stop-after point leaves the later entries of a resumed run equal to an uninterrupted run's.
     recent = progress.losses[-args.eval_every :]
     train_loss = sum(recent) / len(recent)
-    progress.history.append({"step": progress.step, "train_loss": train_loss, "heldout_ppl": perplexity})
-    display.write(f"step {progress.step}: train loss {train_loss:.3f}, held-out perplexity {perplexity:.2f}")
+    entry = {"step": progress.step, "train_loss": train_loss, "heldout_ppl": perplexity}
+    message = f"step {progress.step}: train loss {train_loss:.3f}, held-out perplexity {perplexity:.2f}"
+    if teacher is not None:
+        entry["agreement"] = teacher_agreement(model, teacher, eval_windows, args.batch_size, autocast)
+        message += f", greedy agreement with the teacher {entry['agreement']:.1%}"
+    progress.history.append(entry)
+    display.write(message)
 
 
 def _report_parameters(model: torch.nn.Module, shape: ModelShape, vocab_size: int, size: str) -> None:
@@ -735,6 +863,7 @@ def _train_log(
         "first_train_loss": progress.losses[0] if progress.losses else None,
         "final_train_loss": sum(recent) / len(recent) if recent else None,
         "heldout_perplexity": final.get("heldout_ppl"),
+        "teacher_agreement": final.get("agreement"),
         "history": progress.history,
     }
 
