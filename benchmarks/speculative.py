@@ -1,6 +1,6 @@
 """Speculative decoding: tokens/s with and without, acceptance, and what auto-disable did.
 
-    python benchmarks/speculative.py [--max-tokens 128] [--skip-qwen]
+    python benchmarks/speculative.py [--max-tokens 128] [--skip-qwen] [--draft DIR] [--batches 1 8]
 
 On the bundled trained pair (kvflow/assets: random weights cannot measure acceptance) at batch 1
 and 8, for two workloads:
@@ -149,11 +149,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--skip-qwen", action="store_true")
+    ap.add_argument("--draft", type=Path, help="draft for the bundled target (default: the bundled draft)")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes of the bundled pair")
     args = ap.parse_args()
     prompts = workloads(8)
     print(json.dumps({k: len(v) for k, v in prompts.items()}))
-    target, draft = bundled_model_dir("target"), bundled_model_dir("draft")
-    table("bundled pair (kvflow/assets)", target, draft, prompts, [1, 8], args.max_tokens)
+    target, draft = bundled_model_dir("target"), args.draft or bundled_model_dir("draft")
+    table(f"bundled target, draft {draft}", target, draft, prompts, args.batches, args.max_tokens)
     if not args.skip_qwen:
         qwen = build_checkpoint(torch.bfloat16)
         table("Qwen2.5-0.5B shape, random weights (cost side)", qwen, qwen_draft(qwen),
