@@ -13,6 +13,8 @@ recent measurements:
     speedup      = tokens_ratio / time_ratio
 Auto-disable rule, per batch-size bucket (verification cost grows with the batch and proposal
 cost does not shrink with it, so a large batch is where speculation stops paying):
+- baseline: MIN_PLAIN_SAMPLES plain steps first (a bucket's first step is often cold: one sample
+  measured the bundled target's batch-1 step at 1.66 ms against 0.85 steady, doubling the estimate);
 - explore: speculate until MIN_SPEC_SAMPLES speculative steps are measured;
 - then speculate while the speedup estimate is >= 1, else turn speculation off;
 - while off, one probe step speculates after `probe_interval` plain steps. A probe judged alone
@@ -20,7 +22,8 @@ cost does not shrink with it, so a large batch is where speculation stops paying
   workload changed: the old ones are stale); otherwise the interval doubles, from
   PROBE_INTERVAL_MIN to PROBE_INTERVAL_MAX, so that a workload speculation never helps pays for a
   probe ever more rarely (a draft model's probe costs k forward passes of the draft).
-Plain steps keep the plain-step estimate fresh.
+Plain steps keep the plain-step estimate fresh; while speculation is on, one step in
+PLAIN_REFRESH_INTERVAL runs plain for that (a plain step's time grows with the context).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 PLAIN_WINDOW = 8  # recent plain steps in the plain-step median
+MIN_PLAIN_SAMPLES = 3  # plain steps measured before a bucket speculates: the median outvotes one cold step
+PLAIN_REFRESH_INTERVAL = 32  # speculative steps between two plain ones (auto-disable on)
 SPEC_WINDOW = 4  # recent speculative steps in the speculative-step median
 TOKENS_WINDOW = 16  # recent speculative steps in the mean tokens per request
 MIN_SPEC_SAMPLES = 3  # speculative steps measured before the rule may turn speculation off
@@ -52,6 +57,7 @@ class _Bucket:
     probe_interval: int = PROBE_INTERVAL_MIN
     steps_since_probe: int = 0
     probing: bool = False  # the next speculative step is a probe
+    spec_steps_since_plain: int = 0
 
     def speedup(self) -> float | None:
         if not self.plain_step_s or not self.spec_step_s:
@@ -68,9 +74,15 @@ class SpecController:
 
     def should_propose(self, batch_size: int) -> bool:
         b = self.buckets.get(_bucket(batch_size))
-        if b is None or not b.plain_step_s:  # measure a plain step first: the baseline
+        if b is None or len(b.plain_step_s) < MIN_PLAIN_SAMPLES:  # measure plain steps first: the baseline
             return False
-        if not self.auto_disable or not b.disabled:
+        if not self.auto_disable:
+            return True
+        if not b.disabled:
+            b.spec_steps_since_plain += 1
+            if b.spec_steps_since_plain > PLAIN_REFRESH_INTERVAL:  # refresh the baseline
+                b.spec_steps_since_plain = 0
+                return False
             return True
         b.steps_since_probe += 1
         if b.steps_since_probe >= b.probe_interval:
