@@ -10,15 +10,18 @@ and 8, for two workloads:
 and methods: plain, ngram (k=3), ngram with auto-disable, draft (the bundled draft, k=3).
 Then the cost side on the Qwen2.5-0.5B-shaped random checkpoint with a 2-layer random draft of
 the same shape family (acceptance ~0: what a useless draft costs, and what auto-disable saves).
-Output tokens/s = generated tokens / wall time of `generate` (greedy, ignore_eos, all at once).
+Output tokens/s = generated tokens / wall time of `generate` (greedy, ignore_eos, all at once), the
+median of --repeats generates (one batch-1 generate is ~0.1 s: a single one is noisy).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import inspect
 import json
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,19 +68,23 @@ def workloads(n: int) -> dict[str, list[str]]:
     return {"repetitive": repetitive, "non-repetitive": fresh}
 
 
-def run(model: Path, prompts: list[str], max_tokens: int, **engine: Any) -> dict[str, Any]:
+def run(model: Path, prompts: list[str], max_tokens: int, repeats: int, **engine: Any) -> dict[str, Any]:
     max_len = min(2048, json.loads((model / "config.json").read_text())["max_position_embeddings"])
     llm = LLM(str(model), dtype="bfloat16", max_model_len=max_len, **engine)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4))  # warm-up
     llm.llm_engine.spec_stats = type(llm.llm_engine.spec_stats)()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    wall = time.perf_counter() - start
+    # The engines of earlier rows are garbage now: collect them here, not inside a timed run (one
+    # batch-1 generate takes ~0.1 s, so a collection inside it moves its rate by several percent).
+    gc.collect()
+    rates = []
+    for _ in range(repeats):  # greedy: every repeat emits the same tokens
+        start = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start))
     stats = llm.llm_engine.spec_stats
-    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
-        "tok_s": tokens / wall,
+        "tok_s": statistics.median(rates),
         "acceptance": stats.acceptance_rate if stats.num_drafts else None,
         "mean_len": stats.mean_accepted_length if stats.num_drafts else None,
         "disabled_steps": llm.llm_engine.spec_controller.num_disabled_steps,
@@ -92,6 +99,7 @@ def table(
     prompts: dict[str, list[str]],
     batches: list[int],
     max_tokens: int,
+    repeats: int,
 ) -> None:
     methods: dict[str, dict[str, Any]] = {
         "plain": {},
@@ -121,7 +129,7 @@ def table(
             subset = all_prompts[:batch]
             base = None
             for label, engine in methods.items():
-                r = run(model, subset, max_tokens, **engine)
+                r = run(model, subset, max_tokens, repeats, **engine)
                 base = base or r
                 same = "" if r["ids"] == base["ids"] else "  OUTPUT DIFFERS"
                 acc = "-" if r["acceptance"] is None else f"{r['acceptance']:.0%}"
@@ -151,15 +159,18 @@ def main() -> None:
     ap.add_argument("--skip-qwen", action="store_true")
     ap.add_argument("--draft", type=Path, help="draft for the bundled target (default: the bundled draft)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8], help="batch sizes of the bundled pair")
+    ap.add_argument("--repeats", type=int, default=3, help="timed generates per row (the median is shown)")
     args = ap.parse_args()
     prompts = workloads(8)
     print(json.dumps({k: len(v) for k, v in prompts.items()}))
     target, draft = bundled_model_dir("target"), args.draft or bundled_model_dir("draft")
-    table(f"bundled target, draft {draft}", target, draft, prompts, args.batches, args.max_tokens)
+    table(
+        f"bundled target, draft {draft}", target, draft, prompts, args.batches, args.max_tokens, args.repeats
+    )
     if not args.skip_qwen:
         qwen = build_checkpoint(torch.bfloat16)
         table("Qwen2.5-0.5B shape, random weights (cost side)", qwen, qwen_draft(qwen),
-              {"non-repetitive": prompts["non-repetitive"]}, [1, 8], 64)  # fmt: skip
+              {"non-repetitive": prompts["non-repetitive"]}, [1, 8], 64, args.repeats)  # fmt: skip
 
 
 if __name__ == "__main__":
