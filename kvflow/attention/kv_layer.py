@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from kvflow.config import KVCacheDType, QuantizedKVDType
+from kvflow.kernels import zeros_on_huge_pages
 
 KV_CACHE_DTYPES: tuple[str, ...] = typing.get_args(KVCacheDType)  # one source: kvflow/config.py
 QUANTIZED_KV_DTYPES: tuple[str, ...] = typing.get_args(QuantizedKVDType)
@@ -78,8 +79,9 @@ class PlainKVLayer:
         self, num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, model_dtype: torch.dtype
     ):
         shape = (num_slots, num_kv_heads, head_dim)
-        self.key_cache = torch.zeros(shape, dtype=dtype)
-        self.value_cache = torch.zeros(shape, dtype=dtype)
+        # On huge pages: decode attention reads each sequence's blocks scattered over the pool.
+        self.key_cache = zeros_on_huge_pages(shape, dtype)
+        self.value_cache = zeros_on_huge_pages(shape, dtype)
         self.model_dtype = model_dtype
 
     def write(self, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -113,7 +115,7 @@ class _QuantizedPool:
         width = head_dim // 2 if kind == "int4" else head_dim
         # fp8 is stored as its bytes (uint8): CPU index_copy/index_select do not take float8 tensors.
         data_dtype = {"int8": torch.int8, "fp8_e4m3": torch.uint8, "int4": torch.uint8}[kind]
-        self.data = torch.zeros((num_slots, num_kv_heads, width), dtype=data_dtype)
+        self.data = zeros_on_huge_pages((num_slots, num_kv_heads, width), data_dtype)
         self.scale = torch.zeros((num_slots, num_kv_heads), dtype=SCALE_DTYPE)
         self.zero = torch.zeros((num_slots, num_kv_heads), dtype=SCALE_DTYPE) if kind == "int4" else None
 

@@ -8,6 +8,8 @@
 - `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs on 16-row tiles with VNNI
   for decode and row-block dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
 - `argmax_rows()`: greedy sampling's argmax over the vocabulary (argmax.cpp);
+- `on_huge_pages()` / `zeros_on_huge_pages()`: tensors on 2 MiB transparent huge pages, for the
+  weights and KV pools decode streams (huge_pages.cpp);
 - `elementwise_kernels()`: bf16 RMSNorm and SiLU-and-mul in one pass each (elementwise.cpp);
 - `native_decoder_classes()`: the decoder layers of a decode step in one native call, over the
   kernels above (decode_forward.cpp; built by kvflow/models/native_decoder.py).
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -70,6 +73,7 @@ _SOURCES = (
     "gemv_bf16.cpp",
     "gemv_int8.cpp",
     "gemv_int4.cpp",
+    "huge_pages.cpp",
     "paged_decode_attention.cpp",
 )
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "bmi2")
@@ -151,6 +155,35 @@ def _native_module() -> ModuleType | None:
 def skinny_linear_bf16() -> tuple[SkinnyLinear, TileBf16Weight] | None:
     module = _native_module()
     return None if module is None else (module.skinny_linear_bf16, module.tile_bf16_weight)
+
+
+# Tensors smaller than this stay where they are: a huge-page buffer rounds up to 2 MiB, and a tensor
+# that spans a few 4 KiB pages costs a few TLB misses per step at most.
+HUGE_PAGE_MIN_BYTES = 2 << 20
+
+
+def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (contiguous, CPU) copied into a buffer on transparent huge pages (huge_pages.cpp:
+    fewer TLB misses for data read in full every decode step), or itself when it is small, not a
+    contiguous CPU tensor, or the native module is missing. Same dtype, shape and values."""
+    module = _native_module()
+    if module is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return tensor
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes < HUGE_PAGE_MIN_BYTES:
+        return tensor
+    buffer = module.empty_huge_pages(nbytes).view(tensor.dtype).view(tensor.shape)
+    return buffer.copy_(tensor)
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype), on transparent huge pages when large and the native module
+    is built (the KV pools: decode attention reads a block per page otherwise)."""
+    module = _native_module()
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    if module is None or nbytes < HUGE_PAGE_MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    return module.empty_huge_pages(nbytes).view(dtype).view(shape).zero_()
 
 
 def argmax_rows() -> Callable[[torch.Tensor], torch.Tensor] | None:

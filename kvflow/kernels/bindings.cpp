@@ -5,6 +5,7 @@
 #include "decode_forward.h"
 
 torch::Tensor argmax_rows(torch::Tensor logits);
+torch::Tensor empty_huge_pages(int64_t nbytes);
 
 namespace py = pybind11;
 using kvflow::NativeDecoder;
@@ -117,5 +118,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "y = x * rsqrt(mean(x^2) + eps) * w over bf16 rows, one rounding");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up over bf16 [gate | up] rows");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (torch.argmax(logits, -1))");
+  m.def("empty_huge_pages", &empty_huge_pages, "an uninitialised [nbytes] uint8 buffer on 2 MiB transparent huge pages");
   bind_decode_forward(m);
 }

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvflow.kernels import NativeDecoderClasses, SkinnyLinear, skinny_linear_bf16
+from kvflow.kernels import NativeDecoderClasses, SkinnyLinear, on_huge_pages, skinny_linear_bf16
 
 # Up to this many rows the native GEMV runs (module docstring; kvflow/kernels/gemv_bf16.cpp kMaxRows).
 SKINNY_MAX_ROWS = 32
@@ -67,7 +67,7 @@ class Linear(nn.Module):
         native = skinny_linear_bf16() if self.in_features % 2 == 0 else None
         if native is not None:
             self._skinny, tile = native
-            self._tiles = tile(self.weight.data)
+            self._tiles = on_huge_pages(tile(self.weight.data))  # read in full every decode step
         self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

@@ -41,6 +41,7 @@ from kvflow.kernels import (
     SkinnyLinearInt8,
     int4_weight_kernels,
     int8_weight_kernels,
+    on_huge_pages,
 )
 from kvflow.quant.weights import Int4Weight, Int8Weight
 
@@ -96,7 +97,10 @@ class Int8Linear(nn.Module):
         scale_dtype = torch.float32 if self._native is not None else dtype
         self.max_gemv_rows = NATIVE_GEMV_MAX_ROWS  # ALL_ROWS in batch-invariant mode
         qweight = weight.qweight.contiguous()
-        self.register_buffer("qweight", pack_int8_tiles(qweight) if self._native is not None else qweight)
+        # The tiles are read in full every decode step: on huge pages (kvflow/kernels/huge_pages.cpp).
+        self.register_buffer(
+            "qweight", on_huge_pages(pack_int8_tiles(qweight)) if self._native is not None else qweight
+        )
         self.register_buffer("scales", weight.scales.to(scale_dtype).contiguous())
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
 
@@ -190,7 +194,7 @@ class Int4Linear(nn.Module):
             int4_weight_kernels() if dtype == torch.bfloat16 and native_layout else None
         )
         if self._native is not None:
-            self.register_buffer("qweight", pack_int4_tiles(weight.qweight))
+            self.register_buffer("qweight", on_huge_pages(pack_int4_tiles(weight.qweight)))
             self.register_buffer("scales", tile_group_params(weight.scales))
             self.register_buffer("mins", tile_group_params(weight.mins))
             return
