@@ -187,7 +187,7 @@ def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Ten
 
 
 def argmax_rows() -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """logits [R, V] fp32 -> [R] int64: torch.argmax(logits, -1), vectorised (argmax.cpp)."""
+    """logits [R, V] fp32 or bf16 -> [R] int64: torch.argmax(logits, -1), vectorised (argmax.cpp)."""
     module = _native_module()
     return None if module is None else module.argmax_rows
 

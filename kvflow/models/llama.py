@@ -143,8 +143,11 @@ class LlamaFamilyForCausalLM(nn.Module):
             hidden = layer(hidden, cos_sin, kv_store.layer(i), meta)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] fp32
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits, in float32, or (float32=False) in the head's own dtype for
+        a consumer that converts only what it needs (the sampler: greedy rows never need it)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def prepare_for_inference(self) -> None:
         for module in self.modules():

@@ -113,10 +113,10 @@ class Sampler:
 
 
 def argmax_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """logits [B, V] float32 -> [B] int64, torch.argmax's answer; the native kernel where it exists
-    (4-10x torch's CPU argmax over 151,936 logits, kvflow/kernels/argmax.cpp)."""
+    """logits [B, V] float32 or bfloat16 -> [B] int64, torch.argmax's answer; the native kernel where
+    it exists (4-10x torch's CPU argmax over 151,936 logits, kvflow/kernels/argmax.cpp)."""
     native = argmax_rows()
-    if native is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+    if native is not None and logits.dtype in (torch.float32, torch.bfloat16) and logits.device.type == "cpu":
         return native(logits)
     return logits.argmax(dim=-1)
 
@@ -150,14 +150,16 @@ def _penalised_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
     """Steps 1-2: float32 logits with banned tokens at -inf and penalties applied.  -> [B, V].
 
     Without bans or penalties this is `logits.float()`, possibly the caller's own tensor: everything
-    downstream treats it as read-only (temperature creates the first writable copy).
+    downstream treats it as read-only (temperature creates the first writable copy). When every row
+    is greedy it is `logits` in their own dtype: the argmax of bf16 logits is that of their exact fp32
+    copy, which is then never made (for 64 rows of a 151,936-token vocabulary, ~1 ms per step).
     """
     has_bans = any(batch.banned_token_ids)
     has_penalties = any(p.has_penalties for p in batch.params)
     has_bias = any(p.logit_bias for p in batch.params)
     masked_rows = [i for i, m in enumerate(batch.token_bitmasks or []) if m is not None]
     if not has_bans and not has_penalties and not has_bias and not masked_rows:
-        return logits.float()
+        return logits if all(p.is_greedy for p in batch.params) else logits.float()
     work = logits.to(dtype=torch.float32, copy=True)  # [B, V], ours to write
     if has_bans:
         mask_banned_tokens(work, batch.banned_token_ids)
