@@ -14,7 +14,8 @@ recent measurements:
 Auto-disable rule, per batch-size bucket (verification cost grows with the batch and proposal
 cost does not shrink with it, so a large batch is where speculation stops paying):
 - baseline: MIN_PLAIN_SAMPLES plain steps first (a bucket's first step is often cold: one sample
-  measured the bundled target's batch-1 step at 1.66 ms against 0.85 steady, doubling the estimate);
+  measured the bundled target's batch-1 step at 1.66 ms against 0.85 steady, doubling the estimate;
+  without auto-disable one plain step, since the baseline then only feeds the reported estimate);
 - explore: speculate until MIN_SPEC_SAMPLES speculative steps are measured;
 - then speculate while the speedup estimate is >= 1, else turn speculation off;
 - while off, one probe step speculates after `probe_interval` plain steps. A probe judged alone
@@ -74,10 +75,12 @@ class SpecController:
 
     def should_propose(self, batch_size: int) -> bool:
         b = self.buckets.get(_bucket(batch_size))
-        if b is None or len(b.plain_step_s) < MIN_PLAIN_SAMPLES:  # measure plain steps first: the baseline
+        if b is None or not b.plain_step_s:  # measure a plain step first: the baseline
             return False
-        if not self.auto_disable:
+        if not self.auto_disable:  # the baseline only feeds the reported estimate: speculate at once
             return True
+        if len(b.plain_step_s) < MIN_PLAIN_SAMPLES:  # decisions rest on it: outvote a cold first step
+            return False
         if not b.disabled:
             b.spec_steps_since_plain += 1
             if b.spec_steps_since_plain > PLAIN_REFRESH_INTERVAL:  # refresh the baseline

@@ -80,8 +80,11 @@ def test_a_probe_that_pays_turns_speculation_back_on() -> None:
 
 
 def test_without_auto_disable_speculation_stays_on() -> None:
+    """One plain step for the reported estimate, then speculation whatever it measures."""
     c = SpecController(auto_disable=False)
-    _baseline(c, 2, 0.010)
+    assert not c.should_propose(2)
+    c.record(2, 0.010, speculative=False, tokens_emitted=2)
+    assert c.should_propose(2)
     for _ in range(MIN_SPEC_SAMPLES):
         c.record(2, 0.100, speculative=True, tokens_emitted=2)
     assert c.should_propose(2) and c.speedup(2) == pytest.approx(0.1)
@@ -127,7 +130,7 @@ def test_while_speculating_a_plain_step_refreshes_the_baseline_now_and_then() ->
     assert decisions.count(False) == 2 and decisions.index(False) == PLAIN_REFRESH_INTERVAL
     assert c.speedup(1) == pytest.approx(3 * 0.010 / 0.012)  # median of 0.010 x 3, 0.014 x 2
     assert c.num_disabled_steps == 0
-    # Without auto-disable nothing is measured for it: every step speculates.
+    # Without auto-disable nothing is measured for it: every step after the first plain one speculates.
     c = SpecController(auto_disable=False)
-    _baseline(c, 1, 0.010)
+    c.record(1, 0.010, speculative=False, tokens_emitted=1)
     assert all(c.should_propose(1) for _ in range(3 * PLAIN_REFRESH_INTERVAL))
