@@ -15,7 +15,7 @@ decode step's exact inputs are captured and replayed, each piece timed alone (me
                     same inputs: the work that cannot shrink without fewer bytes
     attention       of which the 24 decode attentions alone
     layer glue      forward - kernels: norms, RoPE, KV write, SiLU, residuals, Python, dispatch
-    LM head         the head's GEMV over the vocabulary (+ float32 cast)
+    LM head         the head's GEMV over the vocabulary (in bf16: the engine converts only sampled rows)
     sample          the sampler on those logits
     step overhead   engine step - forward - LM head - sample: scheduler, batch build, detokenize
 Also prints the bandwidth roofline of this step (weight bytes read / read bandwidth measured now).

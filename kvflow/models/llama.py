@@ -143,11 +143,10 @@ class LlamaFamilyForCausalLM(nn.Module):
             hidden = layer(hidden, cos_sin, kv_store.layer(i), meta)
         return self.norm(hidden)
 
-    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
-        """[N, hidden] -> [N, vocab] logits, in float32, or (float32=False) in the head's own dtype for
-        a consumer that converts only what it needs (the sampler: greedy rows never need it)."""
-        logits = self.lm_head(hidden)
-        return logits.float() if float32 else logits
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> [N, vocab] logits in the head's dtype. Consumers convert what needs float32
+        (log-softmaxes, sampled rows): greedy rows take the argmax of bf16 logits directly."""
+        return self.lm_head(hidden)
 
     def prepare_for_inference(self) -> None:
         for module in self.modules():

@@ -63,7 +63,7 @@ def window_log_probs(
         prefills=[chunk],
     )
     hidden = model(torch.tensor(token_ids), meta, store)
-    return torch.log_softmax(model.compute_logits(hidden), dim=-1)
+    return torch.log_softmax(model.compute_logits(hidden).float(), dim=-1)
 
 
 def _private_store(model: LlamaFamilyForCausalLM, n: int, kv_cache_dtype: str) -> KVStore:
@@ -101,7 +101,7 @@ def _decode_log_probs(model: LlamaFamilyForCausalLM, token_ids: list[int], store
             prefills=[],
         )
         hidden = model(torch.tensor(token_ids[start : start + DECODE_ROWS]), meta, store)
-        rows.append(torch.log_softmax(model.compute_logits(hidden), dim=-1))
+        rows.append(torch.log_softmax(model.compute_logits(hidden).float(), dim=-1))
     return torch.cat(rows)
 
 

@@ -184,7 +184,7 @@ class DraftModelProposer:
             all_query_rows=self.batch_invariant,
         )
         hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices), float32=False)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))
         # build_input_batch puts single-token requests first: map rows back to `items` order.
         order = {r.request_id: i for i, r in enumerate(batch.sampling_requests)}
         return logits[[order[request.request_id] for request, _, _ in items]]
@@ -197,7 +197,7 @@ class DraftModelProposer:
         if len(input_ids) > len(items):  # some request fed several tokens: keep each one's last row
             last = torch.tensor([len(tokens) for _, _, tokens in items]).cumsum(0) - 1
             hidden = hidden.index_select(0, last)
-        return self.model.compute_logits(hidden, float32=False)  # _guess converts sampled rows only
+        return self.model.compute_logits(hidden)  # the model's dtype: _guess converts sampled rows only
 
     def _guess(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
         """Each request's guess from its logits row [B, V], with q for a sampled one (None: greedy)."""

@@ -121,8 +121,7 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(self.model, batch, hidden)  # {} unless a request asks
         if not batch.sampling_requests:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        # [N, V] in the model's dtype: the sampler converts rows that need float32 (_penalised_logits).
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices), float32=False)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [N, V]
         # Rows: one per plain request, 1 + k per request verifying k drafts (in batch order).
         plain_rows, plain_requests, spec = [], [], []
         row = 0
