@@ -162,28 +162,31 @@ def skinny_linear_bf16() -> tuple[SkinnyLinear, TileBf16Weight] | None:
 HUGE_PAGE_MIN_BYTES = 2 << 20
 
 
-def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` (contiguous, CPU) copied into a buffer on transparent huge pages (huge_pages.cpp:
-    fewer TLB misses for data read in full every decode step), or itself when it is small, not a
-    contiguous CPU tensor, or the native module is missing. Same dtype, shape and values."""
+def _huge_page_buffer(shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """An uninitialised tensor on transparent huge pages (huge_pages.cpp), or None when it would be
+    small or the native module is missing."""
     module = _native_module()
-    if module is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+    nbytes = math.prod(shape) * dtype.itemsize
+    if module is None or nbytes < HUGE_PAGE_MIN_BYTES:
+        return None
+    return module.empty_huge_pages(nbytes).view(dtype).view(shape)
+
+
+def on_huge_pages(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` (contiguous, CPU) copied onto transparent huge pages (fewer TLB misses for data read
+    in full every decode step), or itself when it is small, not a contiguous CPU tensor, or the
+    native module is missing. Same dtype, shape and values."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
         return tensor
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes < HUGE_PAGE_MIN_BYTES:
-        return tensor
-    buffer = module.empty_huge_pages(nbytes).view(tensor.dtype).view(tensor.shape)
-    return buffer.copy_(tensor)
+    buffer = _huge_page_buffer(tensor.shape, tensor.dtype)
+    return tensor if buffer is None else buffer.copy_(tensor)
 
 
 def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """torch.zeros(shape, dtype=dtype), on transparent huge pages when large and the native module
     is built (the KV pools: decode attention reads a block per page otherwise)."""
-    module = _native_module()
-    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    if module is None or nbytes < HUGE_PAGE_MIN_BYTES:
-        return torch.zeros(shape, dtype=dtype)
-    return module.empty_huge_pages(nbytes).view(dtype).view(shape).zero_()
+    buffer = _huge_page_buffer(shape, dtype)
+    return torch.zeros(shape, dtype=dtype) if buffer is None else buffer.zero_()
 
 
 def argmax_rows() -> Callable[[torch.Tensor], torch.Tensor] | None:
