@@ -466,7 +466,8 @@ struct Bf16Attention {
 // seq_len entries equal those of the run's longest row (speculative verification rows of one
 // request, prefill rows of one chunk). (first row, row count, the longest row's slots) per run,
 // each run at most max_rows long. Comparing slot lists costs O(keys) integer reads per row, far
-// below the attention itself; rows of different requests differ at their first slot.
+// below the attention itself; rows of different requests differ at their first slot, unless they
+// share cached prefix blocks and read only those, in which case reading them as one run is exact.
 struct RowGroup {
   int64_t b0, rows;
   const int64_t* slots;  // the longest row's slot list: every row of the run reads a prefix of it
