@@ -380,12 +380,18 @@ def with_repeats(windows: torch.Tensor, fraction: float, generator: torch.Genera
     return out
 
 
-def mean_token_loss(model: torch.nn.Module, windows: torch.Tensor, autocast: bool) -> torch.Tensor:
-    """Mean next-token cross-entropy over windows [B, T + 1] (inputs [:, :-1], targets [:, 1:])."""
+def next_token_logits(model: torch.nn.Module, windows: torch.Tensor, autocast: bool) -> torch.Tensor:
+    """fp32 logits [B, T, V] of windows[:, :-1] [B, T]: the matmuls in bf16 under autocast, the
+    softmaxes that follow in fp32 whatever they ran in (bf16 log-probabilities lose ~3 digits)."""
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = model(input_ids=windows[:, :-1], use_cache=False).logits  # [B, T, V]
-    # The softmax in fp32 whatever the matmuls ran in: bf16 log-probabilities lose ~3 significant digits.
-    return F.cross_entropy(logits.float().flatten(0, 1), windows[:, 1:].flatten())
+    return logits.float()
+
+
+def mean_token_loss(model: torch.nn.Module, windows: torch.Tensor, autocast: bool) -> torch.Tensor:
+    """Mean next-token cross-entropy over windows [B, T + 1] (inputs [:, :-1], targets [:, 1:])."""
+    logits = next_token_logits(model, windows, autocast)
+    return F.cross_entropy(logits.flatten(0, 1), windows[:, 1:].flatten())
 
 
 def distillation_loss(
@@ -395,37 +401,10 @@ def distillation_loss(
     distributions: forward KL, so the student spreads its mass wherever the teacher puts some (the
     exact rejection rule accepts a draft token with probability min(1, p/q): mass the draft lacks is
     what rejects, mode-seeking would keep only the argmax)."""
-    inputs = windows[:, :-1]
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        with torch.no_grad():
-            teacher_logits = teacher(input_ids=inputs, use_cache=False).logits  # [B, T, V]
-        student_logits = student(input_ids=inputs, use_cache=False).logits  # [B, T, V]
-    # Softmaxes in fp32, as in mean_token_loss.
-    teacher_logp = F.log_softmax(teacher_logits.float().flatten(0, 1), dim=-1)
-    student_logp = F.log_softmax(student_logits.float().flatten(0, 1), dim=-1)
+    with torch.no_grad():
+        teacher_logp = F.log_softmax(next_token_logits(teacher, windows, autocast).flatten(0, 1), dim=-1)
+    student_logp = F.log_softmax(next_token_logits(student, windows, autocast).flatten(0, 1), dim=-1)
     return F.kl_div(student_logp, teacher_logp, log_target=True, reduction="batchmean")
-
-
-@torch.no_grad()
-def teacher_agreement(
-    student: torch.nn.Module,
-    teacher: torch.nn.Module,
-    eval_windows: torch.Tensor,
-    batch_size: int,
-    autocast: bool,
-) -> float:
-    """Fraction of held-out positions where the student's and the teacher's argmax next tokens agree
-    (teacher-forced): the greedy acceptance rate a draft can expect on text like this."""
-    student.eval()
-    agree = total = 0
-    for batch in eval_windows.split(batch_size):
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            s = student(input_ids=batch[:, :-1], use_cache=False).logits.float().argmax(-1)
-            t = teacher(input_ids=batch[:, :-1], use_cache=False).logits.float().argmax(-1)
-        agree += int((s == t).sum())
-        total += s.numel()
-    student.train()
-    return agree / total
 
 
 def load_teacher(path: Path, tokenizer: Tokenizer) -> torch.nn.Module:
@@ -455,16 +434,28 @@ def load_init_weights(model: torch.nn.Module, path: Path) -> None:
 
 
 @torch.no_grad()
-def heldout_perplexity(
-    model: torch.nn.Module, eval_windows: torch.Tensor, batch_size: int, autocast: bool
-) -> float:
+def heldout_evaluation(
+    model: torch.nn.Module,
+    teacher: torch.nn.Module | None,
+    eval_windows: torch.Tensor,
+    batch_size: int,
+    autocast: bool,
+) -> tuple[float, float | None]:
+    """(perplexity, greedy agreement with the teacher or None) over the held-out windows, from one
+    forward of the model per batch. Agreement: the fraction of positions where the model's and the
+    teacher's argmax next tokens agree (teacher-forced), the greedy acceptance rate a draft can
+    expect on text like this."""
     model.eval()
-    losses = [
-        mean_token_loss(model, batch, autocast).item() * len(batch)
-        for batch in eval_windows.split(batch_size)
-    ]
+    loss_sum, agree = 0.0, 0
+    for batch in eval_windows.split(batch_size):
+        logits = next_token_logits(model, batch, autocast)  # [b, T, V]
+        loss_sum += F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item() * len(batch)
+        if teacher is not None:
+            agree += int((logits.argmax(-1) == next_token_logits(teacher, batch, autocast).argmax(-1)).sum())
     model.train()
-    return math.exp(sum(losses) / len(eval_windows))
+    perplexity = math.exp(loss_sum / len(eval_windows))
+    positions = eval_windows.shape[0] * (eval_windows.shape[1] - 1)
+    return perplexity, None if teacher is None else agree / positions
 
 
 # ---------------------------------------------------------------------- state and outputs
@@ -497,9 +488,8 @@ class Progress:
     tokens_seen: int = 0  # predicted tokens (batch_size x seq_len per step)
     elapsed_s: float = 0.0  # wall time over all sessions
     losses: list[float] = field(default_factory=list)  # train loss of every step
-    history: list[dict[str, float]] = field(
-        default_factory=list
-    )  # {step, train_loss, heldout_ppl[, agreement]}
+    # {step, train_loss, heldout_ppl[, agreement]}
+    history: list[dict[str, float]] = field(default_factory=list)
 
 
 def save_state(
@@ -804,16 +794,16 @@ def _evaluate(
     display: ProgressDisplay,
     autocast: bool,
 ) -> None:
-    perplexity = heldout_perplexity(model, eval_windows, args.batch_size, autocast)
+    perplexity, agreement = heldout_evaluation(model, teacher, eval_windows, args.batch_size, autocast)
     # Over a fixed window (not "since the last evaluation"), so that the extra evaluation at a
     # --stop-after point leaves the later entries of a resumed run equal to an uninterrupted run's.
     recent = progress.losses[-args.eval_every :]
     train_loss = sum(recent) / len(recent)
     entry = {"step": progress.step, "train_loss": train_loss, "heldout_ppl": perplexity}
     message = f"step {progress.step}: train loss {train_loss:.3f}, held-out perplexity {perplexity:.2f}"
-    if teacher is not None:
-        entry["agreement"] = teacher_agreement(model, teacher, eval_windows, args.batch_size, autocast)
-        message += f", greedy agreement with the teacher {entry['agreement']:.1%}"
+    if agreement is not None:
+        entry["agreement"] = agreement
+        message += f", greedy agreement with the teacher {agreement:.1%}"
     progress.history.append(entry)
     display.write(message)
 
