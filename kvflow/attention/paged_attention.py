@@ -11,11 +11,11 @@ Shapes: T flat tokens, Hq query heads, Hkv KV heads, G = Hq / Hkv, D head dim.
    query-length axis, q: [B, Hkv, G, D] against k: [B, Hkv, L, D], so no [B, Hq, L, D] copy of
    K/V is ever made.
 3. A prefill chunk whose queries each see a leading run of its keys (causal, no sliding window
-   cutting any; `leading_keys`) over a bf16 pool goes through the same native kernel, one query
-   row per token over the chunk's shared slot list: torch's CPU flash SDPA ran at ~80 GFLOP/s
-   there. Other chunks are one SDPA call over their keys: the chunk's own fresh K/V when it has no
-   cached context, else the gathered context plus itself under an explicit mask (bottom-right
-   causal, sliding window).
+   cutting any; `leading_keys`) goes through the native flash-style kernel
+   (kvflow/kernels/prefill_attention.cpp) with bf16 queries: in place over a bf16 pool, or over
+   the dequantized gather of a quantized one. Other chunks are one SDPA call over their keys: the
+   chunk's own fresh K/V when it has no cached context, else the gathered context plus itself
+   under an explicit mask (bottom-right causal, sliding window).
 Quantized KV pools (kvflow/attention/kv_layer.py) are otherwise dequantized for the gathered slots
 only.
 """
@@ -29,7 +29,11 @@ import torch.nn.functional as F
 
 from kvflow.attention.kv_layer import KVLayer
 from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
-from kvflow.kernels import paged_decode_attention_bf16, paged_decode_attention_quantized
+from kvflow.kernels import (
+    paged_decode_attention_bf16,
+    paged_decode_attention_quantized,
+    prefill_attention_bf16,
+)
 
 
 def _decode_attention(query: torch.Tensor, kv: KVLayer, meta: AttentionMetadata) -> torch.Tensor:
@@ -67,16 +71,20 @@ def _prefill_attention(
     slot_mapping: torch.Tensor,
 ) -> torch.Tensor:
     s, e = chunk.token_start, chunk.token_end
-    pools, native = kv.in_place(), paged_decode_attention_bf16()
-    if chunk.leading_keys and query.dtype == torch.bfloat16 and pools is not None and native is not None:
-        # Each query row is a decode-style row over the chunk's keys, read in place from the pool
-        # (the chunk's own K/V were written before): row i sees the first L - n + i + 1 of them.
-        # Measured 1.6x torch's CPU flash SDPA at 512 tokens, on par at 2,048 (benchmarks/NOTES.md).
-        slots = slot_mapping[s:e] if chunk.kv_slots is None else chunk.kv_slots  # [L]
-        n, num_keys = e - s, slots.shape[0]
-        row_keys = torch.arange(num_keys - n + 1, num_keys + 1)  # [n]
-        rows = slots[None, :].expand(n, num_keys)  # [n, L], one shared slot list (stride 0)
-        return native(query[s:e], pools[0], pools[1], rows, row_keys, query.shape[-1] ** -0.5)
+    flash = prefill_attention_bf16()
+    even_head_dim = query.shape[-1] % 2 == 0
+    if chunk.leading_keys and query.dtype == torch.bfloat16 and even_head_dim and flash is not None:
+        # Query i sees the first L - n + i + 1 keys: the native flash kernel (bf16 pairs: even
+        # head_dim), ~3.7x SDPA and the per-row decode kernel at 512-4,096 tokens (NOTES.md).
+        scale = query.shape[-1] ** -0.5
+        pools = kv.in_place()
+        if pools is not None:  # read in place (the chunk's own K/V were written first)
+            slots = slot_mapping[s:e] if chunk.kv_slots is None else chunk.kv_slots  # [L]
+            return flash(query[s:e], pools[0], pools[1], slots, scale)
+        # A quantized pool: its keys dequantized once, read through identity slots.
+        k, v = (key[s:e], value[s:e]) if chunk.kv_slots is None else kv.gather(chunk.kv_slots)
+        identity = torch.arange(k.shape[0])
+        return flash(query[s:e], k.contiguous(), v.contiguous(), identity, scale)
     if chunk.kv_slots is None:
         k, v = key[s:e], value[s:e]  # [n, Hkv, D]: the chunk is its whole context
     else:

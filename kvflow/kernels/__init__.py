@@ -3,8 +3,9 @@
 - `skinny_linear_bf16()`: the AVX512-BF16 GEMV for few-row (decode) linears on 16-row tiles of the
   weights, and the tiling (gemv_bf16.cpp);
 - `paged_decode_attention_bf16()` / `paged_decode_attention_quantized()`: decode attention read in
-  place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4, and causal prefill rows over bf16
-  pools (paged_decode_attention.cpp);
+  place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4 (paged_decode_attention.cpp);
+- `prefill_attention_bf16()`: causal attention of a prefill chunk over a bf16 pool, flash style
+  (prefill_attention.cpp);
 - `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs on 16-row tiles with VNNI
   for decode and row-block dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
 - `argmax_rows()`: greedy sampling's argmax over the vocabulary (argmax.cpp);
@@ -45,6 +46,9 @@ TileBf16Weight = Callable[[torch.Tensor], torch.Tensor]
 PagedDecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
 ]
+# (q [n, Hq, D], key_cache [S, Hkv, D], value_cache, slots [L], scale) -> [n, Hq, D]; query i is
+# position L - n + i and attends the first L - n + i + 1 keys of `slots`
+PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
 # (x [M, K] bf16, tiles [N_pad / 16, K_pad / 4, 16, 4] uint8, scales [N] fp32, bias) -> [M, N] bf16
 # (layout in gemv_int8.cpp)
 SkinnyLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
@@ -75,6 +79,7 @@ _SOURCES = (
     "gemv_int4.cpp",
     "huge_pages.cpp",
     "paged_decode_attention.cpp",
+    "prefill_attention.cpp",
 )
 _REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "bmi2")
 
@@ -210,6 +215,13 @@ def elementwise_kernels() -> ElementwiseKernels | None:
 def paged_decode_attention_bf16() -> PagedDecodeAttention | None:
     module = _native_module()
     return None if module is None else module.paged_decode_attention_bf16
+
+
+def prefill_attention_bf16() -> PrefillAttention | None:
+    """Causal attention of a prefill chunk over its keys in a bf16 pool, flash style
+    (prefill_attention.cpp)."""
+    module = _native_module()
+    return None if module is None else module.prefill_attention_bf16
 
 
 def paged_decode_attention_quantized() -> PagedDecodeAttentionQuantized | None:

@@ -6,6 +6,8 @@
 
 torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor empty_huge_pages(int64_t nbytes);
+torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
+                                     torch::Tensor slots, double scale);
 
 namespace py = pybind11;
 using kvflow::NativeDecoder;
@@ -111,6 +113,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "single-query attention over the paged bf16 KV pool, GQA-aware");
   m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
         "single-query attention over a paged int8 / fp8_e4m3 / int4 KV pool, dequantized as read");
+  m.def("prefill_attention_bf16", &prefill_attention_bf16,
+        "causal attention of a prefill chunk over its keys in the paged bf16 KV pool (flash style)");
   m.def("skinny_linear_int8", &skinny_linear_int8, "y = x @ (q * s)^T (+ b) for few rows x, int8 16-row tiles");
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
   m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16 (n_begin % 16 == 0)");

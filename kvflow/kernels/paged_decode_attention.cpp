@@ -20,6 +20,7 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "attention_simd.h"
 #include "bf16_utils.h"
 
 #include <algorithm>
@@ -31,6 +32,9 @@
 
 namespace {
 
+using kvflow::exp_nonpositive;
+using kvflow::transpose16;
+
 constexpr int64_t kLanes = 16;  // fp32 lanes per 512-bit register
 
 inline __mmask16 tail_mask(int64_t left) {
@@ -41,23 +45,6 @@ inline __mmask16 tail_mask(int64_t left) {
 inline __m512 load_bf16_as_f32(const uint16_t* p, __mmask16 mask) {
   const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// exp(x) for x <= 0 (softmax after max subtraction): 2^(x log2 e) split into 2^n * 2^f, f in
-// [-0.5, 0.5], 2^f by its degree-6 Taylor polynomial (relative error < 2e-7 there).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // exp(-87) ~ 1.6e-38: below, the weight is 0 anyway
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);                 // ln2^6 / 720
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));  // ln2^5 / 120
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));  // ln2^4 / 24
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));  // ln2^3 / 6
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));  // ln2^2 / 2
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));  // ln2
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
 }
 
 // Softmax of s[0..L) in place; returns 1 / sum so the caller can normalise the output once.
@@ -287,37 +274,6 @@ constexpr int64_t kMaxGroupHeads = 64;   // query heads of one attend_rows call 
 // 33.5 us, grouped 21.5 us; 2 rows 17.9 -> 11.3 us. At GQA 7:1 only 2 rows fit: no pass is saved.
 constexpr int64_t kGroupHeadsTarget = 16;
 
-// Permutation indices of one stage of a 16 x 16 dword transpose (stage s swaps bit s of the row
-// index with bit s of the column index). Rows a (bit s clear) and b (bit s set) become
-//   lo[j] = j_s ? b[j - 2^s] : a[j]        hi[j] = j_s ? b[j] : a[j + 2^s]
-// (indices >= 16 select from b in vpermt2d).
-struct TransposeStage {
-  __m512i lo, hi;
-  explicit TransposeStage(int s) {
-    alignas(64) int32_t l[16], h[16];
-    const int32_t bit = 1 << s;
-    for (int32_t j = 0; j < 16; ++j) {
-      l[j] = (j & bit) ? 16 + (j & ~bit) : j;
-      h[j] = (j & bit) ? 16 + j : (j | bit);
-    }
-    lo = _mm512_load_si512(l);
-    hi = _mm512_load_si512(h);
-  }
-};
-
-// r[i] = row i (16 dwords) -> r[p] = column p (dword p of every row, row i in lane i).
-inline void transpose16(__m512i* r, const TransposeStage* stages) {
-  for (int s = 0; s < 4; ++s) {
-    const int64_t bit = int64_t(1) << s;
-    for (int64_t i = 0; i < 16; ++i) {
-      if (i & bit) continue;
-      const __m512i a = r[i], b = r[i | bit];
-      r[i] = _mm512_permutex2var_epi32(a, stages[s].lo, b);
-      r[i | bit] = _mm512_permutex2var_epi32(a, stages[s].hi, b);
-    }
-  }
-}
-
 struct Bf16Attention {
   const uint16_t* q;   // [B, Hq, D]
   const uint16_t* k;   // [S, Hkv, D]
@@ -327,7 +283,7 @@ struct Bf16Attention {
   uint16_t* out;
   int64_t Hq, Hkv, D, slot_stride;
   float scale;
-  TransposeStage stages[4] = {TransposeStage(0), TransposeStage(1), TransposeStage(2), TransposeStage(3)};
+  kvflow::TransposeStages stages;
 
   const uint16_t* key_row(int64_t slot, int64_t h) const { return k + (slot * Hkv + h) * D; }
   const uint16_t* value_row(int64_t slot, int64_t h) const { return v + (slot * Hkv + h) * D; }

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvflow.attention.kv_layer import PlainKVLayer
+from kvflow.attention.kv_layer import PlainKVLayer, QuantizedKVLayer
 from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
 from kvflow.attention.paged_attention import paged_attention
-from kvflow.kernels import paged_decode_attention_bf16
+from kvflow.kernels import paged_decode_attention_bf16, prefill_attention_bf16
 
 CASES = [  # (num_kv_heads, queries per kv head, head_dim)
     (2, 7, 64),
@@ -84,10 +84,10 @@ def test_sdpa_decode_path_matches_reference(hkv: int, g: int, d: int) -> None:
 
 @pytest.mark.parametrize("cached", [0, 23])
 @pytest.mark.parametrize("leading_keys", [True, False])
-def test_prefill_chunk_native_rows_and_sdpa_match_reference(cached: int, leading_keys: bool) -> None:
+def test_prefill_chunk_native_and_sdpa_match_reference(cached: int, leading_keys: bool) -> None:
     """A causal prefill chunk (after `cached` tokens of context already in the pool) through the
-    native kernel's per-token rows (leading_keys) and through SDPA: both equal the float64 reference
-    of each query over its leading keys."""
+    native flash kernel (leading_keys) and through SDPA: both equal the float64 reference of each
+    query over its leading keys."""
     hkv, g, d, n = 2, 7, 64, 40
     gen = torch.Generator().manual_seed(3)
     num_slots = 128
@@ -155,3 +155,61 @@ def test_native_rows_sharing_keys_give_each_rows_own_result_bit_for_bit(hkv: int
         [kernel(q[i : i + 1], kc, vc, shared[:1], causal[i : i + 1], d**-0.5) for i in range(len(rows))]
     )
     assert torch.equal(kernel(q, kc, vc, shared, causal, d**-0.5), alone)
+
+
+def _causal_reference(query, key_cache, value_cache, slots):  # type: ignore[no-untyped-def]
+    """Each of the n queries (the last n of the L positions of `slots`) over its leading keys."""
+    n, num_keys = query.shape[0], slots.shape[0]
+    rows = slots[None, :].expand(n, -1)
+    return _reference(query, key_cache, value_cache, rows, torch.arange(num_keys - n + 1, num_keys + 1))
+
+
+@pytest.mark.parametrize(("hkv", "g", "d"), [c for c in CASES if c[2] % 2 == 0])
+@pytest.mark.parametrize(("n", "num_keys"), [(40, 40), (100, 163), (9, 300), (1, 1)])
+def test_flash_prefill_kernel_matches_reference(hkv: int, g: int, d: int, n: int, num_keys: int) -> None:
+    """The flash-style chunk kernel: several query tiles and key tiles (a partial last one), cached
+    context before the chunk (num_keys > n), scattered slots, GQA ratios and head dims with tails."""
+    kernel = prefill_attention_bf16()
+    if kernel is None:
+        pytest.skip("native AVX512-BF16 kernels unavailable on this CPU/toolchain")
+    gen = torch.Generator().manual_seed(11)
+    num_slots = 512
+    kc = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    vc = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    slots = torch.randperm(num_slots - 1, generator=gen)[:num_keys] + 1
+    q = (2 * torch.randn(n, hkv * g, d, generator=gen)).to(torch.bfloat16)  # peaked softmaxes too
+    out = kernel(q, kc, vc, slots, d**-0.5)
+    ref = _causal_reference(q, kc, vc, slots)
+    # bf16 output rounding and bf16 probabilities in P.V (2^-9 relative each) on values ~1.
+    torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=1e-2)
+    assert (out.double() - ref).abs().mean() < 2e-3  # systematic errors (a wrong mask) are far larger
+
+
+def test_prefill_chunk_over_a_quantized_pool_matches_reference_on_its_dequantized_keys() -> None:
+    """A causal chunk after cached context in an int8 pool takes the flash kernel over the gathered,
+    dequantized keys: it equals the reference over exactly those keys."""
+    hkv, g, d, n, cached = 2, 7, 64, 40, 23
+    gen = torch.Generator().manual_seed(4)
+    num_slots = 128
+    kv = QuantizedKVLayer("int8", num_slots, hkv, d, torch.bfloat16)
+    slots = torch.randperm(num_slots - 1, generator=gen)[: cached + n] + 1
+    k_cached, v_cached = torch.randn(2, cached, hkv, d, generator=gen)
+    kv.write(k_cached, v_cached, slots[:cached])
+    q = torch.randn(n, hkv * g, d, generator=gen).to(torch.bfloat16)
+    k_new = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
+    v_new = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
+    attend = torch.ones(n, cached + n, dtype=torch.bool).tril(cached)
+    chunk = PrefillChunkMetadata(0, n, slots, attend, leading_keys=True)
+    meta = AttentionMetadata(
+        positions=torch.arange(cached, cached + n),
+        slot_mapping=slots[cached:],
+        num_decode_tokens=0,
+        decode_kv_slots=None,
+        decode_attend=None,
+        decode_num_keys=None,
+        prefills=[chunk],
+    )
+    out = paged_attention(q, k_new, v_new, kv, meta)
+    k, v = kv.gather(slots)  # [L, Hkv, D] bf16, dequantized
+    identity = torch.arange(cached + n)
+    torch.testing.assert_close(out.double(), _causal_reference(q, k, v, identity), rtol=1e-2, atol=1e-2)

@@ -1,0 +1,65 @@
+// SIMD pieces shared by the attention kernels (paged_decode_attention.cpp, prefill_attention.cpp).
+// Note: torch's JIT builder hashes the .cpp sources, not headers: after editing this file, touch
+// a .cpp (or clear ~/.cache/kvflow/kernels) to force a rebuild.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace kvflow {
+
+// exp(x) for x <= 0 (softmax after max subtraction): 2^(x log2 e) split into 2^n * 2^f, f in
+// [-0.5, 0.5], 2^f by its degree-6 Taylor polynomial (relative error < 2e-7 there).
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // exp(-87) ~ 1.6e-38: below, the weight is 0 anyway
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);                 // ln2^6 / 720
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));  // ln2^5 / 120
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));  // ln2^4 / 24
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));  // ln2^3 / 6
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));  // ln2^2 / 2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));  // ln2
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Permutation indices of one stage of a 16 x 16 dword transpose (stage s swaps bit s of the row
+// index with bit s of the column index). Rows a (bit s clear) and b (bit s set) become
+//   lo[j] = j_s ? b[j - 2^s] : a[j]        hi[j] = j_s ? b[j] : a[j + 2^s]
+// (indices >= 16 select from b in vpermt2d).
+struct TransposeStage {
+  __m512i lo, hi;
+  explicit TransposeStage(int s) {
+    alignas(64) int32_t l[16], h[16];
+    const int32_t bit = 1 << s;
+    for (int32_t j = 0; j < 16; ++j) {
+      l[j] = (j & bit) ? 16 + (j & ~bit) : j;
+      h[j] = (j & bit) ? 16 + j : (j | bit);
+    }
+    lo = _mm512_load_si512(l);
+    hi = _mm512_load_si512(h);
+  }
+};
+
+// The four stages of a 16 x 16 dword transpose, built once per kernel call.
+struct TransposeStages {
+  TransposeStage s[4] = {TransposeStage(0), TransposeStage(1), TransposeStage(2), TransposeStage(3)};
+};
+
+// r[i] = row i (16 dwords) -> r[p] = column p (dword p of every row, row i in lane i).
+inline void transpose16(__m512i* r, const TransposeStages& stages) {
+  for (int s = 0; s < 4; ++s) {
+    const int64_t bit = int64_t(1) << s;
+    for (int64_t i = 0; i < 16; ++i) {
+      if (i & bit) continue;
+      const __m512i a = r[i], b = r[i | bit];
+      r[i] = _mm512_permutex2var_epi32(a, stages.s[s].lo, b);
+      r[i | bit] = _mm512_permutex2var_epi32(a, stages.s[s].hi, b);
+    }
+  }
+}
+
+}  // namespace kvflow
