@@ -72,8 +72,11 @@ def capture_decode_inputs(llm: LLM, context: int, batch: int) -> tuple[Any, ...]
         return original(input_ids, meta, kv_store)
 
     model.forward = spy  # type: ignore[method-assign]
-    # Enough tokens that all `batch` requests, prefilled a few steps apart, decode together.
-    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    # Enough tokens that all `batch` requests decode together: the first one decodes from the step
+    # after its prefill, while the others' prompts take `prefill_steps` more steps.
+    budget = llm.llm_engine.scheduler.scheduler_config.max_num_batched_tokens
+    prefill_steps = -(-context * batch // max(1, budget - batch))
+    params = SamplingParams(temperature=0.0, max_tokens=32 + prefill_steps, ignore_eos=True)
     llm.generate(random_prompts(context, batch, 0), params)
     model.forward = original  # type: ignore[method-assign]
     return captured[0]

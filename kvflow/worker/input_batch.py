@@ -24,7 +24,8 @@ from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 
 # Chunks up to this many tokens are attended as single-token query rows (module docstring): a
 # speculative step's k + 1 tokens for any k used in practice; longer chunks are prefill, where
-# one SDPA call per chunk beats re-reading the context once per query row.
+# one flash-attention call per chunk (kvflow/kernels/prefill_attention.cpp) beats re-reading the
+# context once per query row.
 MAX_QUERY_ROWS_PER_CHUNK = 8
 
 
