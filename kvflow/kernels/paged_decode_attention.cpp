@@ -270,6 +270,10 @@ constexpr int64_t kKeysPerBlock = 16;  // keys transposed together: one per fp32
 // over the pool and cold in every layer: with one key block ahead (and 8 value rows ahead in the
 // value pass) the kernel waited on DRAM. 64 rows x 430 keys over 24 layers' pools, alternated
 // builds: 27-29 -> 23.4-23.8 ms; 8 x 600: 3.9-4.1 -> 3.2-3.5 ms; cache-hot (one layer): +5%.
+// A lone sequence (one row group) keeps the one-block-ahead prefetch: its blocks are mostly
+// consecutive, which the hardware prefetchers follow, and there the far requests cost
+// single-stream decode 3-4% (engine, 512-token context, alternated builds: 65.4-65.6 -> 62.9-63.1
+// tokens/s).
 constexpr int64_t kScorePrefetchKeys = 64;
 constexpr int64_t kDwordsPerBlock = 16;  // dims 32 at a time = 16 bf16 pairs (one 512-bit row load)
 constexpr int64_t kMaxHeadsPerPass = 8;  // query heads scored per pass over a key block (registers)
@@ -297,18 +301,22 @@ struct Bf16Attention {
 
   // scores[g * ld + l] = scale * <query head g, K[l]> for the GN <= kMaxHeadsPerPass query heads
   // qd[g] (bf16 pairs) and keys l < L: one transpose of each key block serves all GN heads.
-  // `first_pass`: the first pass over these keys, which requests the rows (kScorePrefetchKeys).
+  // `far`: request rows kScorePrefetchKeys ahead into L2, and each block's value rows (the first
+  // pass over these keys in a call with several row groups); otherwise the next block's key rows.
   void score_heads(const int64_t* sl, int64_t h, const uint32_t* const* qd, int64_t GN, int64_t L, int64_t ld,
-                   float* scores, bool first_pass) const {
+                   float* scores, bool far) const {
     const int64_t dwords = D / 2, blocks = (dwords + kDwordsPerBlock - 1) / kDwordsPerBlock;
     const __m512 vscale = _mm512_set1_ps(scale);
     int64_t ahead = 0;  // keys [0, ahead) have been prefetched
     for (int64_t l0 = 0; l0 < L; l0 += kKeysPerBlock) {
       const int64_t nk = std::min(kKeysPerBlock, L - l0);
-      if (first_pass) {
+      if (far) {
         for (const int64_t until = std::min(L, l0 + kKeysPerBlock + kScorePrefetchKeys); ahead < until; ++ahead)
           prefetch_row<_MM_HINT_T1>(key_row(sl[ahead], h), 2 * D);
         for (int64_t j = 0; j < nk; ++j) prefetch_row<_MM_HINT_T1>(value_row(sl[l0 + j], h), 2 * D);
+      } else {
+        for (int64_t j = 0; j < kKeysPerBlock && l0 + kKeysPerBlock + j < L; ++j)  // the next block's rows
+          prefetch_row(key_row(sl[l0 + kKeysPerBlock + j], h), 2 * D);
       }
       __m512 acc[kMaxHeadsPerPass];
       for (int64_t g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
@@ -385,7 +393,8 @@ struct Bf16Attention {
   // transposed key block together and share every V row read. Each head's softmax and P.V run
   // over its own row's keys only, with the additions in the same order as a row computed alone,
   // so grouping changes no output bit.
-  void attend_rows(int64_t b0, int64_t R, const int64_t* sl, int64_t h, std::vector<float>& scratch) const {
+  void attend_rows(int64_t b0, int64_t R, const int64_t* sl, int64_t h, bool far_prefetch,
+                   std::vector<float>& scratch) const {
     const int64_t G = Hq / Hkv, VH = R * G, blocks32 = (D + 31) / 32;
     int64_t L_min = seq_lens[b0], L_max = seq_lens[b0];
     for (int64_t r = 1; r < R; ++r) {
@@ -403,7 +412,8 @@ struct Bf16Attention {
       ends[v] = seq_lens[b];
     }
     for (int64_t v0 = 0; v0 < VH; v0 += kMaxHeadsPerPass)
-      score_heads(sl, h, qd + v0, std::min(kMaxHeadsPerPass, VH - v0), L_max, L_max, scores + v0 * L_max, v0 == 0);
+      score_heads(sl, h, qd + v0, std::min(kMaxHeadsPerPass, VH - v0), L_max, L_max, scores + v0 * L_max,
+                  far_prefetch && v0 == 0);
     float inv_sum[kMaxGroupHeads];
     for (int64_t v = 0; v < VH; ++v) inv_sum[v] = softmax_unnormalised(scores + v * L_max, ends[v]);
     for (int64_t blk0 = 0; blk0 < blocks32; blk0 += 2) {
@@ -513,11 +523,12 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
   const int64_t G = q.size(1) / Hkv;
   const std::vector<RowGroup> groups = row_groups(A.slots, A.slot_stride, A.seq_lens, q.size(0),
                                                   std::max<int64_t>(1, kGroupHeadsTarget / G));
+  const bool far_prefetch = groups.size() > 1;  // kScorePrefetchKeys
   at::parallel_for(0, int64_t(groups.size()) * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const RowGroup& g = groups[i / Hkv];
-      A.attend_rows(g.b0, g.rows, g.slots, i % Hkv, scratch);
+      A.attend_rows(g.b0, g.rows, g.slots, i % Hkv, far_prefetch, scratch);
     }
   });
   return out;
