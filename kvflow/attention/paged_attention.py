@@ -75,13 +75,15 @@ def _prefill_attention(
     even_head_dim = query.shape[-1] % 2 == 0
     if chunk.leading_keys and query.dtype == torch.bfloat16 and even_head_dim and flash is not None:
         # Query i sees the first L - n + i + 1 keys: the native flash kernel (bf16 pairs: even
-        # head_dim), ~3.7x SDPA and the per-row decode kernel at 512-4,096 tokens (NOTES.md).
+        # head_dim), 3.7-4.6x the per-row decode kernel at 512-4,096 tokens, which itself was
+        # 1.6x SDPA at 512 and on par at 2,048 (benchmarks/NOTES.md).
         scale = query.shape[-1] ** -0.5
         pools = kv.in_place()
         if pools is not None:  # read in place (the chunk's own K/V were written first)
             slots = slot_mapping[s:e] if chunk.kv_slots is None else chunk.kv_slots  # [L]
             return flash(query[s:e], pools[0], pools[1], slots, scale)
-        # A quantized pool: its keys dequantized once, read through identity slots.
+        # A quantized pool (or one in another dtype): its keys gathered in the model's dtype once,
+        # read through identity slots.
         k, v = (key[s:e], value[s:e]) if chunk.kv_slots is None else kv.gather(chunk.kv_slots)
         identity = torch.arange(k.shape[0])
         return flash(query[s:e], k.contiguous(), v.contiguous(), identity, scale)

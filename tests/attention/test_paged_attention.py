@@ -82,6 +82,22 @@ def test_sdpa_decode_path_matches_reference(hkv: int, g: int, d: int) -> None:
     torch.testing.assert_close(out.double(), _reference(q, kc, vc, slots, num_keys), rtol=1e-5, atol=1e-5)
 
 
+def _chunk_metadata(slots: torch.Tensor, cached: int, leading_keys: bool) -> AttentionMetadata:
+    """One causal prefill chunk: the tokens after the first `cached` of `slots` (no decode rows)."""
+    n = slots.shape[0] - cached
+    attend = torch.ones(n, cached + n, dtype=torch.bool).tril(cached) if cached else None
+    chunk = PrefillChunkMetadata(0, n, slots if cached else None, attend, leading_keys=leading_keys)
+    return AttentionMetadata(
+        positions=torch.arange(cached, cached + n),
+        slot_mapping=slots[cached:],
+        num_decode_tokens=0,
+        decode_kv_slots=None,
+        decode_attend=None,
+        decode_num_keys=None,
+        prefills=[chunk],
+    )
+
+
 @pytest.mark.parametrize("cached", [0, 23])
 @pytest.mark.parametrize("leading_keys", [True, False])
 def test_prefill_chunk_native_and_sdpa_match_reference(cached: int, leading_keys: bool) -> None:
@@ -98,17 +114,7 @@ def test_prefill_chunk_native_and_sdpa_match_reference(cached: int, leading_keys
     q = torch.randn(n, hkv * g, d, generator=gen).to(torch.bfloat16)
     k_new = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
     v_new = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
-    attend = torch.ones(n, cached + n, dtype=torch.bool).tril(cached) if cached else None
-    chunk = PrefillChunkMetadata(0, n, slots if cached else None, attend, leading_keys=leading_keys)
-    meta = AttentionMetadata(
-        positions=torch.arange(cached, cached + n),
-        slot_mapping=slots[cached:],
-        num_decode_tokens=0,
-        decode_kv_slots=None,
-        decode_attend=None,
-        decode_num_keys=None,
-        prefills=[chunk],
-    )
+    meta = _chunk_metadata(slots, cached, leading_keys)
     out = paged_attention(q, k_new, v_new, kv, meta)  # writes the chunk's K/V at its slots first
     rows = slots[None, :].expand(n, -1)
     ref = _reference(q, kv.key_cache, kv.value_cache, rows, torch.arange(cached + 1, cached + n + 1))
@@ -186,8 +192,8 @@ def test_flash_prefill_kernel_matches_reference(hkv: int, g: int, d: int, n: int
 
 
 def test_prefill_chunk_over_a_quantized_pool_matches_reference_on_its_dequantized_keys() -> None:
-    """A causal chunk after cached context in an int8 pool takes the flash kernel over the gathered,
-    dequantized keys: it equals the reference over exactly those keys."""
+    """A causal chunk after cached context in an int8 pool (attended over its gathered, dequantized
+    keys: the flash kernel where it is built) equals the reference over exactly those keys."""
     hkv, g, d, n, cached = 2, 7, 64, 40, 23
     gen = torch.Generator().manual_seed(4)
     num_slots = 128
@@ -198,18 +204,7 @@ def test_prefill_chunk_over_a_quantized_pool_matches_reference_on_its_dequantize
     q = torch.randn(n, hkv * g, d, generator=gen).to(torch.bfloat16)
     k_new = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
     v_new = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
-    attend = torch.ones(n, cached + n, dtype=torch.bool).tril(cached)
-    chunk = PrefillChunkMetadata(0, n, slots, attend, leading_keys=True)
-    meta = AttentionMetadata(
-        positions=torch.arange(cached, cached + n),
-        slot_mapping=slots[cached:],
-        num_decode_tokens=0,
-        decode_kv_slots=None,
-        decode_attend=None,
-        decode_num_keys=None,
-        prefills=[chunk],
-    )
-    out = paged_attention(q, k_new, v_new, kv, meta)
+    out = paged_attention(q, k_new, v_new, kv, _chunk_metadata(slots, cached, leading_keys=True))
     k, v = kv.gather(slots)  # [L, Hkv, D] bf16, dequantized
     identity = torch.arange(cached + n)
     torch.testing.assert_close(out.double(), _causal_reference(q, k, v, identity), rtol=1e-2, atol=1e-2)
