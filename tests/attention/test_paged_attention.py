@@ -4,6 +4,8 @@ vector tail, scattered slots, ragged lengths)."""
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
 from kvflow.attention.paged_attention import paged_attention
 from kvflow.kernels import paged_decode_attention_bf16, prefill_attention_bf16
 
+KernelT = TypeVar("KernelT")
 CASES = [  # (num_kv_heads, queries per kv head, head_dim)
     (2, 7, 64),
     (1, 4, 16),
@@ -37,6 +40,21 @@ def _problem(hkv: int, g: int, d: int, dtype: torch.dtype, seed: int = 0):  # ty
     return query, key_cache, value_cache, slots, num_keys
 
 
+def _random_bf16_pools(
+    num_slots: int, hkv: int, d: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Key and value pools [num_slots, hkv, d] of standard normal bf16 values."""
+    keys = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    return keys, torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+
+
+def _built(kernel: KernelT | None) -> KernelT:
+    """The native kernel, or skip the test where it is not built (no AVX512-BF16 or compiler)."""
+    if kernel is None:
+        pytest.skip("native AVX512-BF16 kernels unavailable on this CPU/toolchain")
+    return kernel
+
+
 def _reference(query, key_cache, value_cache, slots, num_keys):  # type: ignore[no-untyped-def]
     b, hq, d = query.shape
     hkv = key_cache.shape[1]
@@ -52,9 +70,7 @@ def _reference(query, key_cache, value_cache, slots, num_keys):  # type: ignore[
 
 @pytest.mark.parametrize(("hkv", "g", "d"), CASES)
 def test_native_kernel_matches_reference(hkv: int, g: int, d: int) -> None:
-    kernel = paged_decode_attention_bf16()
-    if kernel is None:
-        pytest.skip("native AVX512-BF16 kernels unavailable on this CPU/toolchain")
+    kernel = _built(paged_decode_attention_bf16())
     q, kc, vc, slots, num_keys = _problem(hkv, g, d, torch.bfloat16)
     out = kernel(q, kc, vc, slots, num_keys, d**-0.5)
     ref = _reference(q, kc, vc, slots, num_keys)
@@ -126,13 +142,10 @@ def test_native_rows_sharing_keys_give_each_rows_own_result_bit_for_bit(hkv: int
     """Rows whose keys are leading entries of one slot list (a request's verification rows, a
     prefill chunk's rows) are attended as a group; each output must equal the same row attended
     alone, bit for bit, whether the rows share the list (stride 0) or carry padded copies of it."""
-    kernel = paged_decode_attention_bf16()
-    if kernel is None:
-        pytest.skip("native AVX512-BF16 kernels unavailable on this CPU/toolchain")
+    kernel = _built(paged_decode_attention_bf16())
     gen = torch.Generator().manual_seed(5)
     num_slots = 512
-    kc = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
-    vc = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    kc, vc = _random_bf16_pools(num_slots, hkv, d, gen)
     # Two requests of 5 rows (keys 40..44 and 3..7) and one lone row, then 9 rows of another list.
     lists = [torch.randperm(num_slots - 1, generator=gen)[:60] + 1 for _ in range(4)]
     rows = (
@@ -175,13 +188,10 @@ def _causal_reference(query, key_cache, value_cache, slots):  # type: ignore[no-
 def test_flash_prefill_kernel_matches_reference(hkv: int, g: int, d: int, n: int, num_keys: int) -> None:
     """The flash-style chunk kernel: several query tiles and key tiles (a partial last one), cached
     context before the chunk (num_keys > n), scattered slots, GQA ratios and head dims with tails."""
-    kernel = prefill_attention_bf16()
-    if kernel is None:
-        pytest.skip("native AVX512-BF16 kernels unavailable on this CPU/toolchain")
+    kernel = _built(prefill_attention_bf16())
     gen = torch.Generator().manual_seed(11)
     num_slots = 512
-    kc = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
-    vc = torch.randn(num_slots, hkv, d, generator=gen).to(torch.bfloat16)
+    kc, vc = _random_bf16_pools(num_slots, hkv, d, gen)
     slots = torch.randperm(num_slots - 1, generator=gen)[:num_keys] + 1
     q = (2 * torch.randn(n, hkv * g, d, generator=gen)).to(torch.bfloat16)  # peaked softmaxes too
     out = kernel(q, kc, vc, slots, d**-0.5)
