@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "bf16_utils.h"
+
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -19,13 +21,10 @@ namespace {
 
 constexpr int64_t kLanes = 16;
 
-inline __mmask16 tail(int64_t left) { return left >= kLanes ? __mmask16(0xffff) : __mmask16((1u << left) - 1u); }
-
 // 16 elements from x + v (masked) as fp32: plain loads, or bf16 widened (bf16 is the top half of an fp32).
 inline __m512 load16(const float* x, int64_t v, __mmask16 m) { return _mm512_maskz_loadu_ps(m, x + v); }
 inline __m512 load16(const at::BFloat16* x, int64_t v, __mmask16 m) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(m, reinterpret_cast<const uint16_t*>(x) + v);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return kvflow::load_bf16_lanes(reinterpret_cast<const uint16_t*>(x) + v, m);
 }
 
 template <typename T>
@@ -33,7 +32,7 @@ int64_t argmax_row(const T* x, int64_t V) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __mmask16 nan = 0;
   for (int64_t v = 0; v < V; v += kLanes) {
-    const __mmask16 m = tail(V - v);
+    const __mmask16 m = kvflow::lanes_left(V - v);
     const __m512 xv = load16(x, v, m);
     nan |= _mm512_mask_cmp_ps_mask(m, xv, xv, _CMP_UNORD_Q);
     vmax = _mm512_mask_max_ps(vmax, m, vmax, xv);
@@ -44,7 +43,7 @@ int64_t argmax_row(const T* x, int64_t V) {
   }
   const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   for (int64_t v = 0; v < V; v += kLanes) {
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(tail(V - v), load16(x, v, tail(V - v)), best, _CMP_EQ_OQ);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(kvflow::lanes_left(V - v), load16(x, v, kvflow::lanes_left(V - v)), best, _CMP_EQ_OQ);
     if (hit) return v + __builtin_ctz(static_cast<unsigned>(hit));
   }
   return 0;  // unreachable: the maximum is one of the values

@@ -1,4 +1,5 @@
-// SIMD pieces shared by the attention kernels (paged_decode_attention.cpp, prefill_attention.cpp).
+// SIMD pieces shared by the attention kernels (paged_decode_attention.cpp, prefill_attention.cpp):
+// the 16 x 16 dword transpose that puts 16 keys along the lanes.
 // Note: torch's JIT builder hashes the .cpp sources, not headers: after editing this file, touch
 // a .cpp (or clear ~/.cache/kvflow/kernels) to force a rebuild.
 #pragma once
@@ -8,23 +9,6 @@
 #include <cstdint>
 
 namespace kvflow {
-
-// exp(x) for x <= 0 (softmax after max subtraction): 2^(x log2 e) split into 2^n * 2^f, f in
-// [-0.5, 0.5], 2^f by its degree-6 Taylor polynomial (relative error < 2e-7 there).
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));  // exp(-87) ~ 1.6e-38: below, the weight is 0 anyway
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);                 // ln2^6 / 720
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));  // ln2^5 / 120
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));  // ln2^4 / 24
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));  // ln2^3 / 6
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));  // ln2^2 / 2
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));  // ln2
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 // Permutation indices of one stage of a 16 x 16 dword transpose (stage s swaps bit s of the row
 // index with bit s of the column index). Rows a (bit s clear) and b (bit s set) become

@@ -23,6 +23,7 @@
 
 namespace {
 
+using kvflow::exp_lanes;
 using kvflow::lanes_left;
 using kvflow::load_bf16_lanes;
 using kvflow::store_bf16_lanes;
@@ -30,24 +31,6 @@ using kvflow::through_bf16_lanes;
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kGrainElements = 1 << 15;  // rows per thread chunk: ~32k elements (ATen's grain)
-
-// exp(x) on 16 lanes: 2^(x log2 e) = 2^n * 2^f, f in [-0.5, 0.5], 2^f by its degree-6 Taylor
-// polynomial. Past ~88.7 vscalefps overflows to +inf as expf does (silu(x) = x / (1 + inf) = -0
-// for x < -88.7, ATen's answer); below -87 the result is ~0 and silu's x / (1 + e) exact anyway.
-inline __m512 exp_lanes(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291076284772e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504108664821580e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022650695910071e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718055994531e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
 
 const uint16_t* bf16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* bf16_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }

@@ -32,31 +32,23 @@
 
 namespace {
 
-using kvflow::exp_nonpositive;
+using kvflow::exp_lanes;
+using kvflow::lanes_left;
+using kvflow::load_bf16_lanes;
 using kvflow::transpose16;
 
 constexpr int64_t kLanes = 16;  // fp32 lanes per 512-bit register
-
-inline __mmask16 tail_mask(int64_t left) {
-  return left >= kLanes ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
-}
-
-// 16 bf16 -> 16 fp32: bf16 is the top half of an fp32, so widen and shift.
-inline __m512 load_bf16_as_f32(const uint16_t* p, __mmask16 mask) {
-  const __m256i raw = _mm256_maskz_loadu_epi16(mask, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 // Softmax of s[0..L) in place; returns 1 / sum so the caller can normalise the output once.
 inline float softmax_unnormalised(float* s, int64_t L) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t l = 0; l < L; l += kLanes)
-    vmax = _mm512_mask_max_ps(vmax, tail_mask(L - l), vmax, _mm512_maskz_loadu_ps(tail_mask(L - l), s + l));
+    vmax = _mm512_mask_max_ps(vmax, lanes_left(L - l), vmax, _mm512_maskz_loadu_ps(lanes_left(L - l), s + l));
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t l = 0; l < L; l += kLanes) {
-    const __mmask16 mask = tail_mask(L - l);
-    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + l), m));
+    const __mmask16 mask = lanes_left(L - l);
+    const __m512 e = exp_lanes(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, s + l), m));
     _mm512_mask_storeu_ps(s + l, mask, e);
     vsum = _mm512_mask_add_ps(vsum, mask, vsum, e);
   }
@@ -82,7 +74,7 @@ struct Bf16Rows {  // data [S, Hkv, D] bf16
   const uint16_t* data;
   int64_t Hkv, D;
   inline __m512 load(int64_t slot, int64_t h, int64_t c, __mmask16 mask) const {
-    return load_bf16_as_f32(data + (slot * Hkv + h) * D + c * kLanes, mask);
+    return load_bf16_lanes(data + (slot * Hkv + h) * D + c * kLanes, mask);
   }
   inline void prefetch(int64_t slot, int64_t h) const { prefetch_row(data + (slot * Hkv + h) * D, 2 * D); }
 };
@@ -185,7 +177,7 @@ void compute_scores(const Problem<Rows>& P, const int64_t* slots, int64_t h, int
         continue;
       }
       if (l0 + j + kPrefetchKeys < L) P.k.prefetch(slots[l0 + j + kPrefetchKeys], h);
-      for (int64_t c = 0; c < chunks; ++c) krow[c] = P.k.load(slots[l0 + j], h, c, tail_mask(D - c * kLanes));
+      for (int64_t c = 0; c < chunks; ++c) krow[c] = P.k.load(slots[l0 + j], h, c, lanes_left(D - c * kLanes));
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = qf + g * chunks * kLanes;  // zero-padded to whole chunks
         __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qg), krow[0]);
@@ -196,7 +188,7 @@ void compute_scores(const Problem<Rows>& P, const int64_t* slots, int64_t h, int
     for (int64_t g = 0; g < G; ++g) {
       __m512 v[kKeyBlock];
       for (int64_t j = 0; j < kKeyBlock; ++j) v[j] = _mm512_loadu_ps(partials + (g * kKeyBlock + j) * kLanes);
-      _mm512_mask_storeu_ps(scores + g * L + l0, tail_mask(nk), reduce16(v));
+      _mm512_mask_storeu_ps(scores + g * L + l0, lanes_left(nk), reduce16(v));
     }
   }
 }
@@ -208,7 +200,7 @@ void accumulate_values(const Problem<Rows>& P, const int64_t* slots, int64_t h, 
                        const float* probs, float* acc) {
   const int64_t D = P.D, chunks = (D + kLanes - 1) / kLanes;
   for (int64_t c = 0; c < chunks; ++c) {
-    const __mmask16 mask = tail_mask(D - c * kLanes);
+    const __mmask16 mask = lanes_left(D - c * kLanes);
     for (int64_t g0 = 0; g0 < G; g0 += kHeadGroup) {
       const int64_t gn = std::min(kHeadGroup, G - g0);
       __m512 a[kHeadGroup];
@@ -322,7 +314,7 @@ struct Bf16Attention {
       for (int64_t g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const int64_t p0 = blk * kDwordsPerBlock, np = std::min(kDwordsPerBlock, dwords - p0);
-        const __mmask16 cols = tail_mask(np);
+        const __mmask16 cols = lanes_left(np);
         __m512i r[kKeysPerBlock];
         for (int64_t j = 0; j < kKeysPerBlock; ++j)
           r[j] = j < nk ? _mm512_maskz_loadu_epi32(cols, key_row(sl[l0 + j], h) + 2 * p0) : _mm512_setzero_si512();
@@ -332,7 +324,7 @@ struct Bf16Attention {
             acc[g] = _mm512_dpbf16_ps(acc[g], (__m512bh)r[p], (__m512bh)_mm512_set1_epi32(int32_t(qd[g][p0 + p])));
       }
       for (int64_t g = 0; g < GN; ++g)
-        _mm512_mask_storeu_ps(scores + g * ld + l0, tail_mask(nk), _mm512_mul_ps(acc[g], vscale));
+        _mm512_mask_storeu_ps(scores + g * ld + l0, lanes_left(nk), _mm512_mul_ps(acc[g], vscale));
     }
   }
 

@@ -216,9 +216,9 @@ void attend_tile(const Chunk& c, int64_t h, int64_t t0, int64_t t1, TileScratch&
         // Keys past `visible` (masked: causal, or past L) get exactly 0.
         const __mmask16 lo = kvflow::lanes_left(std::max<int64_t>(0, visible - j));
         const __mmask16 hi = kvflow::lanes_left(std::max<int64_t>(0, visible - j - kLanes));
-        const __m512 e0 = _mm512_maskz_mov_ps(lo, kvflow::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(srow + j), vm)));
+        const __m512 e0 = _mm512_maskz_mov_ps(lo, kvflow::exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(srow + j), vm)));
         const __m512 e1 = j + kLanes < width ? _mm512_maskz_mov_ps(
-                                                   hi, kvflow::exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(srow + j + kLanes), vm)))
+                                                   hi, kvflow::exp_lanes(_mm512_sub_ps(_mm512_loadu_ps(srow + j + kLanes), vm)))
                                              : _mm512_setzero_ps();
         vsum = _mm512_add_ps(vsum, _mm512_add_ps(e0, e1));
         // bf16 element e = P[j + e]: dword (j + e) / 2 pairs keys (2k, 2k + 1), as the V pairs do.

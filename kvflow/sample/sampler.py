@@ -79,7 +79,7 @@ class Sampler:
         # Step 0: raw logprobs before anything touches the logits.  [L, V] float32
         raw_logprobs = _raw_logprobs(logits, logprob_rows) if logprob_rows else None
 
-        work = _penalised_logits(logits, batch)  # [B, V] float32
+        work = _penalised_logits(logits, batch)  # [B, V]: as given, or float32 where modified
         sampled = self._sample(work, batch)  # [B] int64
 
         logprobs: list[TokenLogprobs] | None = None

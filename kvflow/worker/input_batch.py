@@ -94,9 +94,9 @@ def _causal_decode_metadata(
     max_keys = max(r.position for r in rows) + 1
     max_blocks = -(-max_keys // block_size)
     block_tables = torch.tensor(
-        [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables], dtype=torch.int64
+        [t[:max_blocks] + [0] * (max_blocks - min(len(t), max_blocks)) for t in tables], dtype=torch.int64
     )  # [num_tables, max_blocks], padded with the null block
-    slots = (block_tables[:, :, None] * block_size + torch.arange(block_size)).flatten(1)[:, :max_keys]
+    slots = _block_slots(block_tables, block_size)[:, :max_keys]
     if len(tables) < len(rows):
         slots = slots[owner]  # [B, L]
     num_keys = torch.tensor([r.position + 1 for r in rows], dtype=torch.int64)
@@ -179,10 +179,14 @@ def build_input_batch(
     )
 
 
+def _block_slots(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Block ids [..., N] -> the slots of their positions [..., N * block_size], in block order."""
+    return (blocks[..., None] * block_size + torch.arange(block_size)).flatten(-2)
+
+
 def slot_vector(block_ids: Sequence[int], block_size: int) -> torch.Tensor:
     """[len(block_ids) * block_size] int64: the slot of every position a request's blocks hold."""
-    blocks = torch.tensor(block_ids, dtype=torch.int64)
-    return (blocks[:, None] * block_size + torch.arange(block_size)).flatten()
+    return _block_slots(torch.tensor(block_ids, dtype=torch.int64), block_size)
 
 
 def query_rows_metadata(rows: Sequence[tuple[torch.Tensor, int, int]]) -> AttentionMetadata:
