@@ -14,8 +14,12 @@ On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py b
                  kvflow: 64 tokens after the prompt, (n - 1) / decode time, the same average)
     decode x8    aggregate decode tokens/s of 8 sequences of 512-token prompts decoding together
                  (llama-batched-bench S_TG; kvflow: tokens after the first over the decode span)
-- Read bandwidth (float32 sum over 1 GiB) is measured in every round; each engine's single-stream
-  decode is reported as a share of its roofline: bytes of weights read per token / bandwidth.
+- Each engine's single-stream decode is also reported as a share of its bandwidth roofline (bytes
+  of weights read per token / read bandwidth). The read bandwidth (a float32 sum over 1 GiB) is
+  measured just before and just after that engine's decode run and the share uses their mean:
+  this machine's bandwidth moves between ~45 and ~80 GB/s within seconds, so one probe per round
+  (as before session 9) could be tens of seconds away from the run it divided. A run whose two
+  probes differ by more than UNSTEADY_SPREAD is marked `~` and left out of the "steady" median.
 Prints each round's ratios kvflow / llama.cpp (paired within the round), then medians [min-max].
 Not in CI: it builds llama.cpp (about 10 minutes on 2 cores, once) and runs for several minutes.
 """
@@ -32,9 +36,10 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +56,7 @@ TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server
 PROMPT_LEN = 512
 GEN_LEN = 64
 BATCH = 8
+UNSTEADY_SPREAD = 0.15  # |before - after| / mean of the two bandwidth probes around a decode run
 
 
 @dataclass(frozen=True)
@@ -135,16 +141,30 @@ def convert(checkpoint: Path, llama: Path, gguf_type: str) -> Path:
 
 
 def llama_bench(llama: Path, gguf: Path, threads: int) -> dict[str, float]:
-    """pp512 and tg64 after a 512-token context, tokens/s (llama-bench's own averages)."""
+    """pp512 and tg64 after a 512-token context, tokens/s (llama-bench's own averages); the decode
+    run between two bandwidth probes."""
     exe = str(llama / "build" / "bin" / "llama-bench")
     common = ["-m", str(gguf), "-t", str(threads), "-r", "2", "-o", "json"]
     prefill = json.loads(_run([exe, *common, "-p", str(PROMPT_LEN), "-n", "0"]))
-    decode = json.loads(_run([exe, *common, "-p", "0", "-n", str(GEN_LEN), "-d", str(PROMPT_LEN)]))
+    decode, bandwidth = bracketed(
+        lambda: json.loads(_run([exe, *common, "-p", "0", "-n", str(GEN_LEN), "-d", str(PROMPT_LEN)]))
+    )
     return {
         "prefill": prefill[0]["avg_ts"],
         "decode@512": decode[0]["avg_ts"],
         "bytes": prefill[0]["model_size"],
+        **bandwidth,
     }
+
+
+T = TypeVar("T")
+
+
+def bracketed(run: Callable[[], T]) -> tuple[T, dict[str, float]]:
+    """run()'s result and the read bandwidth (GB/s) measured just before and just after it."""
+    before = measure_bandwidth_gbs()
+    result = run()
+    return result, {"bw_before": before, "bw_after": measure_bandwidth_gbs()}
 
 
 def llama_batched(llama: Path, gguf: Path, threads: int) -> float:
@@ -188,7 +208,7 @@ def kvflow_bench(llm: LLM, seed: int) -> dict[str, float]:
     prefill = llm.generate([prompts[0]], one)[0].metrics
     assert prefill.prefill_time is not None
     params = SamplingParams(temperature=0.0, max_tokens=GEN_LEN + 1, ignore_eos=True)
-    single = llm.generate([prompts[1]], params)[0].metrics
+    single, bandwidth = bracketed(lambda: llm.generate([prompts[1]], params)[0].metrics)
     assert single.decode_time is not None
     batch = [o.metrics for o in llm.generate(prompts[2:], params)]
     start = min(m.first_token_time for m in batch if m.first_token_time is not None)
@@ -197,6 +217,7 @@ def kvflow_bench(llm: LLM, seed: int) -> dict[str, float]:
         "prefill": PROMPT_LEN / prefill.prefill_time,
         "decode@512": (len(single.token_times) - 1) / single.decode_time,
         "decode x8": sum(len(m.token_times) - 1 for m in batch) / span,
+        **bandwidth,
     }
 
 
@@ -228,30 +249,43 @@ def main() -> None:
     for llm in engines.values():  # warm-up: oneDNN primitives, first-touch of the pools
         llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))
     ratios: dict[tuple[str, str], list[float]] = {}
-    shares: dict[tuple[str, str], list[float]] = {}
+    shares: dict[tuple[str, str], list[tuple[float, bool]]] = {}  # (share, steady)
     for r in range(args.rounds):
-        bandwidth = measure_bandwidth_gbs()
-        print(f"\nround {r + 1}: read bandwidth {bandwidth:.1f} GB/s", flush=True)
+        print(f"\nround {r + 1}", flush=True)
         for pair in pairs:
             ours = kvflow_bench(engines[pair.name], seed=r)
             theirs = llama_bench(llama, ggufs[pair.name], args.threads)
             theirs["decode x8"] = llama_batched(llama, ggufs[pair.name], args.threads)
             roof = {"kvflow": kvflow_weight_bytes(engines[pair.name]), "llama.cpp": theirs["bytes"]}
+            probes = []
             for engine, result in (("kvflow", ours), ("llama.cpp", theirs)):
+                before, after = result["bw_before"], result["bw_after"]
+                bandwidth = (before + after) / 2
+                steady = abs(before - after) / bandwidth <= UNSTEADY_SPREAD
                 share = roof[engine] / (bandwidth * 1e9) * result["decode@512"]
-                shares.setdefault((pair.name, engine), []).append(share)
+                shares.setdefault((pair.name, engine), []).append((share, steady))
+                mark = "" if steady else "~"
+                probes.append(f"{engine} {before:.1f}/{after:.1f} GB/s -> {share * 100:.0f}%{mark}")
             cells = []
             for metric in ("prefill", "decode@512", "decode x8"):
                 ratio = ours[metric] / theirs[metric]
                 ratios.setdefault((pair.name, metric), []).append(ratio)
                 cells.append(f"{metric} {ours[metric]:.1f}/{theirs[metric]:.1f} = {ratio:.2f}x")
             print(f"  {pair.name:<22} " + " | ".join(cells), flush=True)
+            print(f"  {'':<22} decode@512 between probes: {', '.join(probes)}", flush=True)
     print(f"\nkvflow / llama.cpp over {args.rounds} rounds, median [min-max] ({args.threads} threads):")
     for pair in pairs:
         cells = [_summary(ratios[(pair.name, m)], "x") for m in ("prefill", "decode@512", "decode x8")]
-        roof = [f"{e} {_summary(shares[(pair.name, e)], '%', 100)}" for e in ("kvflow", "llama.cpp")]
         print(f"  {pair.name:<22} prefill {cells[0]} | decode@512 {cells[1]} | decode x8 {cells[2]}")
-        print(f"  {'':<22} single-stream decode at share of the bandwidth roofline: {', '.join(roof)}")
+        share_cells = []
+        for e in ("kvflow", "llama.cpp"):
+            runs = shares[(pair.name, e)]
+            steady_shares = [share for share, ok in runs if ok]
+            cell = f"{e} {_summary([share for share, _ in runs], '%', 100)}"
+            if steady_shares:
+                cell += f" (steady {len(steady_shares)}: {_summary(steady_shares, '%', 100)})"
+            share_cells.append(cell)
+        print(f"  {'':<22} single-stream decode at share of the bandwidth roofline: {', '.join(share_cells)}")
 
 
 def _summary(values: list[float], unit: str, scale: float = 1.0) -> str:
