@@ -6,18 +6,24 @@
 
 On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it),
 `--batch` requests (1: single stream) decode together after `--context`-token prompts; the last
-decode step's exact inputs are captured and replayed, each piece timed alone (median of
-`--repeats`, microseconds):
+decode step's exact inputs are captured and replayed, each piece timed (median of `--repeats`):
     engine step     LLMEngine.step(): schedule -> input batch -> forward -> logits -> sample -> outputs
                     (the median gap between one request's tokens)
     forward         the model over the 24 layers (embedding to final norm)
     kernels         every layer's linears (GEMVs) and its decode attention, called alone on the
                     same inputs: the work that cannot shrink without fewer bytes
     attention       of which the 24 decode attentions alone
-    layer glue      forward - kernels: norms, RoPE, KV write, SiLU, residuals, Python, dispatch
+    layer glue      native decode: the layers' norms, RoPE + KV write, SiLU and residual adds, timed
+                    in place inside the native forward (model.profile_native_decode);
+                    --enforce-eager: forward - kernels (norms, RoPE, KV write, SiLU, residuals,
+                    Python, dispatch)
     LM head         the head's GEMV over the vocabulary (in bf16: the engine converts only sampled rows)
     sample          the sampler on those logits
     step overhead   engine step - forward - LM head - sample: scheduler, batch build, detokenize
+Native decode also prints each piece of a layer timed in place (microseconds per layer), the
+linears' weight bytes over their time as a share of the read bandwidth: kernels called alone run
+with warmer caches than inside a step (attention alone ~12 us per layer, ~21 in place at context
+512), so the in-place split is the one that adds up to the forward.
 Also prints the bandwidth roofline of this step (weight bytes read / read bandwidth measured now).
 """
 
@@ -104,6 +110,7 @@ def profile(llm: LLM, context: int, batch: int, repeats: int, rounds: int) -> di
     with torch.inference_mode():
         hidden = model(input_ids, meta, store)
         logits = model.compute_logits(hidden)
+    native = model._native_decoder is not None
     pieces: dict[str, Callable[[], float]] = {
         "engine step": lambda: engine_step_us(llm, prompts, repeats),
         "forward": lambda: median_us(lambda: model(input_ids, meta, store), repeats),
@@ -117,10 +124,45 @@ def profile(llm: LLM, context: int, batch: int, repeats: int, rounds: int) -> di
         for _ in range(rounds):
             for name, measure in pieces.items():
                 samples[name].append(measure())
+            if native:
+                for name, us in native_pieces_us(model, input_ids, meta, store, repeats).items():
+                    samples.setdefault(IN_PLACE + name, []).append(us)
     times = {name: statistics.median(values) for name, values in samples.items()}
-    times["layer glue"] = times["forward"] - times["kernels"]
+    if native:
+        not_glue = ("attention", "final_norm", *LINEAR_PIECES)
+        glue = [name for name in model._native_decoder.piece_names if name not in not_glue]
+        times["layer glue"] = sum(times[IN_PLACE + name] for name in glue)
+    else:
+        times["layer glue"] = times["forward"] - times["kernels"]
     times["step overhead"] = times["engine step"] - times["forward"] - times["LM head"] - times["sample"]
     return times
+
+
+IN_PLACE = "in place: "  # prefix of the native forward's pieces in profile()'s result
+# The native forward's linear pieces and the decoder layer's module each one reads.
+LINEAR_PIECES = {
+    "qkv_proj": "self_attn.qkv_proj",
+    "o_proj": "self_attn.o_proj",
+    "gate_up_proj": "mlp.gate_up_proj",
+    "down_proj": "mlp.down_proj",
+}
+
+
+def native_pieces_us(
+    model: Any, input_ids: torch.Tensor, meta: Any, store: Any, repeats: int
+) -> dict[str, float]:
+    """Each piece of the native forward timed in place, microseconds per step (all layers), the
+    median over `repeats` forwards."""
+    runs = [model.profile_native_decode(input_ids, meta, store)[1] for _ in range(repeats)]
+    return {name: statistics.median(run[name] for run in runs) for name in runs[0]}
+
+
+def linear_bytes(model: Any, module_path: str) -> int:
+    """Bytes one step reads for this projection over all layers (as weight_bytes counts them)."""
+    total = 0
+    for layer in model.layers:
+        total += weight_bytes(layer.get_submodule(module_path))
+    return total
 
 
 def layer_kernels_us(
@@ -209,8 +251,20 @@ def main() -> None:
     pieces += ("step overhead",)
     for key in pieces:
         print(f"  {key:<14} {times[key] / 1e3:8.2f} ms  {times[key] / step:6.1%} of the step")
-    per_layer = times["layer glue"] / QWEN25_05B["num_hidden_layers"]
-    print(f"  layer glue per layer: {per_layer:.0f} us")
+    layers = QWEN25_05B["num_hidden_layers"]
+    print(f"  layer glue per layer: {times['layer glue'] / layers:.0f} us")
+    model = llm.llm_engine.model_runner.model
+    if model._native_decoder is not None:
+        print(f"  in place, per layer (us; linears: weight bytes / time, share of {bandwidth:.1f} GB/s):")
+        cells = []
+        for name in model._native_decoder.piece_names:
+            us = times[IN_PLACE + name] / (1 if name == "final_norm" else layers)
+            cell = f"{name} {us:.1f}"
+            if name in LINEAR_PIECES:
+                gbs = linear_bytes(model, LINEAR_PIECES[name]) / (times[IN_PLACE + name] * 1e3)
+                cell += f" ({gbs / bandwidth:.0%})"
+            cells.append(cell)
+        print("    " + " | ".join(cells) + " (final_norm: once per step)")
     print(
         f"  weights read per step {nbytes / 1e6:.0f} MB at {bandwidth:.1f} GB/s -> roofline "
         f"{roofline_us / 1e3:.2f} ms; the step runs at {roofline_us / step:.0%} of it"

@@ -31,6 +31,7 @@
 #include "decode_forward.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -223,8 +224,53 @@ void add_into(torch::Tensor& a, const torch::Tensor& b) {
 
 }  // namespace
 
+const char* const kDecodePieceNames[kNumDecodePieces] = {
+    "input_norm", "qkv_proj", "rope_kv_write", "attention", "o_proj",     "residual_post_norm",
+    "gate_up_proj", "silu_and_mul", "down_proj", "residual", "final_norm",
+};
+
+namespace {
+
+// Adds the time since the previous mark to piece_us[piece]; does nothing (no clock read) when
+// piece_us is null, so the plain forward pays one predictable branch per piece.
+class PieceClock {
+ public:
+  explicit PieceClock(double* piece_us) : piece_us_(piece_us) {
+    if (piece_us_) last_ = std::chrono::steady_clock::now();
+  }
+  void mark(DecodePiece piece) {
+    if (!piece_us_) return;
+    const auto now = std::chrono::steady_clock::now();
+    piece_us_[piece] += std::chrono::duration<double, std::micro>(now - last_).count();
+    last_ = now;
+  }
+
+ private:
+  double* piece_us_;
+  std::chrono::steady_clock::time_point last_;
+};
+
+}  // namespace
+
 torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed,
                                      torch::Tensor slot_mapping, torch::Tensor kv_slots, torch::Tensor num_keys) const {
+  return run(std::move(hidden), std::move(cos), std::move(sin_signed), slot_mapping, kv_slots, num_keys, nullptr);
+}
+
+std::tuple<torch::Tensor, torch::Tensor> NativeDecoder::forward_profiled(torch::Tensor hidden, torch::Tensor cos,
+                                                                         torch::Tensor sin_signed,
+                                                                         torch::Tensor slot_mapping,
+                                                                         torch::Tensor kv_slots,
+                                                                         torch::Tensor num_keys) const {
+  torch::Tensor piece_us = torch::zeros({kNumDecodePieces}, torch::kFloat64);
+  torch::Tensor out = run(std::move(hidden), std::move(cos), std::move(sin_signed), slot_mapping, kv_slots, num_keys,
+                          piece_us.data_ptr<double>());
+  return {out, piece_us};
+}
+
+torch::Tensor NativeDecoder::run(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed,
+                                 const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots,
+                                 const torch::Tensor& num_keys, double* piece_us) const {
   TORCH_CHECK(hidden.dtype() == torch::kBFloat16 && hidden.dim() == 2, "bf16 [M, H] hidden states expected");
   const int64_t M = hidden.size(0);
   hidden = hidden.contiguous().clone();  // the residual stream, updated in place
@@ -232,10 +278,13 @@ torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, to
   sin_signed = sin_signed.reshape({M, head_dim}).contiguous();
   const double scale = std::pow(double(head_dim), -0.5);
   const int64_t q_size = num_heads * head_dim;
+  PieceClock clock(piece_us);
   for (size_t i = 0; i < layers.size(); ++i) {
     const NativeDecoderLayer& layer = layers[i];
     const torch::Tensor h = rms_norm_bf16(hidden, layer.input_norm, eps);
+    clock.mark(kInputNorm);
     const torch::Tensor qkv = layer.qkv->forward(h).view({M, num_heads + 2 * num_kv_heads, head_dim});
+    clock.mark(kQkvProj);
     torch::Tensor q_in = qkv.slice(1, 0, num_heads);
     torch::Tensor k_in = qkv.slice(1, num_heads, num_heads + num_kv_heads);
     const torch::Tensor v = qkv.slice(1, num_heads + num_kv_heads);
@@ -245,16 +294,28 @@ torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, to
     }
     torch::Tensor q = torch::empty({M, num_heads, head_dim}, hidden.options());
     rope_and_write_kv(q_in, k_in, v, cos, sin_signed, slot_mapping, kv_layers[i], q);
+    clock.mark(kRopeKvWrite);
     const torch::Tensor attn = kv_layers[i].attend(q, kv_slots, num_keys, scale);
+    clock.mark(kAttention);
     torch::Tensor o = layer.o->forward(attn.reshape({M, q_size}));
+    clock.mark(kOProj);
     if (all_reduce) all_reduce(o);
     add_into(hidden, o);
-    const torch::Tensor gate_up = layer.gate_up->forward(rms_norm_bf16(hidden, layer.post_norm, eps));
-    torch::Tensor down = layer.down->forward(silu_and_mul_bf16(gate_up));
+    const torch::Tensor post = rms_norm_bf16(hidden, layer.post_norm, eps);
+    clock.mark(kResidualPostNorm);
+    const torch::Tensor gate_up = layer.gate_up->forward(post);
+    clock.mark(kGateUpProj);
+    const torch::Tensor act = silu_and_mul_bf16(gate_up);
+    clock.mark(kSiluAndMul);
+    torch::Tensor down = layer.down->forward(act);
+    clock.mark(kDownProj);
     if (all_reduce) all_reduce(down);
     add_into(hidden, down);
+    clock.mark(kResidual);
   }
-  return rms_norm_bf16(hidden, final_norm, eps);
+  torch::Tensor out = rms_norm_bf16(hidden, final_norm, eps);
+  clock.mark(kFinalNorm);
+  return out;
 }
 
 }  // namespace kvflow

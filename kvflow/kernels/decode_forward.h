@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 torch::Tensor tile_bf16_weight(torch::Tensor w);
@@ -72,6 +73,24 @@ struct NativeDecoderLayer {
   std::shared_ptr<NativeLinear> qkv, o, gate_up, down;
 };
 
+// The pieces of one decoder layer that NativeDecoder::forward_profiled times, in execution order
+// (kDecodePieceNames names them for Python). Residual pieces include a tensor-parallel all-reduce.
+enum DecodePiece : int {
+  kInputNorm,
+  kQkvProj,
+  kRopeKvWrite,  // Qwen3's q/k norms, RoPE, the K/V write into the pool
+  kAttention,
+  kOProj,
+  kResidualPostNorm,
+  kGateUpProj,
+  kSiluAndMul,
+  kDownProj,
+  kResidual,
+  kFinalNorm,  // once per step, after the last layer
+  kNumDecodePieces,
+};
+extern const char* const kDecodePieceNames[kNumDecodePieces];
+
 struct NativeDecoder {
   std::vector<NativeDecoderLayer> layers;
   std::vector<NativeKVLayer> kv_layers;
@@ -85,6 +104,16 @@ struct NativeDecoder {
   // Embedded hidden [M, H] -> final-normed hidden [M, H]; writes each row's K/V at slot_mapping.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slot_mapping,
                         torch::Tensor kv_slots, torch::Tensor num_keys) const;
+  // forward, and the wall time of each DecodePiece summed over the layers: float64 [kNumDecodePieces]
+  // in microseconds. The same calls in the same order (the same numbers); a clock read between pieces.
+  std::tuple<torch::Tensor, torch::Tensor> forward_profiled(torch::Tensor hidden, torch::Tensor cos,
+                                                           torch::Tensor sin_signed, torch::Tensor slot_mapping,
+                                                           torch::Tensor kv_slots, torch::Tensor num_keys) const;
+
+ private:
+  // piece_us: null (no clock reads) or [kNumDecodePieces] accumulators.
+  torch::Tensor run(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed, const torch::Tensor& slot_mapping,
+                    const torch::Tensor& kv_slots, const torch::Tensor& num_keys, double* piece_us) const;
 };
 
 }  // namespace kvflow

@@ -143,6 +143,23 @@ class LlamaFamilyForCausalLM(nn.Module):
             hidden = layer(hidden, cos_sin, kv_store.layer(i), meta)
         return self.norm(hidden)
 
+    def profile_native_decode(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """A decode-only step's forward through the native decoder, and the microseconds each piece
+        of a layer took, summed over the layers (kvflow/kernels/decode_forward.h DecodePiece): where
+        a step's time goes inside the one native call (benchmarks/decode_profile.py). The same
+        numbers as forward; raises if this step would not run natively."""
+        if kv_store is not self._native_kv_store or meta.prefills:
+            raise ValueError("not a decode-only step over the native decoder's KV store")
+        hidden = self.embed_tokens(input_ids)
+        cos_sin = self.rotary_emb.cos_sin(meta.positions, self.dtype)
+        out, piece_us = self._native_decoder.forward_profiled(
+            hidden, *cos_sin, meta.slot_mapping, meta.decode_kv_slots, meta.decode_num_keys
+        )
+        names = self._native_decoder.piece_names
+        return out, dict(zip(names, piece_us.tolist(), strict=True))
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the head's dtype. Consumers convert what needs float32
         (log-softmaxes, sampled rows): greedy rows take the argmax of bf16 logits directly."""

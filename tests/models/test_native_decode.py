@@ -99,6 +99,48 @@ def test_decode_only_steps_run_natively_and_prefill_steps_do_not(
     assert rows == [1] * 5  # the prefill step sampled the first token; each later token is one native step
 
 
+def test_profiled_forward_gives_the_same_numbers_and_a_time_per_piece(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    path = tiny_checkpoint_factory("qwen3", dtype=torch.bfloat16)  # q/k norms: every piece runs
+    llm = LLM(str(path), dtype="bfloat16")
+    model = llm.llm_engine.model_runner.model
+    steps: list[tuple[Any, ...]] = []
+    original = model.forward
+
+    def spy(input_ids: torch.Tensor, meta: Any, kv_store: Any) -> torch.Tensor:
+        steps.append((input_ids, meta, kv_store))
+        return original(input_ids, meta, kv_store)
+
+    model.forward = spy  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([[3] * 20, [7] * 9], params)
+    model.forward = original  # type: ignore[method-assign]
+    prefill, decode = steps[0], steps[-1]
+    assert not decode[1].prefills and decode[0].numel() == 2
+    with torch.inference_mode():
+        # Replaying a step rewrites its K/V rows with the same values: both calls see one pool.
+        plain = model(*decode)
+        profiled, piece_us = model.profile_native_decode(*decode)
+        with pytest.raises(ValueError, match="decode-only"):
+            model.profile_native_decode(*prefill)
+    assert torch.equal(profiled, plain)
+    assert list(piece_us) == [
+        "input_norm",
+        "qkv_proj",
+        "rope_kv_write",
+        "attention",
+        "o_proj",
+        "residual_post_norm",
+        "gate_up_proj",
+        "silu_and_mul",
+        "down_proj",
+        "residual",
+        "final_norm",
+    ]
+    assert all(t >= 0.0 for t in piece_us.values()) and sum(piece_us.values()) > 0.0
+
+
 def test_enforce_eager_is_a_cli_flag() -> None:
     from kvflow.cli import build_parser
 
