@@ -106,7 +106,10 @@ void bind_decode_forward(py::module& m) {
            "forward's arguments -> (normed hidden, float64 [pieces] microseconds of each piece summed over layers)")
       .def_property_readonly_static(
           "piece_names",
-          [](py::object) { return std::vector<std::string>(kvflow::kDecodePieceNames, kvflow::kDecodePieceNames + kvflow::kNumDecodePieces); },
+          [](py::object) {
+            return std::vector<std::string>(kvflow::kDecodePieceNames,
+                                            kvflow::kDecodePieceNames + kvflow::kNumDecodePieces);
+          },
           "names of forward_profiled's pieces, in its order");
 }
 

@@ -225,8 +225,8 @@ void add_into(torch::Tensor& a, const torch::Tensor& b) {
 }  // namespace
 
 const char* const kDecodePieceNames[kNumDecodePieces] = {
-    "input_norm", "qkv_proj", "rope_kv_write", "attention", "o_proj",     "residual_post_norm",
-    "gate_up_proj", "silu_and_mul", "down_proj", "residual", "final_norm",
+    "input_norm",   "qkv_proj",     "rope_kv_write", "attention", "o_proj",     "residual_post_norm",
+    "gate_up_proj", "silu_and_mul", "down_proj",     "residual",  "final_norm",
 };
 
 namespace {
