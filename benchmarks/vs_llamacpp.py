@@ -58,6 +58,8 @@ GEN_LEN = 64
 BATCH = 8
 UNSTEADY_SPREAD = 0.15  # |before - after| / mean of the two bandwidth probes around a decode run
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class Pair:
@@ -155,9 +157,6 @@ def llama_bench(llama: Path, gguf: Path, threads: int) -> dict[str, float]:
         "bytes": prefill[0]["model_size"],
         **bandwidth,
     }
-
-
-T = TypeVar("T")
 
 
 def bracketed(run: Callable[[], T]) -> tuple[T, dict[str, float]]:
