@@ -99,7 +99,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def profile(llm: LLM, context: int, batch: int, repeats: int, rounds: int) -> dict[str, float]:
+def profile(
+    llm: LLM, context: int, batch: int, repeats: int, rounds: int
+) -> tuple[dict[str, float], dict[str, float]]:
     """Each piece timed `rounds` times, the pieces interleaved round by round (the machine's
     bandwidth drifts within minutes), medians across rounds."""
     engine = llm.llm_engine
@@ -110,7 +112,7 @@ def profile(llm: LLM, context: int, batch: int, repeats: int, rounds: int) -> di
     with torch.inference_mode():
         hidden = model(input_ids, meta, store)
         logits = model.compute_logits(hidden)
-    native = model._native_decoder is not None
+    native = runner.native_decode
     pieces: dict[str, Callable[[], float]] = {
         "engine step": lambda: engine_step_us(llm, prompts, repeats),
         "forward": lambda: median_us(lambda: model(input_ids, meta, store), repeats),
@@ -120,25 +122,25 @@ def profile(llm: LLM, context: int, batch: int, repeats: int, rounds: int) -> di
         "sample": lambda: sample_us(runner, logits, repeats),
     }
     samples: dict[str, list[float]] = {name: [] for name in pieces}
+    in_place_samples: dict[str, list[float]] = {}  # the native forward's pieces (none on the Python path)
     with torch.inference_mode():
         for _ in range(rounds):
             for name, measure in pieces.items():
                 samples[name].append(measure())
             if native:
                 for name, us in native_pieces_us(model, input_ids, meta, store, repeats).items():
-                    samples.setdefault(IN_PLACE + name, []).append(us)
+                    in_place_samples.setdefault(name, []).append(us)
     times = {name: statistics.median(values) for name, values in samples.items()}
+    in_place = {name: statistics.median(values) for name, values in in_place_samples.items()}
     if native:
         not_glue = ("attention", "final_norm", *LINEAR_PIECES)
-        glue = [name for name in model._native_decoder.piece_names if name not in not_glue]
-        times["layer glue"] = sum(times[IN_PLACE + name] for name in glue)
+        times["layer glue"] = sum(us for name, us in in_place.items() if name not in not_glue)
     else:
         times["layer glue"] = times["forward"] - times["kernels"]
     times["step overhead"] = times["engine step"] - times["forward"] - times["LM head"] - times["sample"]
-    return times
+    return times, in_place
 
 
-IN_PLACE = "in place: "  # prefix of the native forward's pieces in profile()'s result
 # The native forward's linear pieces and the decoder layer's module each one reads.
 LINEAR_PIECES = {
     "qkv_proj": "self_attn.qkv_proj",
@@ -235,7 +237,7 @@ def main() -> None:
         quantize_lm_head=args.quantize_lm_head,
         enforce_eager=args.enforce_eager,
     )
-    times = profile(llm, args.context, args.batch, args.repeats, args.rounds)
+    times, in_place = profile(llm, args.context, args.batch, args.repeats, args.rounds)
     bandwidth = measure_bandwidth_gbs()
     nbytes = weight_bytes(llm.llm_engine.model_runner.model)
     roofline_us = nbytes / (bandwidth * 1e9) * 1e6
@@ -253,15 +255,14 @@ def main() -> None:
         print(f"  {key:<14} {times[key] / 1e3:8.2f} ms  {times[key] / step:6.1%} of the step")
     layers = QWEN25_05B["num_hidden_layers"]
     print(f"  layer glue per layer: {times['layer glue'] / layers:.0f} us")
-    model = llm.llm_engine.model_runner.model
-    if model._native_decoder is not None:
+    if in_place:
+        model = llm.llm_engine.model_runner.model
         print(f"  in place, per layer (us; linears: weight bytes / time, share of {bandwidth:.1f} GB/s):")
         cells = []
-        for name in model._native_decoder.piece_names:
-            us = times[IN_PLACE + name] / (1 if name == "final_norm" else layers)
-            cell = f"{name} {us:.1f}"
+        for name, step_us in in_place.items():
+            cell = f"{name} {step_us / (1 if name == 'final_norm' else layers):.1f}"
             if name in LINEAR_PIECES:
-                gbs = linear_bytes(model, LINEAR_PIECES[name]) / (times[IN_PLACE + name] * 1e3)
+                gbs = linear_bytes(model, LINEAR_PIECES[name]) / (step_us * 1e3)
                 cell += f" ({gbs / bandwidth:.0%})"
             cells.append(cell)
         print("    " + " | ".join(cells) + " (final_norm: once per step)")

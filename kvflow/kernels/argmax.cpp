@@ -43,7 +43,8 @@ int64_t argmax_row(const T* x, int64_t V) {
   }
   const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   for (int64_t v = 0; v < V; v += kLanes) {
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(kvflow::lanes_left(V - v), load16(x, v, kvflow::lanes_left(V - v)), best, _CMP_EQ_OQ);
+    const __mmask16 m = kvflow::lanes_left(V - v);
+    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load16(x, v, m), best, _CMP_EQ_OQ);
     if (hit) return v + __builtin_ctz(static_cast<unsigned>(hit));
   }
   return 0;  // unreachable: the maximum is one of the values

@@ -1,7 +1,5 @@
 // The native decode forward's weights and KV pools (decode_forward.cpp), built once at load from
-// the Python modules (kvflow/models/native_decode.py) and bound to Python in bindings.cpp.
-// Note: torch's JIT builder hashes the .cpp sources, not headers: after editing this file, touch
-// a .cpp (or clear ~/.cache/kvflow/kernels) to force a rebuild.
+// the Python modules (kvflow/models/native_decoder.py) and bound to Python in bindings.cpp.
 #pragma once
 
 #include <torch/extension.h>

@@ -133,15 +133,26 @@ class LlamaFamilyForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore) -> torch.Tensor:
         """input_ids [T] -> final hidden states [T, hidden] (normed)."""
+        if self._runs_natively(meta, kv_store):
+            return self._native_decoder.forward(*self._native_inputs(input_ids, meta))
         hidden = self.embed_tokens(input_ids)
         cos_sin = self.rotary_emb.cos_sin(meta.positions, self.dtype)
-        if kv_store is self._native_kv_store and not meta.prefills:  # decode rows only
-            return self._native_decoder.forward(
-                hidden, *cos_sin, meta.slot_mapping, meta.decode_kv_slots, meta.decode_num_keys
-            )
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, cos_sin, kv_store.layer(i), meta)
         return self.norm(hidden)
+
+    def _runs_natively(self, meta: AttentionMetadata, kv_store: KVStore) -> bool:
+        """A decode-only step (no prefill chunk) over the KV store the native decoder is bound to."""
+        return kv_store is self._native_kv_store and not meta.prefills
+
+    def _native_inputs(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor | None, ...]:
+        """The native decoder's arguments: embedded hidden [M, H], cos and sin_signed [M, 1, D],
+        slot_mapping [M], decode key slots [M, L], keys per row [M]."""
+        hidden = self.embed_tokens(input_ids)
+        cos, sin_signed = self.rotary_emb.cos_sin(meta.positions, self.dtype)
+        return hidden, cos, sin_signed, meta.slot_mapping, meta.decode_kv_slots, meta.decode_num_keys
 
     def profile_native_decode(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore
@@ -150,15 +161,10 @@ class LlamaFamilyForCausalLM(nn.Module):
         of a layer took, summed over the layers (kvflow/kernels/decode_forward.h DecodePiece): where
         a step's time goes inside the one native call (benchmarks/decode_profile.py). The same
         numbers as forward; raises if this step would not run natively."""
-        if kv_store is not self._native_kv_store or meta.prefills:
+        if not self._runs_natively(meta, kv_store):
             raise ValueError("not a decode-only step over the native decoder's KV store")
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(meta.positions, self.dtype)
-        out, piece_us = self._native_decoder.forward_profiled(
-            hidden, *cos_sin, meta.slot_mapping, meta.decode_kv_slots, meta.decode_num_keys
-        )
-        names = self._native_decoder.piece_names
-        return out, dict(zip(names, piece_us.tolist(), strict=True))
+        out, piece_us = self._native_decoder.forward_profiled(*self._native_inputs(input_ids, meta))
+        return out, dict(zip(self._native_decoder.piece_names, piece_us.tolist(), strict=True))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> [N, vocab] logits in the head's dtype. Consumers convert what needs float32
