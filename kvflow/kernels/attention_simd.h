@@ -34,7 +34,9 @@ struct TransposeStages {
 };
 
 // r[i] = row i (16 dwords) -> r[p] = column p (dword p of every row, row i in lane i).
-inline void transpose16(__m512i* r, const TransposeStages& stages) {
+// Always inlined: called out of line (as GCC chose for the templated decode score pass), the 16
+// rows go through memory on every call.
+__attribute__((always_inline)) inline void transpose16(__m512i* r, const TransposeStages& stages) {
   for (int s = 0; s < 4; ++s) {
     const int64_t bit = int64_t(1) << s;
     for (int64_t i = 0; i < 16; ++i) {
