@@ -277,6 +277,15 @@ constexpr int64_t kMaxGroupHeads = 64;   // query heads of one attend_rows call 
 // 33.5 us, grouped 21.5 us; 2 rows 17.9 -> 11.3 us. At GQA 7:1 only 2 rows fit: no pass is saved.
 constexpr int64_t kGroupHeadsTarget = 16;
 
+// The key rows of the work item a thread runs next, requested into L2 during this item's value
+// pass: the score pass streams its keys (and requests its values) from DRAM while the value pass
+// and softmax read only L2, so without this the bus idles in every value pass and the next score
+// pass starts on cold keys. count = 0: none (the thread's last item, or one row group).
+struct NextKeys {
+  const int64_t* slots = nullptr;
+  int64_t h = 0, count = 0;
+};
+
 struct Bf16Attention {
   const uint16_t* q;   // [B, Hq, D]
   const uint16_t* k;   // [S, Hkv, D]
@@ -360,7 +369,7 @@ struct Bf16Attention {
   // the same sequence of additions as when it is computed alone.
   template <int64_t GN, int64_t NB>
   void value_pass(const int64_t* sl, int64_t h, int64_t L_common, const int64_t* ends, int64_t blk0,
-                  const float* probs, int64_t ld, float* acc_out) const {
+                  const float* probs, int64_t ld, float* acc_out, NextKeys next) const {
     __m512 acc[GN][2 * NB];
     for (int64_t g = 0; g < GN; ++g)
       for (int64_t c = 0; c < 2 * NB; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -374,6 +383,7 @@ struct Bf16Attention {
     const __m512i high = _mm512_set1_epi32(int32_t(0xffff0000u));
     for (int64_t l = 0; l < L; ++l) {
       if (l + kPrefetchKeys < L) prefetch_row(value_row(sl[l + kPrefetchKeys], h) + 32 * blk0, 64 * NB);
+      if (l < next.count) prefetch_row<_MM_HINT_T1>(key_row(next.slots[l], next.h), 2 * D);
       const uint16_t* row = value_row(sl[l], h) + 32 * blk0;
       __m512 vv[2 * NB];
       for (int64_t n = 0; n < NB; ++n) {
@@ -394,15 +404,15 @@ struct Bf16Attention {
 
   template <int64_t NB>
   void value_heads(const int64_t* sl, int64_t h, int64_t L_common, const int64_t* ends, int64_t GN, int64_t blk0,
-                   const float* probs, int64_t ld, float* acc_out) const {
+                   const float* probs, int64_t ld, float* acc_out, NextKeys next) const {
     switch (GN) {
-      case 1: value_pass<1, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out); break;
-      case 2: value_pass<2, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out); break;
-      case 3: value_pass<3, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out); break;
-      case 4: value_pass<4, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out); break;
-      case 5: value_pass<5, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out); break;
-      case 6: value_pass<6, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out); break;
-      default: value_pass<7, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out); break;
+      case 1: value_pass<1, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out, next); break;
+      case 2: value_pass<2, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out, next); break;
+      case 3: value_pass<3, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out, next); break;
+      case 4: value_pass<4, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out, next); break;
+      case 5: value_pass<5, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out, next); break;
+      case 6: value_pass<6, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out, next); break;
+      default: value_pass<7, NB>(sl, h, L_common, ends, blk0, probs, ld, acc_out, next); break;
     }
   }
 
@@ -411,7 +421,7 @@ struct Bf16Attention {
   // transposed key block together and share every V row read. Each head's softmax and P.V run
   // over its own row's keys only, with the additions in the same order as a row computed alone,
   // so grouping changes no output bit.
-  void attend_rows(int64_t b0, int64_t R, const int64_t* sl, int64_t h, bool far_prefetch,
+  void attend_rows(int64_t b0, int64_t R, const int64_t* sl, int64_t h, bool far_prefetch, NextKeys next,
                    std::vector<float>& scratch) const {
     const int64_t G = Hq / Hkv, VH = R * G, blocks32 = (D + 31) / 32;
     int64_t L_min = seq_lens[b0], L_max = seq_lens[b0];
@@ -439,8 +449,9 @@ struct Bf16Attention {
       for (int64_t v0 = 0; v0 < VH; v0 += kMaxValueHeads) {
         const int64_t GN = std::min(kMaxValueHeads, VH - v0);
         const float* probs = scores + v0 * L_max;
-        if (NB == 2) value_heads<2>(sl, h, L_min, ends + v0, GN, blk0, probs, L_max, acc);
-        else value_heads<1>(sl, h, L_min, ends + v0, GN, blk0, probs, L_max, acc);
+        const NextKeys once = blk0 == 0 && v0 == 0 ? next : NextKeys{};
+        if (NB == 2) value_heads<2>(sl, h, L_min, ends + v0, GN, blk0, probs, L_max, acc, once);
+        else value_heads<1>(sl, h, L_min, ends + v0, GN, blk0, probs, L_max, acc, once);
         for (int64_t g = 0; g < GN; ++g) {
           const int64_t v = v0 + g, b = b0 + v / G;
           uint16_t* o = out + (b * Hq + h * G + v % G) * D;
@@ -546,7 +557,12 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
     std::vector<float> scratch;
     for (int64_t i = begin; i < end; ++i) {
       const RowGroup& g = groups[i / Hkv];
-      A.attend_rows(g.b0, g.rows, g.slots, i % Hkv, far_prefetch, scratch);
+      NextKeys next;
+      if (far_prefetch && i + 1 < end) {
+        const RowGroup& n = groups[(i + 1) / Hkv];
+        next = {n.slots, (i + 1) % Hkv, n.max_len};
+      }
+      A.attend_rows(g.b0, g.rows, g.slots, i % Hkv, far_prefetch, next, scratch);
     }
   });
   return out;
