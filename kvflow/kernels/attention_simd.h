@@ -1,7 +1,7 @@
 // SIMD pieces shared by the attention kernels (paged_decode_attention.cpp, prefill_attention.cpp):
 // the 16 x 16 dword transpose that puts 16 keys along the lanes.
-// Note: torch's JIT builder hashes the .cpp sources, not headers: after editing this file, touch
-// a .cpp (or clear ~/.cache/kvflow/kernels) to force a rebuild.
+// kvflow's build cache hashes the headers with the sources (kvflow/kernels/build_cache.py):
+// editing this file rebuilds the kernels.
 #pragma once
 
 #include <immintrin.h>

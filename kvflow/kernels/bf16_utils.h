@@ -1,6 +1,6 @@
 // Shared helpers of kvflow's bf16 CPU kernels.
-// Note: torch's JIT builder hashes the .cpp sources, not headers: after editing this file, touch
-// a .cpp (or clear ~/.cache/kvflow/kernels) to force a rebuild.
+// kvflow's build cache hashes the headers with the sources (kvflow/kernels/build_cache.py):
+// editing this file rebuilds the kernels.
 #pragma once
 
 #include <immintrin.h>

@@ -280,7 +280,9 @@ constexpr int64_t kGroupHeadsTarget = 16;
 // The key rows of the work item a thread runs next, requested into L2 during this item's value
 // pass: the score pass streams its keys (and requests its values) from DRAM while the value pass
 // and softmax read only L2, so without this the bus idles in every value pass and the next score
-// pass starts on cold keys. count = 0: none (the thread's last item, or one row group).
+// pass starts on cold keys. Rows are requested one per key of this item's pass (the first
+// min(count, this item's keys); the score pass's own far prefetch covers any beyond). count = 0:
+// none (the thread's last item, or a single row group, whose score pass keeps the near prefetch).
 struct NextKeys {
   const int64_t* slots = nullptr;
   int64_t h = 0, count = 0;
@@ -351,6 +353,7 @@ struct Bf16Attention {
 
   void score_heads(const int64_t* sl, int64_t h, const uint32_t* const* qd, int64_t GN, int64_t L, int64_t ld,
                    float* scores, bool far) const {
+    static_assert(kMaxHeadsPerPass == 8, "one case per head count up to kMaxHeadsPerPass");
     switch (GN) {
       case 1: score_pass<1>(sl, h, qd, L, ld, scores, far); break;
       case 2: score_pass<2>(sl, h, qd, L, ld, scores, far); break;
