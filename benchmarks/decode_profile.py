@@ -161,10 +161,7 @@ def native_pieces_us(
 
 def linear_bytes(model: Any, module_path: str) -> int:
     """Bytes one step reads for this projection over all layers (as weight_bytes counts them)."""
-    total = 0
-    for layer in model.layers:
-        total += weight_bytes(layer.get_submodule(module_path))
-    return total
+    return sum(weight_bytes(layer.get_submodule(module_path)) for layer in model.layers)
 
 
 def layer_kernels_us(

@@ -22,6 +22,7 @@
 
 #include "attention_simd.h"
 #include "bf16_utils.h"
+#include "row_dispatch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -353,17 +354,8 @@ struct Bf16Attention {
 
   void score_heads(const int64_t* sl, int64_t h, const uint32_t* const* qd, int64_t GN, int64_t L, int64_t ld,
                    float* scores, bool far) const {
-    static_assert(kMaxHeadsPerPass == 8, "one case per head count up to kMaxHeadsPerPass");
-    switch (GN) {
-      case 1: score_pass<1>(sl, h, qd, L, ld, scores, far); break;
-      case 2: score_pass<2>(sl, h, qd, L, ld, scores, far); break;
-      case 3: score_pass<3>(sl, h, qd, L, ld, scores, far); break;
-      case 4: score_pass<4>(sl, h, qd, L, ld, scores, far); break;
-      case 5: score_pass<5>(sl, h, qd, L, ld, scores, far); break;
-      case 6: score_pass<6>(sl, h, qd, L, ld, scores, far); break;
-      case 7: score_pass<7>(sl, h, qd, L, ld, scores, far); break;
-      default: score_pass<8>(sl, h, qd, L, ld, scores, far); break;
-    }
+    static_assert(kMaxHeadsPerPass == 8, "with_row_count dispatches counts up to 8");
+    kvflow::with_row_count(GN, [&](auto heads) { score_pass<decltype(heads)::value>(sl, h, qd, L, ld, scores, far); });
   }
 
   // acc_out[g][d] = sum_{l < ends[g]} probs[g * ld + l] * V[l][d] for dims [32 * blk0, 32 * blk0 + 32 NB),

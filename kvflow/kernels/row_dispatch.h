@@ -1,5 +1,6 @@
-// The tile GEMVs' number of activation rows per pass (1..8) as a compile-time constant, so that
-// their per-row accumulators are register arrays (gemv_bf16.cpp, gemv_int8.cpp, gemv_int4.cpp).
+// A count 1..8 as a compile-time constant, so that the per-count accumulators are register arrays:
+// the tile GEMVs' activation rows per pass (gemv_bf16.cpp, gemv_int8.cpp, gemv_int4.cpp) and the
+// query heads of one decode attention score pass (paged_decode_attention.cpp).
 #pragma once
 
 #include <cstdint>
