@@ -17,8 +17,9 @@ decode step's exact inputs are captured and replayed, each piece timed (median o
                     in place inside the native forward (model.profile_native_decode);
                     --enforce-eager: forward - kernels (norms, RoPE, KV write, SiLU, residuals,
                     Python, dispatch)
-    LM head         the head's GEMV over the vocabulary (in bf16: the engine converts only sampled rows)
-    sample          the sampler on those logits
+    LM head         the head's GEMV over the vocabulary; greedy rows with a native head: the GEMV
+                    with each row's argmax folded in (model.greedy_tokens), as the engine runs it
+    sample          the sampler on those logits (0 where the head gave greedy tokens)
     step overhead   engine step - forward - LM head - sample: scheduler, batch build, detokenize
 Native decode also prints each piece of a layer timed in place (microseconds per layer), the
 linears' weight bytes over their time as a share of the read bandwidth: kernels called alone run
@@ -66,25 +67,31 @@ def random_prompts(context: int, batch: int, seed: int) -> list[list[int]]:
 
 
 def capture_decode_inputs(llm: LLM, context: int, batch: int) -> tuple[Any, ...]:
-    """Run `batch` requests to their decode phase together; return the last forward call's
-    (input_ids, meta, store): a decode step of `batch` rows."""
-    model = llm.llm_engine.model_runner.model
+    """Run `batch` requests to their decode phase together; return the last decode step of all
+    `batch` rows as the model's forward takes it: (input_ids, meta, store), built by
+    build_input_batch from that step's schedule (the engine hands a decode-only step to the native
+    decoder as plain lists; forward over these tensors gives the same numbers)."""
+    from kvflow.worker.input_batch import build_input_batch
+
+    runner = llm.llm_engine.model_runner
     captured: list[tuple[Any, ...]] = []
-    original = model.forward
+    original = runner.execute_model
 
-    def spy(input_ids: torch.Tensor, meta: Any, kv_store: Any) -> torch.Tensor:
-        if input_ids.numel() == batch:  # a decode step of all `batch` rows (prefill steps are longer)
-            captured[:] = [(input_ids, meta, kv_store)]
-        return original(input_ids, meta, kv_store)
+    def spy(scheduler_output: Any) -> Any:
+        scheduled = scheduler_output.scheduled
+        if scheduler_output.num_batched_tokens == batch and all(s.is_decode for s in scheduled):
+            b = build_input_batch(scheduler_output, runner.block_size, runner.sliding_window)
+            captured[:] = [(b.input_ids, b.attn_metadata, runner.kv_store)]
+        return original(scheduler_output)
 
-    model.forward = spy  # type: ignore[method-assign]
+    runner.execute_model = spy  # type: ignore[method-assign]
     # Enough tokens that all `batch` requests decode together: the first one decodes from the step
     # after its prefill, while the others' prompts take `prefill_steps` more steps.
     budget = llm.llm_engine.scheduler.scheduler_config.max_num_batched_tokens
     prefill_steps = -(-context * batch // max(1, budget - batch))
     params = SamplingParams(temperature=0.0, max_tokens=32 + prefill_steps, ignore_eos=True)
     llm.generate(random_prompts(context, batch, 0), params)
-    model.forward = original  # type: ignore[method-assign]
+    runner.execute_model = original  # type: ignore[method-assign]
     return captured[0]
 
 
@@ -112,14 +119,18 @@ def profile(
     with torch.inference_mode():
         hidden = model(input_ids, meta, store)
         logits = model.compute_logits(hidden)
+        # What the engine runs for greedy rows: the native head's GEMV with the argmax folded in, and
+        # no sampler call; without a native head, the logits and the sampler.
+        greedy = model.greedy_tokens(hidden) is not None
+    head = model.greedy_tokens if greedy else model.compute_logits
     native = runner.native_decode
     pieces: dict[str, Callable[[], float]] = {
         "engine step": lambda: engine_step_us(llm, prompts, repeats),
         "forward": lambda: median_us(lambda: model(input_ids, meta, store), repeats),
         "kernels": lambda: layer_kernels_us(model, hidden, meta, store, repeats),
         "attention": lambda: layer_kernels_us(model, hidden, meta, store, repeats, attention_only=True),
-        "LM head": lambda: median_us(lambda: model.compute_logits(hidden), repeats),
-        "sample": lambda: sample_us(runner, logits, repeats),
+        "LM head": lambda: median_us(lambda: head(hidden), repeats),
+        "sample": lambda: 0.0 if greedy else sample_us(runner, logits, repeats),
     }
     samples: dict[str, list[float]] = {name: [] for name in pieces}
     in_place_samples: dict[str, list[float]] = {}  # the native forward's pieces (none on the Python path)

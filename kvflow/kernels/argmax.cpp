@@ -5,17 +5,21 @@
 //
 // Why: torch.argmax on CPU scans a [8, 151936] fp32 row block at ~3.5 GB/s (342 us; 85 us for
 // one row), ~1.4% of an 8-sequence decode step of the Qwen2.5-0.5B shape (benchmarks/NOTES.md).
-// Here: one vectorised pass for the maximum, one for its first position, rows over the threads.
+// Here: one vectorised pass per span that keeps each lane's maximum and the first index reaching
+// it. Every row is split into one column span per thread, the same split as the LM head's GEMV
+// that wrote it (at::parallel_for over tiles), so each thread reads logits from its own cache, and
+// a lone row (single-stream decode) uses both threads; the spans combine in column order.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include "argmax_lanes.h"
 #include "bf16_utils.h"
 
-#include <cmath>
+#include <algorithm>
 #include <cstdint>
-#include <limits>
+#include <vector>
 
 namespace {
 
@@ -28,33 +32,32 @@ inline __m512 load16(const at::BFloat16* x, int64_t v, __mmask16 m) {
 }
 
 template <typename T>
-int64_t argmax_row(const T* x, int64_t V) {
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  __mmask16 nan = 0;
-  for (int64_t v = 0; v < V; v += kLanes) {
-    const __mmask16 m = kvflow::lanes_left(V - v);
-    const __m512 xv = load16(x, v, m);
-    nan |= _mm512_mask_cmp_ps_mask(m, xv, xv, _CMP_UNORD_Q);
-    vmax = _mm512_mask_max_ps(vmax, m, vmax, xv);
+kvflow::SpanBest argmax_span(const T* x, int64_t begin, int64_t end) {
+  kvflow::LaneBest lanes;
+  for (int64_t v = begin; v < end; v += kLanes) {
+    const __mmask16 m = kvflow::lanes_left(end - v);
+    lanes.update(load16(x, v, m), v, m);
   }
-  if (nan) {  // torch: a NaN is the maximum
-    for (int64_t v = 0; v < V; ++v)
-      if (std::isnan(static_cast<float>(x[v]))) return v;
-  }
-  const __m512 best = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  for (int64_t v = 0; v < V; v += kLanes) {
-    const __mmask16 m = kvflow::lanes_left(V - v);
-    const __mmask16 hit = _mm512_mask_cmp_ps_mask(m, load16(x, v, m), best, _CMP_EQ_OQ);
-    if (hit) return v + __builtin_ctz(static_cast<unsigned>(hit));
-  }
-  return 0;  // unreachable: the maximum is one of the values
+  return lanes.result(begin, end, [&](int64_t v) { return static_cast<float>(x[v]); });
 }
 
 template <typename T>
 void argmax_all(const T* x, int64_t R, int64_t V, int64_t* o) {
-  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) o[r] = argmax_row(x + r * V, V);
+  const int64_t spans = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), V / kLanes));
+  std::vector<kvflow::SpanBest> best(R * spans);
+  // Thread t takes span t of every row (one work item per span, so the split is by columns).
+  at::parallel_for(0, spans, 1, [&](int64_t s_begin, int64_t s_end) {
+    for (int64_t s = s_begin; s < s_end; ++s) {
+      const int64_t begin = V * s / spans / kLanes * kLanes;
+      const int64_t end = s + 1 == spans ? V : V * (s + 1) / spans / kLanes * kLanes;
+      for (int64_t r = 0; r < R; ++r) best[r * spans + s] = argmax_span(x + r * V, begin, end);
+    }
   });
+  for (int64_t r = 0; r < R; ++r) {
+    kvflow::SpanBest b = best[r * spans];
+    for (int64_t s = 1; s < spans; ++s) b = kvflow::combine(b, best[r * spans + s]);
+    o[r] = b.index;
+  }
 }
 
 }  // namespace

@@ -4,7 +4,6 @@
 
 #include "decode_forward.h"
 
-torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor empty_huge_pages(int64_t nbytes);
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor slots, double scale);
@@ -66,7 +65,9 @@ void bind_decode_forward(py::module& m) {
             return l;
           },
           "int4 16-row tiles [N_pad / 16, 8K], bf16 scales/mins [N_pad / 16, K / g, 16], g, N, bias, perm, GEMV rows")
-      .def("forward", &NativeLinear::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &NativeLinear::forward, py::call_guard<py::gil_scoped_release>())
+      .def("greedy", &NativeLinear::greedy, py::call_guard<py::gil_scoped_release>(),
+           "x [M, K] -> [M] int64: each row's argmax of forward(x), taken as the GEMV writes it");
 
   py::class_<NativeDecoder, std::shared_ptr<NativeDecoder>>(m, "NativeDecoder")
       .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, torch::Tensor final_norm) {
@@ -100,6 +101,23 @@ void bind_decode_forward(py::module& m) {
             };
           },
           "tensor parallelism: fn(tensor) sums a row-parallel output over the ranks in place")
+      .def(
+          "set_paging",
+          [](NativeDecoder& d, torch::Tensor rope_cos, torch::Tensor rope_sin_signed, int64_t block_size,
+             int64_t sliding_window) {
+            TORCH_CHECK(rope_cos.dtype() == torch::kBFloat16 && rope_sin_signed.dtype() == torch::kBFloat16 &&
+                            rope_cos.dim() == 2 && rope_cos.size(1) == d.head_dim &&
+                            rope_sin_signed.sizes() == rope_cos.sizes(),
+                        "bf16 RoPE tables [P, head_dim]");
+            TORCH_CHECK(block_size > 0 && sliding_window >= 0, "block_size > 0, sliding_window >= 0 (0: none)");
+            d.rope_cos = rope_cos.contiguous();
+            d.rope_sin_signed = rope_sin_signed.contiguous();
+            d.block_size = block_size;
+            d.sliding_window = sliding_window;
+          },
+          "forward_rows' inputs: RoPE cos / sign-folded sin tables [P, D] bf16, block size, sliding window (0: none)")
+      .def("forward_rows", &NativeDecoder::forward_rows, py::call_guard<py::gil_scoped_release>(),
+           "hidden [M, H], each row's query position, each row's block table -> normed hidden")
       .def("forward", &NativeDecoder::forward, py::call_guard<py::gil_scoped_release>(),
            "hidden [M, H], cos/sin_signed [M, D], slot_mapping [M], kv_slots [M, L], num_keys [M] -> normed hidden")
       .def("forward_profiled", &NativeDecoder::forward_profiled, py::call_guard<py::gil_scoped_release>(),

@@ -103,6 +103,21 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
   TORCH_CHECK(false, "unreachable");
 }
 
+torch::Tensor NativeLinear::greedy(const torch::Tensor& x_in) const {
+  const int64_t M = x_in.size(0);
+  if (M > max_gemv_rows) return argmax_rows(forward(x_in));
+  switch (kind) {
+    case Kind::kBf16:
+      return skinny_linear_bf16_greedy(x_in, weight, out_features, bias);
+    case Kind::kInt8:
+      return skinny_linear_int8_greedy(x_in, weight, scales, bias);
+    case Kind::kInt4:
+      return skinny_linear_int4_greedy(perm.has_value() ? x_in.index_select(1, *perm) : x_in, weight, scales, mins,
+                                       group_size, out_features, bias);
+  }
+  TORCH_CHECK(false, "unreachable");
+}
+
 namespace {
 
 // Quantize one token-head x[0..D) into a pool row, as _QuantizedPool.write does.
@@ -255,6 +270,45 @@ class PieceClock {
 torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed,
                                      torch::Tensor slot_mapping, torch::Tensor kv_slots, torch::Tensor num_keys) const {
   return run(std::move(hidden), std::move(cos), std::move(sin_signed), slot_mapping, kv_slots, num_keys, nullptr);
+}
+
+torch::Tensor NativeDecoder::forward_rows(torch::Tensor hidden, const std::vector<int64_t>& positions,
+                                          const std::vector<std::vector<int64_t>>& block_tables) const {
+  const int64_t M = static_cast<int64_t>(positions.size()), D = head_dim;
+  TORCH_CHECK(block_size > 0 && rope_cos.defined(), "forward_rows needs set_paging first");
+  TORCH_CHECK(hidden.size(0) == M && static_cast<int64_t>(block_tables.size()) == M,
+              "one position and one block table per hidden row");
+  const int64_t num_positions = rope_cos.size(0);
+  auto cos = torch::empty({M, D}, rope_cos.options());
+  auto sin_signed = torch::empty({M, D}, rope_cos.options());
+  auto slot_mapping = torch::empty({M}, torch::kInt64);
+  auto num_keys = torch::empty({M}, torch::kInt64);
+  int64_t* slot_out = slot_mapping.data_ptr<int64_t>();
+  int64_t* keys_out = num_keys.data_ptr<int64_t>();
+  std::vector<int64_t> first_key(M);
+  int64_t max_keys = 0;
+  // Row m attends positions first_key[m] .. positions[m] (input_batch.py _first_key_position).
+  for (int64_t m = 0; m < M; ++m) {
+    const int64_t p = positions[m];
+    TORCH_CHECK(0 <= p && p < num_positions, "position ", p, " outside the RoPE tables");
+    TORCH_CHECK(p / block_size < static_cast<int64_t>(block_tables[m].size()), "position ", p,
+                " past the row's block table");
+    first_key[m] = sliding_window > 0 ? std::max<int64_t>(0, p - sliding_window + 1) : 0;
+    keys_out[m] = p - first_key[m] + 1;
+    max_keys = std::max(max_keys, keys_out[m]);
+    slot_out[m] = block_tables[m][p / block_size] * block_size + p % block_size;
+    std::memcpy(bf16_ptr_mut(cos) + m * D, bf16_ptr(rope_cos) + p * D, D * sizeof(uint16_t));
+    std::memcpy(bf16_ptr_mut(sin_signed) + m * D, bf16_ptr(rope_sin_signed) + p * D, D * sizeof(uint16_t));
+  }
+  // [M, max_keys]: each row's key slots in position order, padded with slot 0 (never read).
+  auto kv_slots = torch::zeros({M, max_keys}, torch::kInt64);
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t* out = kv_slots.data_ptr<int64_t>() + m * max_keys;
+    const std::vector<int64_t>& table = block_tables[m];
+    for (int64_t pos = first_key[m]; pos <= positions[m]; ++pos)
+      *out++ = table[pos / block_size] * block_size + pos % block_size;
+  }
+  return run(std::move(hidden), cos, sin_signed, slot_mapping, kv_slots, num_keys, nullptr);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> NativeDecoder::forward_profiled(torch::Tensor hidden, torch::Tensor cos,

@@ -15,6 +15,15 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up);
 torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
                                  c10::optional<torch::Tensor> bias);
+// The *_greedy GEMVs: each row's argmax of what the plain GEMV returns, [M] int64 (argmax_lanes.h).
+torch::Tensor skinny_linear_bf16_greedy(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
+                                        c10::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear_int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
+                                        c10::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear_int4_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                                        torch::Tensor mins, int64_t group_size, int64_t out_features,
+                                        c10::optional<torch::Tensor> bias);
+torch::Tensor argmax_rows(torch::Tensor logits);
 torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
                                  c10::optional<torch::Tensor> bias);
 torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
@@ -50,6 +59,9 @@ struct NativeLinear {
   int64_t max_gemv_rows = 32;  // kvflow/layers/linear.py SKINNY_MAX_ROWS (the modules hand theirs over)
 
   torch::Tensor forward(const torch::Tensor& x) const;  // [M, K] bf16 -> [M, N] bf16
+  // [M, K] bf16 -> [M] int64: each row's argmax of forward(x) (the first index of its maximum),
+  // folded into the GEMV's tiles as they are written (argmax_lanes.h) up to max_gemv_rows.
+  torch::Tensor greedy(const torch::Tensor& x) const;
 };
 
 // One layer's KV pools (kvflow/attention/kv_layer.py): "plain" (bf16) or int8 / fp8_e4m3 / int4.
@@ -99,9 +111,21 @@ struct NativeDecoder {
   // ranks in place before the residual add; unset in one process.
   std::function<void(torch::Tensor&)> all_reduce;
 
+  // Paging and RoPE for forward_rows (set_paging): cos and sign-folded sin of every position, bf16
+  // [P, D] (kvflow/layers/rotary.py RotaryEmbedding.tables); the KV pools' block size; the sliding
+  // window in tokens, 0 for none.
+  torch::Tensor rope_cos, rope_sin_signed;
+  int64_t block_size = 0, sliding_window = 0;
+
   // Embedded hidden [M, H] -> final-normed hidden [M, H]; writes each row's K/V at slot_mapping.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slot_mapping,
                         torch::Tensor kv_slots, torch::Tensor num_keys) const;
+  // forward from each row's query position and block table (kvflow/worker/input_batch.py DecodeRows):
+  // the RoPE rows, the K/V slot, the key slots and counts are derived here, as build_input_batch
+  // derives them in Python, so that a decode step hands over plain lists instead of building six
+  // tensors (each a trip through the dispatcher with the caches cold after the previous step).
+  torch::Tensor forward_rows(torch::Tensor hidden, const std::vector<int64_t>& positions,
+                             const std::vector<std::vector<int64_t>>& block_tables) const;
   // forward, and the wall time of each DecodePiece summed over the layers: float64 [kNumDecodePieces]
   // in microseconds. The same calls in the same order (the same numbers); a clock read between pieces.
   std::tuple<torch::Tensor, torch::Tensor> forward_profiled(torch::Tensor hidden, torch::Tensor cos,

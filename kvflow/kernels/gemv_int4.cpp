@@ -32,6 +32,7 @@
 #include <torch/extension.h>
 
 #include "activation_quant.h"
+#include "argmax_lanes.h"
 #include "row_dispatch.h"
 #include "bf16_utils.h"
 
@@ -172,8 +173,12 @@ Weights check_weights(const torch::Tensor& packed, const torch::Tensor& scales, 
 
 // x: [M, K] bf16; packed, scales, mins: the tile layout above; N = out_features; bias: optional
 // [N] -> [M, N] bf16.
-torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                                 int64_t group_size, int64_t out_features, c10::optional<torch::Tensor> bias) {
+namespace {
+
+// skinny_linear_int4; with `tokens` ([M] int64), also each row's argmax (argmax_lanes.h).
+torch::Tensor skinny_linear_int4_impl(torch::Tensor x, const torch::Tensor& packed, const torch::Tensor& scales,
+                                      const torch::Tensor& mins, int64_t group_size, int64_t out_features,
+                                      const c10::optional<torch::Tensor>& bias, torch::Tensor* tokens) {
   const Weights wt = check_weights(packed, scales, mins, group_size, out_features);
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == wt.K, "bf16 x [M, K]");
   x = x.contiguous();
@@ -192,8 +197,30 @@ torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::T
                   M, wt.K, wt.N, group_size};
   // Grain: a thread streams >= ~64 KiB of packed weights between synchronisations.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (8 * wt.K));
+  if (tokens != nullptr) {
+    *tokens = torch::empty({M}, x.options().dtype(torch::kInt64));
+    kvflow::parallel_tiles_greedy(wt.tiles, grain, reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>()), M,
+                                  wt.N, tokens->data_ptr<int64_t>(),
+                                  [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
+    return y;
+  }
   at::parallel_for(0, wt.tiles, grain, [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
   return y;
+}
+
+}  // namespace
+
+torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+                                 int64_t group_size, int64_t out_features, c10::optional<torch::Tensor> bias) {
+  return skinny_linear_int4_impl(std::move(x), packed, scales, mins, group_size, out_features, bias, nullptr);
+}
+
+torch::Tensor skinny_linear_int4_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
+                                        torch::Tensor mins, int64_t group_size, int64_t out_features,
+                                        c10::optional<torch::Tensor> bias) {
+  torch::Tensor tokens;
+  skinny_linear_int4_impl(std::move(x), packed, scales, mins, group_size, out_features, bias, &tokens);
+  return tokens;
 }
 
 // Rows [n_begin, n_end) of q * s + z as bf16 [n_end - n_begin, K]; n_begin a multiple of 16.

@@ -29,11 +29,13 @@
 #include <torch/extension.h>
 
 #include "activation_quant.h"
+#include "argmax_lanes.h"
 #include "row_dispatch.h"
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 
 // VNNI (vpdpbusd) for this file only: every CPU with AVX512-BF16 has it, and kvflow/kernels checks
 // the avx512_vnni CPU flag before building.
@@ -119,8 +121,11 @@ int64_t check_tiles(const torch::Tensor& tiles, const torch::Tensor& scales) {
 }  // namespace
 
 // x: [M, K] bf16; tiles: the layout above; scales: [N] fp32; bias: optional [N] -> [M, N] bf16.
-torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
-                                 c10::optional<torch::Tensor> bias) {
+namespace {
+
+// skinny_linear_int8; with `tokens` ([M] int64), also each row's argmax (argmax_lanes.h).
+torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tiles, const torch::Tensor& scales,
+                                      const c10::optional<torch::Tensor>& bias, torch::Tensor* tokens) {
   const int64_t K_pad = check_tiles(tiles, scales), N = scales.numel();
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) <= K_pad &&
                   x.size(1) > K_pad - kvflow::kActivationBlock,
@@ -128,7 +133,10 @@ torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Te
   x = x.contiguous();
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
-  if (M == 0) return y;
+  if (M == 0) {
+    if (tokens != nullptr) *tokens = torch::empty({0}, x.options().dtype(torch::kInt64));
+    return y;
+  }
   const kvflow::Int8Activations activations =
       kvflow::quantize_activations_int8(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, x.size(1));
   torch::Tensor bias_f;
@@ -138,8 +146,29 @@ torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Te
                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K_pad};
   // Grain: a thread streams >= ~64 KiB of weights between synchronisations.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K_pad * kTileRows));
+  if (tokens != nullptr) {
+    *tokens = torch::empty({M}, x.options().dtype(torch::kInt64));
+    kvflow::parallel_tiles_greedy(tiles.size(0), grain, reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>()),
+                                  M, N, tokens->data_ptr<int64_t>(),
+                                  [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
+    return y;
+  }
   at::parallel_for(0, tiles.size(0), grain, [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
   return y;
+}
+
+}  // namespace
+
+torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
+                                 c10::optional<torch::Tensor> bias) {
+  return skinny_linear_int8_impl(std::move(x), tiles, scales, bias, nullptr);
+}
+
+torch::Tensor skinny_linear_int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
+                                        c10::optional<torch::Tensor> bias) {
+  torch::Tensor tokens;
+  skinny_linear_int8_impl(std::move(x), tiles, scales, bias, &tokens);
+  return tokens;
 }
 
 // Rows [n_begin, n_end) of q * s as bf16 [n_end - n_begin, K] (K = in_features <= K_pad), n_begin

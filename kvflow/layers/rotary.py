@@ -108,16 +108,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_cache", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin_cache", emb.sin() * scaling, persistent=False)
         self.max_positions = max_positions
+        # dtype -> (cos, sin_signed), each [P, D] in that dtype: built on first use (see `tables`).
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin of every position, each [P, D] in `dtype`: the float32 caches
+        rounded once, as HF rounds them before multiplying. The sin is [-sin, sin] over the two
+        halves, so that rotate_half(x) * sin == roll(x, D/2) * sin_signed (apply_rotary). A step
+        then gathers its rows and converts nothing (the native decoder reads them directly)."""
+        if dtype not in self._tables:
+            half = self.sin_cache.shape[-1] // 2
+            sin_signed = torch.cat((-self.sin_cache[:, :half], self.sin_cache[:, half:]), dim=-1)
+            self._tables[dtype] = (self.cos_cache.to(dtype), sin_signed.to(dtype))
+        return self._tables[dtype]
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin for `positions` [T], each [T, 1, D] in `dtype` (HF casts them
-        before multiplying). The sin returned is [-sin, sin] over the two halves, so that
-        rotate_half(x) * sin == roll(x, D/2) * sin_signed: one roll instead of neg + cat."""
-        cos = self.cos_cache.index_select(0, positions).to(dtype).unsqueeze(1)
-        sin = self.sin_cache.index_select(0, positions)
-        half = sin.shape[-1] // 2
-        sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(dtype).unsqueeze(1)
-        return cos, sin_signed
+        """cos and sign-folded sin (`tables`) for `positions` [T], each [T, 1, D] in `dtype`."""
+        cos, sin_signed = self.tables(dtype)
+        return cos.index_select(0, positions).unsqueeze(1), sin_signed.index_select(0, positions).unsqueeze(1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

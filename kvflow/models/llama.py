@@ -24,7 +24,7 @@ from kvflow.layers.activation import silu_and_mul
 from kvflow.layers.linear import ALL_ROWS, Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import RotaryEmbedding, apply_rotary
-from kvflow.models.native_decoder import build_native_decoder
+from kvflow.models.native_decoder import build_native_decoder, build_native_head
 from kvflow.quant.linear import Int4Linear, Int8Linear
 
 
@@ -117,6 +117,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         # The native decode forward and the KV store it is bound to (kvflow/models/native_decoder.py).
         self._native_decoder: Any = None
         self._native_kv_store: KVStore | None = None
+        self._native_head: Any = None  # the LM head's native GEMV, for greedy_tokens (bound with the decoder)
 
     def make_layer(self, cfg: ArchConfig, dtype: torch.dtype, index: int) -> nn.Module:
         """Decoder layer `index`; families with another block (kvflow/models/moe.py) override it."""
@@ -129,6 +130,7 @@ class LlamaFamilyForCausalLM(nn.Module):
         `all_reduce`: a tensor-parallel rank's sum over ranks (kvflow/models/native_decoder.py)."""
         self._native_decoder = build_native_decoder(self, kv_store, all_reduce)
         self._native_kv_store = kv_store if self._native_decoder is not None else None
+        self._native_head = build_native_head(self)
         return self._native_decoder is not None
 
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore) -> torch.Tensor:
@@ -154,6 +156,17 @@ class LlamaFamilyForCausalLM(nn.Module):
         cos, sin_signed = self.rotary_emb.cos_sin(meta.positions, self.dtype)
         return hidden, cos, sin_signed, meta.slot_mapping, meta.decode_kv_slots, meta.decode_num_keys
 
+    def forward_decode_rows(
+        self, token_ids: list[int], positions: list[int], block_tables: list[list[int]]
+    ) -> torch.Tensor:
+        """A decode-only step through the bound native decoder from plain lists (kvflow/worker/
+        input_batch.py DecodeRows): token_ids [M] -> final hidden states [M, hidden] (normed), the
+        same numbers as forward over build_input_batch's metadata of the same step."""
+        if self._native_decoder is None:
+            raise ValueError("forward_decode_rows needs a bound native decoder (bind_native_decoder)")
+        hidden = self.embed_tokens(torch.tensor(token_ids, dtype=torch.int64))
+        return self._native_decoder.forward_rows(hidden, positions, block_tables)
+
     def profile_native_decode(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore
     ) -> tuple[torch.Tensor, dict[str, float]]:
@@ -170,6 +183,14 @@ class LlamaFamilyForCausalLM(nn.Module):
         """[N, hidden] -> [N, vocab] logits in the head's dtype. Consumers convert what needs float32
         (log-softmaxes, sampled rows): greedy rows take the argmax of bf16 logits directly."""
         return self.lm_head(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """[N, hidden] -> [N] int64: each row's argmax of compute_logits(hidden), the first index on
+        ties (greedy sampling's token), taken inside the LM head's GEMV as it writes each tile
+        (kvflow/kernels/argmax_lanes.h): at single-stream decode the logits would otherwise be read
+        back from DRAM, evicted by the head's own weight stream. None when no native head is bound
+        (bind_native_decoder): the caller samples from compute_logits."""
+        return None if self._native_head is None else self._native_head.greedy(hidden)
 
     def prepare_for_inference(self) -> None:
         for module in self.modules():

@@ -44,6 +44,13 @@ def _native_kv(layer: PlainKVLayer | QuantizedKVLayer) -> tuple[str, list[torch.
     return q.kind, [q.key_data, q.value_data, q.key_scale, q.value_scale, q.key_zero, q.value_zero]
 
 
+def build_native_head(model: Any) -> Any | None:
+    """The model's LM head as a native linear, for its greedy GEMV (LlamaFamilyForCausalLM.greedy_tokens),
+    or None where the head has only a torch path (float32, a tensor-parallel head, no kernel)."""
+    classes = native_decoder_classes()
+    return None if classes is None else _native_linear(model.lm_head, classes)
+
+
 def build_native_decoder(
     model: Any, kv_store: KVStore, all_reduce: Callable[[torch.Tensor], Any] | None = None
 ) -> Any | None:
@@ -86,4 +93,6 @@ def build_native_decoder(
         )
     if all_reduce is not None:
         decoder.set_all_reduce(all_reduce)
+    cos, sin_signed = model.rotary_emb.tables(model.dtype)
+    decoder.set_paging(cos, sin_signed, kv_store.block_size, cfg.sliding_window or 0)
     return decoder

@@ -44,6 +44,49 @@ class InputBatch:
     sampling_requests: list[ScheduledRequest]  # the N requests, aligned with logits_indices
 
 
+@dataclass
+class DecodeRows:
+    """A decode-only step (every scheduled token a query row, no prefill chunk) as plain lists, for
+    the native decoder, which derives the RoPE rows, K/V slots and key slots itself
+    (kvflow/kernels/decode_forward.cpp forward_rows): the same rows, in the same order, as
+    build_input_batch's flat batch. Why lists: a step's Python runs with the caches cold after the
+    forward streamed the weights, and every small tensor built here cost ~10-20 us there."""
+
+    requests: list[ScheduledRequest]  # in flat-batch order
+    token_ids: list[int]  # [M]
+    positions: list[int]  # [M]: each row's query position
+    block_tables: list[list[int]]  # [M]: each row's request's block table (rows of a request share it)
+    logits_indices: list[int]  # rows to sample from (build_input_batch's logits_indices)
+    sampling_requests: list[ScheduledRequest]
+
+
+def build_decode_rows(scheduler_output: SchedulerOutput, all_query_rows: bool = False) -> DecodeRows | None:
+    """The step as DecodeRows, or None if it has a prefill chunk (build_input_batch then)."""
+    row_limit = sys.maxsize if all_query_rows else MAX_QUERY_ROWS_PER_CHUNK
+    scheduled = scheduler_output.scheduled
+    if any(r.num_tokens > row_limit for r in scheduled):
+        return None
+    token_ids: list[int] = []
+    positions: list[int] = []
+    block_tables: list[list[int]] = []
+    logits_indices: list[int] = []
+    for req in scheduled:
+        start, n = req.num_computed_tokens, req.num_tokens
+        token_ids += req.token_ids
+        positions += range(start, start + n)
+        block_tables += [req.block_ids] * n
+        if req.do_sample:  # the last position; with drafts, the k + 1 positions that verify them
+            logits_indices += range(len(token_ids) - 1 - req.num_spec_tokens, len(token_ids))
+    return DecodeRows(
+        requests=scheduled,
+        token_ids=token_ids,
+        positions=positions,
+        block_tables=block_tables,
+        logits_indices=logits_indices,
+        sampling_requests=[r for r in scheduled if r.do_sample],
+    )
+
+
 def _first_key_position(query_position: int, sliding_window: int | None) -> int:
     return 0 if sliding_window is None else max(0, query_position - sliding_window + 1)
 

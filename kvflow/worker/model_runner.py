@@ -24,7 +24,7 @@ from kvflow.sample.rejection_sampler import sample_one
 from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
 from kvflow.sample.token_bitmask import apply_token_bitmask
 from kvflow.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
-from kvflow.worker.input_batch import build_input_batch
+from kvflow.worker.input_batch import build_decode_rows, build_input_batch
 from kvflow.worker.prompt_logprobs import compute_prompt_logprobs
 
 
@@ -114,18 +114,22 @@ class ModelRunner:
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         self._grammar_bitmask, self._grammar_bitmask_tensor = scheduler_output.grammar_bitmask, None
-        batch = build_input_batch(
-            scheduler_output, self.block_size, self.sliding_window, all_query_rows=self.batch_invariant
-        )
-        hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)  # [T, hidden]
-        prompt_logprobs = compute_prompt_logprobs(self.model, batch, hidden)  # {} unless a request asks
-        if not batch.sampling_requests:
+        requests, sampling_requests, hidden, sampled = self._forward(scheduler_output)
+        prompt_logprobs = compute_prompt_logprobs(self.model, requests, hidden)  # {} unless a request asks
+        if not sampling_requests:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_indices))  # [N, V]
+        if self._plain_greedy(sampling_requests):
+            tokens = self.model.greedy_tokens(sampled)  # [N], or None without a native LM head
+            if tokens is not None:
+                output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+                for req, token in zip(sampling_requests, tokens.tolist(), strict=True):
+                    output.sampled_token_ids[req.request_id] = [token]
+                return output
+        logits = self.model.compute_logits(sampled)  # [N, V]
         # Rows: one per plain request, 1 + k per request verifying k drafts (in batch order).
         plain_rows, plain_requests, spec = [], [], []
         row = 0
-        for req in batch.sampling_requests:
+        for req in sampling_requests:
             if req.num_spec_tokens:
                 spec.append((req, row))
             else:
@@ -147,6 +151,46 @@ class ModelRunner:
             except Exception as exc:  # this request's drafts or parameters: it alone fails
                 output.failed[req.request_id] = _describe(exc)
         return output
+
+    def _forward(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[ScheduledRequest], list[ScheduledRequest], torch.Tensor, torch.Tensor]:
+        """The step's forward -> (its requests in flat-batch order, those that sample, hidden [T, H],
+        the hidden rows to sample [N, H]). A decode-only step goes to the native decoder as plain
+        lists (DecodeRows); any other through build_input_batch's tensors and the model's forward."""
+        rows = build_decode_rows(scheduler_output, self.batch_invariant) if self.native_decode else None
+        if rows is not None:
+            hidden = self.model.forward_decode_rows(rows.token_ids, rows.positions, rows.block_tables)
+            indices = rows.logits_indices  # increasing: all rows exactly when there are as many
+            sampled = (
+                hidden
+                if len(indices) == hidden.shape[0]
+                else hidden.index_select(0, torch.tensor(indices, dtype=torch.int64))
+            )
+            return rows.requests, rows.sampling_requests, hidden, sampled
+        batch = build_input_batch(
+            scheduler_output, self.block_size, self.sliding_window, all_query_rows=self.batch_invariant
+        )
+        hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)  # [T, hidden]
+        return batch.requests, batch.sampling_requests, hidden, hidden.index_select(0, batch.logits_indices)
+
+    def _plain_greedy(self, requests: list[ScheduledRequest]) -> bool:
+        """Every row's token is the argmax of its raw logits, what the sampler would return: greedy,
+        no drafts to verify, no logprobs, penalties, logit bias, banned tokens or grammar mask."""
+        grammar = self._grammar_bitmask
+        for req in requests:
+            params = req.sampling_params
+            if (
+                req.num_spec_tokens
+                or not params.is_greedy
+                or params.logprobs is not None
+                or params.has_penalties
+                or params.logit_bias
+                or self._banned_token_ids(req)
+                or (grammar is not None and req.request_id in grammar.rows)
+            ):
+                return False
+        return True
 
     def _sample_plain(
         self, logits: torch.Tensor, requests: list[ScheduledRequest], output: ModelRunnerOutput

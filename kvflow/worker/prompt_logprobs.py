@@ -16,20 +16,20 @@ import torch
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.outputs import TokenLogprobs
 from kvflow.sample.sampler import gather_logprobs
-from kvflow.worker.input_batch import InputBatch
+from kvflow.scheduler_output import ScheduledRequest
 
 MAX_ROWS = 256
 
 
 def compute_prompt_logprobs(
-    model: LlamaFamilyForCausalLM, batch: InputBatch, hidden: torch.Tensor
+    model: LlamaFamilyForCausalLM, requests: list[ScheduledRequest], hidden: torch.Tensor
 ) -> dict[str, tuple[int, list[TokenLogprobs]]]:
     """request id -> (first prompt position covered, one entry per position) for this step's chunks.
 
-    hidden [T, H]: the step's flat hidden states, requests in `batch.requests` order."""
+    hidden [T, H]: the step's flat hidden states, `requests` in flat-batch order."""
     result: dict[str, tuple[int, list[TokenLogprobs]]] = {}
     offset = 0
-    for req in batch.requests:
+    for req in requests:
         token_start, offset = offset, offset + req.num_tokens
         num_top = req.sampling_params.prompt_logprobs
         if num_top is None:

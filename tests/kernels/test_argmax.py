@@ -28,3 +28,32 @@ def test_native_argmax_equals_torch(vocab: int, dtype: torch.dtype) -> None:
     logits = logits.to(dtype)
     assert torch.equal(kernel(logits), logits.argmax(dim=-1))
     assert torch.equal(kernel(logits), logits.float().argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_argmax_one_row_split_over_threads(dtype: torch.dtype) -> None:
+    """A lone row is split into column spans, one per thread: the first index must still win across
+    the spans' boundary (a tie in both halves, a NaN only in the second, the maximum in the last
+    lane), whatever the thread count."""
+    kernel = argmax_rows()
+    if kernel is None:
+        pytest.skip("native kernels unavailable on this CPU/toolchain")
+    vocab = 151936
+    gen = torch.Generator().manual_seed(1)
+    cases = []
+    for where in ([10, vocab - 5], [vocab // 2 - 1, vocab // 2], [vocab // 2, vocab - 1], [vocab - 1]):
+        row = torch.randn(1, vocab, generator=gen)
+        row[0, where] = row.max() + 1
+        cases.append(row)
+    nan_late = torch.randn(1, vocab, generator=gen)
+    nan_late[0, vocab - 3] = float("nan")
+    cases += [nan_late, torch.full((1, vocab), float("-inf")), torch.zeros(1, vocab)]
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            for row in cases:
+                row = row.to(dtype)
+                assert torch.equal(kernel(row), row.float().argmax(dim=-1)), num_threads
+    finally:
+        torch.set_num_threads(threads)

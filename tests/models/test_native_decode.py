@@ -20,6 +20,7 @@ import torch
 
 from kvflow import LLM, SamplingParams
 from kvflow.kernels import native_decoder_classes
+from kvflow.worker.input_batch import build_decode_rows, build_input_batch
 
 pytestmark = pytest.mark.skipif(
     native_decoder_classes() is None, reason="native kernels unavailable (no AVX512-BF16 or no compiler)"
@@ -93,6 +94,10 @@ def test_decode_only_steps_run_natively_and_prefill_steps_do_not(
             rows.append(hidden.shape[0])
             return self.inner.forward(hidden, *args)
 
+        def forward_rows(self, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
+            rows.append(hidden.shape[0])
+            return self.inner.forward_rows(hidden, *args)
+
     model._native_decoder = Spy(model._native_decoder)
     out = llm.generate([[5] * 40], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 6
@@ -104,18 +109,20 @@ def test_profiled_forward_gives_the_same_numbers_and_a_time_per_piece(
 ) -> None:
     path = tiny_checkpoint_factory("qwen3", dtype=torch.bfloat16)  # q/k norms: every piece runs
     llm = LLM(str(path), dtype="bfloat16")
-    model = llm.llm_engine.model_runner.model
+    runner = llm.llm_engine.model_runner
+    model = runner.model
     steps: list[tuple[Any, ...]] = []
-    original = model.forward
+    original = runner.execute_model
 
-    def spy(input_ids: torch.Tensor, meta: Any, kv_store: Any) -> torch.Tensor:
-        steps.append((input_ids, meta, kv_store))
-        return original(input_ids, meta, kv_store)
+    def spy(scheduler_output: Any) -> Any:  # each step's model inputs, as the Python path builds them
+        batch = build_input_batch(scheduler_output, runner.block_size, runner.sliding_window)
+        steps.append((batch.input_ids, batch.attn_metadata, runner.kv_store))
+        return original(scheduler_output)
 
-    model.forward = spy  # type: ignore[method-assign]
+    runner.execute_model = spy  # type: ignore[method-assign]
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     llm.generate([[3] * 20, [7] * 9], params)
-    model.forward = original  # type: ignore[method-assign]
+    runner.execute_model = original  # type: ignore[method-assign]
     prefill, decode = steps[0], steps[-1]
     assert not decode[1].prefills and decode[0].numel() == 2
     with torch.inference_mode():
@@ -147,3 +154,71 @@ def test_enforce_eager_is_a_cli_flag() -> None:
     args = build_parser().parse_args(["generate", "--prompt", "x", "--enforce-eager"])
     assert args.enforce_eager is True
     assert build_parser().parse_args(["generate", "--prompt", "x"]).enforce_eager is False
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: a 32-token sliding window
+def test_decode_rows_give_the_metadata_path_numbers(
+    arch: str, tiny_checkpoint_factory: Callable[..., Path]
+) -> None:
+    """A decode-only step reaches the native decoder as plain lists (DecodeRows): it derives the RoPE
+    rows, K/V slots and key slots itself. Bit for bit the hidden states of the model's forward over
+    build_input_batch's tensors, for plain decode rows and speculative verification rows (n-gram
+    drafts on a repetitive prompt), before and past the sliding window."""
+    path = tiny_checkpoint_factory(arch, dtype=torch.bfloat16)
+    spec = {"speculative_method": "ngram", "num_speculative_tokens": 3, "speculative_auto_disable": False}
+    llm = LLM(str(path), dtype="bfloat16", **spec)
+    runner = llm.llm_engine.model_runner
+    model = runner.model
+    compared: list[int] = []  # rows of each compared step
+    original = runner.execute_model
+
+    def compare(scheduler_output: Any) -> Any:
+        rows = build_decode_rows(scheduler_output)
+        if rows is not None and rows.token_ids:
+            batch = build_input_batch(scheduler_output, runner.block_size, runner.sliding_window)
+            # Replaying a step rewrites its K/V rows with the same values: both calls see one pool.
+            via_rows = model.forward_decode_rows(rows.token_ids, rows.positions, rows.block_tables)
+            via_metadata = model(batch.input_ids, batch.attn_metadata, runner.kv_store)
+            assert torch.equal(via_rows, via_metadata)
+            assert rows.logits_indices == batch.logits_indices.tolist()
+            compared.append(len(rows.token_ids))
+        return original(scheduler_output)
+
+    runner.execute_model = compare  # type: ignore[method-assign]
+    prompts = [[5, 6, 7, 8] * 6, [9] * 3]
+    with torch.inference_mode():
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    assert compared and max(compared) > len(prompts)  # some step verified drafts
+
+
+@pytest.mark.parametrize(
+    "engine_args",
+    [
+        {},
+        {"quantization": "int8", "quantize_lm_head": True},
+        {"quantization": "int4", "quantize_lm_head": True},
+    ],
+    ids=["bf16-head", "int8-head", "int4-head"],
+)
+def test_greedy_head_gives_the_argmax_of_the_logits(
+    engine_args: dict[str, Any], tiny_checkpoint_factory: Callable[..., Path]
+) -> None:
+    """Greedy rows take their token inside the LM head's GEMV (greedy_tokens): the argmax of
+    compute_logits, first index on ties, for 1 to 40 rows (GEMV sizes and past max_gemv_rows), and
+    the same greedy outputs as the eager path, which samples from the logits."""
+    path = tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16, **WIDE)
+    llm = LLM(str(path), dtype="bfloat16", **engine_args)
+    model = llm.llm_engine.model_runner.model
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for rows in (1, 3, 8, 40):
+            hidden = torch.randn(rows, model.config.hidden_size, generator=gen).to(torch.bfloat16)
+            tokens = model.greedy_tokens(hidden)
+            assert tokens is not None
+            assert torch.equal(tokens, model.compute_logits(hidden).float().argmax(dim=-1))
+    prompts, _ = _prompts(llm.llm_engine.arch.vocab_size)
+    params = [SamplingParams(temperature=0.0, max_tokens=3 + i, ignore_eos=True) for i in range(len(prompts))]
+    eager = LLM(str(path), dtype="bfloat16", enforce_eager=True, **engine_args)
+    assert eager.llm_engine.model_runner.model.greedy_tokens(hidden) is None
+    for fused, reference in zip(llm.generate(prompts, params), eager.generate(prompts, params), strict=True):
+        assert fused.outputs[0].token_ids == reference.outputs[0].token_ids

@@ -1,0 +1,105 @@
+// Argmax over columns, vectorised: each of 16 lanes keeps its maximum and the first column that
+// reached it, so one pass gives the maximum and its first index (torch.argmax's answer: a NaN
+// counts as the maximum, the first NaN's index). Shared by the greedy argmax over logits
+// (argmax.cpp) and the GEMVs' greedy epilogue (parallel_tiles_greedy below), which takes a row's
+// argmax tile by tile while the LM head writes it, instead of reading 300 KB of logits per row
+// back from DRAM afterwards (the head's 272 MB weight stream has evicted them by then).
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "bf16_utils.h"
+
+namespace kvflow {
+
+// The best of a column span: its maximum, the first index holding it; `nan`: a NaN was seen, and
+// `index` is then the first NaN's.
+struct SpanBest {
+  float value;
+  int64_t index;
+  bool nan;
+};
+
+// a, then b (b's columns after a's): the best of both.
+inline SpanBest combine(const SpanBest& a, const SpanBest& b) {
+  if (a.nan) return a;
+  if (b.nan || b.value > a.value) return b;
+  return a;  // equal: the earlier index
+}
+
+// Per lane: the maximum so far and the first column reaching it (valid once it rose above -inf).
+struct LaneBest {
+  __m512 value = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512i index = _mm512_setzero_si512();
+  __mmask16 nan = 0;
+
+  // x: columns col0 .. col0 + 15 (lanes outside `valid` ignored).
+  inline void update(__m512 x, int64_t col0, __mmask16 valid) {
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    nan |= _mm512_mask_cmp_ps_mask(valid, x, x, _CMP_UNORD_Q);
+    const __mmask16 gt = _mm512_mask_cmp_ps_mask(valid, x, value, _CMP_GT_OQ);  // strictly: first index stays
+    value = _mm512_mask_mov_ps(value, gt, x);
+    index = _mm512_mask_mov_epi32(index, gt, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(col0))));
+  }
+
+  // The span [begin, end) these lanes saw; `load(v)` reads column v as fp32 (only for a NaN, rare).
+  template <typename Load>
+  SpanBest result(int64_t begin, int64_t end, const Load& load) const {
+    if (nan) {
+      for (int64_t v = begin; v < end; ++v)
+        if (std::isnan(load(v))) return {0.0f, v, true};
+    }
+    const float best = _mm512_reduce_max_ps(value);
+    if (best == -std::numeric_limits<float>::infinity()) return {best, begin, false};  // all -inf: the first
+    const __mmask16 at_best = _mm512_cmp_ps_mask(value, _mm512_set1_ps(best), _CMP_EQ_OQ);
+    return {best, _mm512_mask_reduce_min_epi32(at_best, index), false};
+  }
+};
+
+// Runs run_tiles(t, t + 1) for every output tile t in [0, tiles) (16 columns each) over the threads,
+// as at::parallel_for(0, tiles, grain, ...) would, and after each tile folds its bf16 outputs
+// y[m, 16t .. 16t + 16) (still in L1) into row m's running argmax; tokens[m] = the argmax of row m
+// of y [M, N] over all its columns, as argmax_rows(y) gives.
+template <typename RunTiles>
+void parallel_tiles_greedy(int64_t tiles, int64_t grain, const uint16_t* y, int64_t M, int64_t N, int64_t* tokens,
+                           const RunTiles& run_tiles) {
+  constexpr int64_t kTileCols = 16;
+  if (M == 0) {
+    at::parallel_for(0, tiles, grain, run_tiles);
+    return;
+  }
+  std::mutex mutex;
+  std::vector<std::pair<int64_t, std::vector<SpanBest>>> spans;  // (first tile, each row's best), per chunk
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    std::vector<LaneBest> lanes(M);
+    for (int64_t t = begin; t < end; ++t) {
+      run_tiles(t, t + 1);
+      const int64_t n0 = t * kTileCols;
+      const __mmask16 valid = lanes_left(N - n0);
+      for (int64_t m = 0; m < M; ++m) lanes[m].update(load_bf16_lanes(y + m * N + n0, valid), n0, valid);
+    }
+    std::vector<SpanBest> best(M);
+    const int64_t c0 = begin * kTileCols, c1 = std::min(N, end * kTileCols);
+    for (int64_t m = 0; m < M; ++m)
+      best[m] = lanes[m].result(c0, c1, [&](int64_t v) { return bf16_to_float(y[m * N + v]); });
+    const std::lock_guard<std::mutex> lock(mutex);
+    spans.emplace_back(begin, std::move(best));
+  });
+  std::sort(spans.begin(), spans.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+  for (int64_t m = 0; m < M; ++m) {
+    SpanBest b = spans[0].second[m];
+    for (size_t s = 1; s < spans.size(); ++s) b = combine(b, spans[s].second[m]);
+    tokens[m] = b.index;
+  }
+}
+
+}  // namespace kvflow
