@@ -6,9 +6,9 @@
 // Why: torch.argmax on CPU scans a [8, 151936] fp32 row block at ~3.5 GB/s (342 us; 85 us for
 // one row), ~1.4% of an 8-sequence decode step of the Qwen2.5-0.5B shape (benchmarks/NOTES.md).
 // Here: one vectorised pass per span that keeps each lane's maximum and the first index reaching
-// it. Every row is split into one column span per thread, the same split as the LM head's GEMV
-// that wrote it (at::parallel_for over tiles), so each thread reads logits from its own cache, and
-// a lone row (single-stream decode) uses both threads; the spans combine in column order.
+// it (argmax_lanes.h). Every row is split into one column span per thread, so a lone row
+// (single-stream decode) uses both threads; the spans combine in column order. Greedy decode
+// through a native LM head does not come here: the head's GEMV folds the argmax into its tiles.
 
 #include <ATen/Parallel.h>
 #include <immintrin.h>
