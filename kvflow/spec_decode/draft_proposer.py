@@ -93,6 +93,9 @@ class DraftModelProposer:
         self.free_blocks = list(range(num_blocks, 0, -1))
         self.states: dict[str, _DraftState] = {}
         self.generator = torch.Generator().manual_seed(0)
+        # The model's native decoder is bound to self.kv_store (set by the factory unless eager):
+        # query-row steps then go to it as plain lists (input_batch.DecodeRows), sliding window or not.
+        self.native_decode = False
 
     # --------------------------------------------------------------------------------- blocks
 
@@ -144,13 +147,12 @@ class DraftModelProposer:
         for step in range(max(k for _, _, k in chosen)):
             active = [(r, s) for r, s, k in chosen if step < k]
             items = [(r, s, feeds[r.request_id]) for r, s in active]
-            if self.sliding_window is None and all(len(f) <= MAX_QUERY_ROWS_PER_CHUNK for _, _, f in items):
-                logits = self._rows_forward(items)
+            rows = all(len(f) <= MAX_QUERY_ROWS_PER_CHUNK for _, _, f in items)
+            if rows and (self.native_decode or self.sliding_window is None):
+                step_guesses = self._guess_from_hidden([r for r, _ in active], self._rows_forward(items))
             else:
-                logits = self._forward(items)
-            for (request, state), (token, q) in zip(
-                active, self._guess([r for r, _ in active], logits), strict=True
-            ):
+                step_guesses = self._guess([r for r, _ in active], self._forward(items))
+            for (request, state), (token, q) in zip(active, step_guesses, strict=True):
                 state.fed.extend(feeds[request.request_id])
                 feeds[request.request_id] = [token]
                 guesses[request.request_id].append(token)
@@ -190,14 +192,33 @@ class DraftModelProposer:
         return logits[[order[request.request_id] for request, _, _ in items]]
 
     def _rows_forward(self, items: list[tuple[Request, _DraftState, list[int]]]) -> torch.Tensor:
-        """_forward for feeds that are query rows only (no sliding window): each one's last logits [B, V]."""
-        rows = [(state.slots, len(state.fed), len(tokens)) for _, state, tokens in items]
-        input_ids = torch.tensor([t for _, _, tokens in items for t in tokens], dtype=torch.int64)
-        hidden = self.model(input_ids, query_rows_metadata(rows), self.kv_store)  # [R, hidden]
-        if len(input_ids) > len(items):  # some request fed several tokens: keep each one's last row
+        """_forward for feeds that are query rows only: each one's last hidden state [B, hidden]. The
+        native decoder takes them as lists (positions and block tables); the Python path needs no
+        sliding window and reads each request's slot vector."""
+        if self.native_decode:
+            token_ids = [t for _, _, tokens in items for t in tokens]
+            positions = [p for _, s, tokens in items for p in range(len(s.fed), len(s.fed) + len(tokens))]
+            tables = [state.blocks for _, state, tokens in items for _ in tokens]
+            hidden = self.model.forward_decode_rows(token_ids, positions, tables)  # [R, hidden]
+        else:
+            rows = [(state.slots, len(state.fed), len(tokens)) for _, state, tokens in items]
+            input_ids = torch.tensor([t for _, _, tokens in items for t in tokens], dtype=torch.int64)
+            hidden = self.model(input_ids, query_rows_metadata(rows), self.kv_store)  # [R, hidden]
+        if hidden.shape[0] > len(items):  # some request fed several tokens: keep each one's last row
             last = torch.tensor([len(tokens) for _, _, tokens in items]).cumsum(0) - 1
             hidden = hidden.index_select(0, last)
-        return self.model.compute_logits(hidden)  # the model's dtype: _guess converts sampled rows only
+        return hidden
+
+    def _guess_from_hidden(
+        self, requests: list[Request], hidden: torch.Tensor
+    ) -> list[tuple[int, torch.Tensor | None]]:
+        """_guess from each request's last hidden state [B, hidden]: all-greedy batches take the
+        argmax inside the LM head's GEMV where the head is native (no logits are read back)."""
+        if all(r.sampling_params.is_greedy for r in requests):
+            tokens = self.model.greedy_tokens(hidden)
+            if tokens is not None:
+                return [(token, None) for token in tokens.tolist()]
+        return self._guess(requests, self.model.compute_logits(hidden))  # the model's dtype
 
     def _guess(self, requests: list[Request], logits: torch.Tensor) -> list[tuple[int, torch.Tensor | None]]:
         """Each request's guess from its logits row [B, V], with q for a sampled one (None: greedy)."""

@@ -56,5 +56,5 @@ def build_proposer(
         model, config.num_speculative_tokens, num_blocks, block_size, max_model_len, batch_invariant
     )
     if not enforce_eager:  # the draft's k forwards per step are decode steps too
-        model.bind_native_decoder(proposer.kv_store)
+        proposer.native_decode = model.bind_native_decoder(proposer.kv_store)
     return proposer

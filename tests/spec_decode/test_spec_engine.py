@@ -213,6 +213,32 @@ def test_draft_model_that_is_the_target_accepts_everything(
     llm.llm_engine.scheduler.check_integrity()
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])  # mistral: a sliding window
+def test_bf16_draft_model_on_the_native_decoder(
+    tiny_checkpoint_factory: Callable[..., Path], arch: str
+) -> None:
+    """In bf16 the draft's query-row steps go to its native decoder as lists (positions and block
+    tables, the sliding window derived natively) and its greedy guesses come from the LM head's
+    greedy GEMV: the target as its own draft must then still agree at almost every position (the
+    draft decodes one row where verification decodes k + 1), and the output is the plain one."""
+    if skinny_linear_bf16() is None or paged_decode_attention_bf16() is None:
+        pytest.skip("kvflow's native kernels are unavailable on this CPU")
+    path = tiny_checkpoint_factory(arch, dtype=torch.bfloat16)
+    prompts = [p * 4 for p in PROMPTS]  # past the fixture's 32-token window
+    plain, _ = run(path, prompts, dtype="bfloat16")
+    spec, llm = run(
+        path,
+        prompts,
+        dtype="bfloat16",
+        speculative_method="draft",
+        draft_model=str(path),
+        num_speculative_tokens=3,
+    )
+    assert llm.llm_engine.proposer is not None and llm.llm_engine.proposer.native_decode
+    assert spec == plain
+    assert llm.llm_engine.spec_stats.acceptance_rate > 0.9
+
+
 def test_a_different_draft_model_gives_identical_greedy_output(
     tiny_checkpoint_factory: Callable[..., Path],
 ) -> None:
