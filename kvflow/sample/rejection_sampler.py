@@ -51,6 +51,16 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def greedy_accept(draft_ids: list[int], best: list[int]) -> list[int]:
+    """Greedy verification: best [k + 1] is the target's argmax at each verified position. The
+    drafts up to the first one that differs from it, then the target's token there (after k
+    agreeing drafts, the bonus token): what plain greedy decoding would have emitted."""
+    accepted = 0
+    while accepted < len(draft_ids) and draft_ids[accepted] == best[accepted]:
+        accepted += 1
+    return [*draft_ids[:accepted], best[accepted]]
+
+
 def sample_one(
     target_probs: torch.Tensor,
     draft_ids: list[int],
@@ -63,11 +73,8 @@ def sample_one(
     Returns (emitted tokens: the accepted drafts + one more, number of drafts accepted)."""
     k = len(draft_ids)
     if greedy:
-        best = argmax_tokens(target_probs).tolist()  # torch.argmax's answer, natively
-        accepted = 0
-        while accepted < k and draft_ids[accepted] == best[accepted]:
-            accepted += 1
-        return [*draft_ids[:accepted], best[accepted]], accepted
+        emitted = greedy_accept(draft_ids, argmax_tokens(target_probs).tolist())  # torch.argmax's answer
+        return emitted, len(emitted) - 1
     if k == 0:
         return [_draw(target_probs[0], generator)], 0
     ids = torch.tensor(draft_ids)

@@ -20,7 +20,7 @@ from kvflow.config import ConfigError
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.native_decoder import build_native_decoder
 from kvflow.outputs import ModelRunnerOutput, TokenLogprobs
-from kvflow.sample.rejection_sampler import sample_one
+from kvflow.sample.rejection_sampler import greedy_accept, sample_one
 from kvflow.sample.sampler import Sampler, SamplingBatch, filtered_probs
 from kvflow.sample.token_bitmask import apply_token_bitmask
 from kvflow.scheduler_output import GrammarBitmask, ScheduledRequest, SchedulerOutput
@@ -118,13 +118,10 @@ class ModelRunner:
         prompt_logprobs = compute_prompt_logprobs(self.model, requests, hidden)  # {} unless a request asks
         if not sampling_requests:
             return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        if self._plain_greedy(sampling_requests):
+        if self._greedy_from_argmax(sampling_requests):
             tokens = self.model.greedy_tokens(sampled)  # [N], or None without a native LM head
             if tokens is not None:
-                output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-                for req, token in zip(sampling_requests, tokens.tolist(), strict=True):
-                    output.sampled_token_ids[req.request_id] = [token]
-                return output
+                return self._greedy_output(sampling_requests, tokens.tolist(), prompt_logprobs)
         logits = self.model.compute_logits(sampled)  # [N, V]
         # Rows: one per plain request, 1 + k per request verifying k drafts (in batch order).
         plain_rows, plain_requests, spec = [], [], []
@@ -174,15 +171,15 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)  # [T, hidden]
         return batch.requests, batch.sampling_requests, hidden, hidden.index_select(0, batch.logits_indices)
 
-    def _plain_greedy(self, requests: list[ScheduledRequest]) -> bool:
-        """Every row's token is the argmax of its raw logits, what the sampler would return: greedy,
-        no drafts to verify, no logprobs, penalties, logit bias, banned tokens or grammar mask."""
+    def _greedy_from_argmax(self, requests: list[ScheduledRequest]) -> bool:
+        """Every row's outcome follows from the argmax of its raw logits: greedy, with no logprobs,
+        penalties, logit bias, banned tokens or grammar mask (plain rows sample that argmax, verified
+        drafts are accepted while they equal it)."""
         grammar = self._grammar_bitmask
         for req in requests:
             params = req.sampling_params
             if (
-                req.num_spec_tokens
-                or not params.is_greedy
+                not params.is_greedy
                 or params.logprobs is not None
                 or params.has_penalties
                 or params.logit_bias
@@ -191,6 +188,22 @@ class ModelRunner:
             ):
                 return False
         return True
+
+    @staticmethod
+    def _greedy_output(
+        requests: list[ScheduledRequest],
+        best: list[int],
+        prompt_logprobs: dict[str, tuple[int, list[TokenLogprobs]]],
+    ) -> ModelRunnerOutput:
+        """The step's tokens from each sampling row's argmax `best` (1 + k rows per request)."""
+        output = ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
+        row = 0
+        for req in requests:
+            k = req.num_spec_tokens
+            drafts = req.token_ids[len(req.token_ids) - k :]
+            output.sampled_token_ids[req.request_id] = greedy_accept(drafts, best[row : row + k + 1])
+            row += k + 1
+        return output
 
     def _sample_plain(
         self, logits: torch.Tensor, requests: list[ScheduledRequest], output: ModelRunnerOutput
