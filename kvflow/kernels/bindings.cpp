@@ -116,8 +116,15 @@ void bind_decode_forward(py::module& m) {
             d.sliding_window = sliding_window;
           },
           "forward_rows' inputs: RoPE cos / sign-folded sin tables [P, D] bf16, block size, sliding window (0: none)")
+      .def(
+          "set_embedding",
+          [](NativeDecoder& d, torch::Tensor embedding) {
+            TORCH_CHECK(embedding.dtype() == torch::kBFloat16 && embedding.dim() == 2, "bf16 [V, H] embedding table");
+            d.embedding = embedding.contiguous();
+          },
+          "the token embedding table [V, H] bf16, for forward_rows without hidden")
       .def("forward_rows", &NativeDecoder::forward_rows, py::call_guard<py::gil_scoped_release>(),
-           "hidden [M, H], each row's query position, each row's block table -> normed hidden")
+           "hidden [M, H] or None (the embedding's rows), token ids, query positions, block tables -> normed hidden")
       .def("forward", &NativeDecoder::forward, py::call_guard<py::gil_scoped_release>(),
            "hidden [M, H], cos/sin_signed [M, D], slot_mapping [M], kv_slots [M, L], num_keys [M] -> normed hidden")
       .def("forward_profiled", &NativeDecoder::forward_profiled, py::call_guard<py::gil_scoped_release>(),

@@ -183,7 +183,10 @@ namespace {
 
 // RoPE on q and k (kvflow/layers/rotary.py apply_rotary, same roundings), q to `q_out`, rotated k
 // and v into the pool at each row's slot. q_in [M, Hq, D], k_in [M, Hkv, D], v [M, Hkv, D]: any
-// row/head strides, unit stride along D. cos, sin_signed [M, D] bf16.
+// row/head strides, unit stride along D. cos, sin_signed [M, D] bf16. Rows are independent (each
+// writes its own q row and its own slot), so several rows are split over the threads (8 rows: ~9.5
+// us a layer on one); a lone row stays on the calling thread, where a parallel region costs more
+// than it saves.
 void rope_and_write_kv(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v,
                        const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slot_mapping,
                        const NativeKVLayer& kv, torch::Tensor& q_out) {
@@ -192,38 +195,43 @@ void rope_and_write_kv(const torch::Tensor& q_in, const torch::Tensor& k_in, con
   const uint16_t* cp = bf16_ptr(cos);
   const uint16_t* sp = bf16_ptr(sin);
   uint16_t* qo = bf16_ptr_mut(q_out);
-  // Vectorised over D, 16 lanes at a time, with the scalar float_to_bf16's rounding (bf16_utils.h).
-  std::vector<float> xf(D), rolled(D), row(D);
-  const auto rotate = [&](const uint16_t* x, const uint16_t* c, const uint16_t* s, float* out) {
-    for (int64_t d = 0; d < D; ++d) xf[d] = bf16_to_float(x[d]);
-    std::memcpy(rolled.data(), xf.data() + half, (D - half) * sizeof(float));  // roll(x, D/2)
-    std::memcpy(rolled.data() + (D - half), xf.data(), half * sizeof(float));
-    for (int64_t d = 0; d < D; d += 16) {
-      const __mmask16 m = lanes_left(D - d);
-      const __m512 a = through_bf16_lanes(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xf.data() + d), load_bf16_lanes(c + d, m)));
-      const __m512 b =
-          through_bf16_lanes(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, rolled.data() + d), load_bf16_lanes(s + d, m)));
-      _mm512_mask_storeu_ps(out + d, m, through_bf16_lanes(_mm512_add_ps(a, b)));
+  const auto rows = [&](int64_t m_begin, int64_t m_end) {
+    // Vectorised over D, 16 lanes at a time, with the scalar float_to_bf16's rounding (bf16_utils.h).
+    std::vector<float> xf(D), rolled(D), row(D);
+    const auto rotate = [&](const uint16_t* x, const uint16_t* c, const uint16_t* s, float* out) {
+      for (int64_t d = 0; d < D; ++d) xf[d] = bf16_to_float(x[d]);
+      std::memcpy(rolled.data(), xf.data() + half, (D - half) * sizeof(float));  // roll(x, D/2)
+      std::memcpy(rolled.data() + (D - half), xf.data(), half * sizeof(float));
+      for (int64_t d = 0; d < D; d += 16) {
+        const __mmask16 m = lanes_left(D - d);
+        const __m512 a =
+            through_bf16_lanes(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xf.data() + d), load_bf16_lanes(c + d, m)));
+        const __m512 b =
+            through_bf16_lanes(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, rolled.data() + d), load_bf16_lanes(s + d, m)));
+        _mm512_mask_storeu_ps(out + d, m, through_bf16_lanes(_mm512_add_ps(a, b)));
+      }
+    };
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      const uint16_t* c = cp + m * D;
+      const uint16_t* s = sp + m * D;
+      for (int64_t h = 0; h < Hq; ++h) {
+        const uint16_t* x = bf16_ptr(q_in) + m * q_in.stride(0) + h * q_in.stride(1);
+        rotate(x, c, s, row.data());
+        for (int64_t d = 0; d < D; d += 16)  // row holds bf16 values: the store is exact
+          store_bf16_lanes(qo + (m * Hq + h) * D + d, _mm512_maskz_loadu_ps(lanes_left(D - d), row.data() + d),
+                           lanes_left(D - d));
+      }
+      for (int64_t h = 0; h < Hkv; ++h) {
+        rotate(bf16_ptr(k_in) + m * k_in.stride(0) + h * k_in.stride(1), c, s, row.data());
+        kv.write_row(true, slots[m], h, row.data());
+        const uint16_t* x = bf16_ptr(v) + m * v.stride(0) + h * v.stride(1);
+        for (int64_t d = 0; d < D; ++d) row[d] = bf16_to_float(x[d]);
+        kv.write_row(false, slots[m], h, row.data());
+      }
     }
   };
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* c = cp + m * D;
-    const uint16_t* s = sp + m * D;
-    for (int64_t h = 0; h < Hq; ++h) {
-      const uint16_t* x = bf16_ptr(q_in) + m * q_in.stride(0) + h * q_in.stride(1);
-      rotate(x, c, s, row.data());
-      for (int64_t d = 0; d < D; d += 16)  // row holds bf16 values: the store is exact
-        store_bf16_lanes(qo + (m * Hq + h) * D + d, _mm512_maskz_loadu_ps(lanes_left(D - d), row.data() + d),
-                         lanes_left(D - d));
-    }
-    for (int64_t h = 0; h < Hkv; ++h) {
-      rotate(bf16_ptr(k_in) + m * k_in.stride(0) + h * k_in.stride(1), c, s, row.data());
-      kv.write_row(true, slots[m], h, row.data());
-      const uint16_t* x = bf16_ptr(v) + m * v.stride(0) + h * v.stride(1);
-      for (int64_t d = 0; d < D; ++d) row[d] = bf16_to_float(x[d]);
-      kv.write_row(false, slots[m], h, row.data());
-    }
-  }
+  if (M == 1) return rows(0, 1);
+  at::parallel_for(0, M, 1, rows);
 }
 
 // y = bf16(a + b) in place into a (the residual stream), ATen's rounding.
@@ -272,12 +280,26 @@ torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, to
   return run(std::move(hidden), std::move(cos), std::move(sin_signed), slot_mapping, kv_slots, num_keys, nullptr);
 }
 
-torch::Tensor NativeDecoder::forward_rows(torch::Tensor hidden, const std::vector<int64_t>& positions,
+torch::Tensor NativeDecoder::forward_rows(c10::optional<torch::Tensor> hidden_in, const std::vector<int64_t>& token_ids,
+                                          const std::vector<int64_t>& positions,
                                           const std::vector<std::vector<int64_t>>& block_tables) const {
   const int64_t M = static_cast<int64_t>(positions.size()), D = head_dim;
   TORCH_CHECK(block_size > 0 && rope_cos.defined(), "forward_rows needs set_paging first");
-  TORCH_CHECK(hidden.size(0) == M && static_cast<int64_t>(block_tables.size()) == M,
-              "one position and one block table per hidden row");
+  TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == M && static_cast<int64_t>(block_tables.size()) == M,
+              "one token, one position and one block table per row");
+  torch::Tensor hidden;
+  if (hidden_in.has_value()) {
+    hidden = *hidden_in;
+    TORCH_CHECK(hidden.size(0) == M, "one hidden row per token");
+  } else {  // the embedding lookup: a plain gather of bf16 rows (nn.Embedding's forward)
+    TORCH_CHECK(embedding.defined(), "forward_rows without hidden needs set_embedding first");
+    const int64_t V = embedding.size(0), H = embedding.size(1);
+    hidden = torch::empty({M, H}, embedding.options());
+    for (int64_t m = 0; m < M; ++m) {
+      TORCH_CHECK(0 <= token_ids[m] && token_ids[m] < V, "token id ", token_ids[m], " outside the vocabulary");
+      std::memcpy(bf16_ptr_mut(hidden) + m * H, bf16_ptr(embedding) + token_ids[m] * H, H * sizeof(uint16_t));
+    }
+  }
   const int64_t num_positions = rope_cos.size(0);
   auto cos = torch::empty({M, D}, rope_cos.options());
   auto sin_signed = torch::empty({M, D}, rope_cos.options());

@@ -116,6 +116,9 @@ struct NativeDecoder {
   // window in tokens, 0 for none.
   torch::Tensor rope_cos, rope_sin_signed;
   int64_t block_size = 0, sliding_window = 0;
+  // The token embedding table, bf16 [V, H] (set_embedding), for forward_rows to look rows up itself;
+  // undefined where the lookup is not a plain gather (a tensor-parallel vocabulary shard).
+  torch::Tensor embedding;
 
   // Embedded hidden [M, H] -> final-normed hidden [M, H]; writes each row's K/V at slot_mapping.
   torch::Tensor forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed, torch::Tensor slot_mapping,
@@ -124,7 +127,9 @@ struct NativeDecoder {
   // the RoPE rows, the K/V slot, the key slots and counts are derived here, as build_input_batch
   // derives them in Python, so that a decode step hands over plain lists instead of building six
   // tensors (each a trip through the dispatcher with the caches cold after the previous step).
-  torch::Tensor forward_rows(torch::Tensor hidden, const std::vector<int64_t>& positions,
+  // hidden [M, H], or none: the rows of `embedding` at token_ids.
+  torch::Tensor forward_rows(c10::optional<torch::Tensor> hidden, const std::vector<int64_t>& token_ids,
+                             const std::vector<int64_t>& positions,
                              const std::vector<std::vector<int64_t>>& block_tables) const;
   // forward, and the wall time of each DecodePiece summed over the layers: float64 [kNumDecodePieces]
   // in microseconds. The same calls in the same order (the same numbers); a clock read between pieces.

@@ -164,8 +164,12 @@ class LlamaFamilyForCausalLM(nn.Module):
         same numbers as forward over build_input_batch's metadata of the same step."""
         if self._native_decoder is None:
             raise ValueError("forward_decode_rows needs a bound native decoder (bind_native_decoder)")
-        hidden = self.embed_tokens(torch.tensor(token_ids, dtype=torch.int64))
-        return self._native_decoder.forward_rows(hidden, positions, block_tables)
+        # The native decoder looks the embedding rows up itself unless the lookup is a module's
+        # (a tensor-parallel vocabulary shard, which sums over the ranks).
+        hidden = None
+        if type(self.embed_tokens) is not nn.Embedding:
+            hidden = self.embed_tokens(torch.tensor(token_ids, dtype=torch.int64))
+        return self._native_decoder.forward_rows(hidden, token_ids, positions, block_tables)
 
     def profile_native_decode(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore

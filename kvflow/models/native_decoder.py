@@ -95,4 +95,6 @@ def build_native_decoder(
         decoder.set_all_reduce(all_reduce)
     cos, sin_signed = model.rotary_emb.tables(model.dtype)
     decoder.set_paging(cos, sin_signed, kv_store.block_size, cfg.sliding_window or 0)
+    if type(model.embed_tokens) is nn.Embedding:  # a plain gather (not a tensor-parallel vocabulary shard)
+        decoder.set_embedding(model.embed_tokens.weight)
     return decoder

@@ -94,9 +94,9 @@ def test_decode_only_steps_run_natively_and_prefill_steps_do_not(
             rows.append(hidden.shape[0])
             return self.inner.forward(hidden, *args)
 
-        def forward_rows(self, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
-            rows.append(hidden.shape[0])
-            return self.inner.forward_rows(hidden, *args)
+        def forward_rows(self, hidden: torch.Tensor | None, token_ids: list[int], *args: Any) -> torch.Tensor:
+            rows.append(len(token_ids))
+            return self.inner.forward_rows(hidden, token_ids, *args)
 
     model._native_decoder = Spy(model._native_decoder)
     out = llm.generate([[5] * 40], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))[0]
