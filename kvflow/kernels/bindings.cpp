@@ -123,6 +123,9 @@ void bind_decode_forward(py::module& m) {
             d.embedding = embedding.contiguous();
           },
           "the token embedding table [V, H] bf16, for forward_rows without hidden")
+      .def_property_readonly(
+          "has_embedding", [](const NativeDecoder& d) { return d.embedding.defined(); },
+          "whether forward_rows can look the embedding rows up itself (set_embedding)")
       .def("forward_rows", &NativeDecoder::forward_rows, py::call_guard<py::gil_scoped_release>(),
            "hidden [M, H] or None (the embedding's rows), token ids, query positions, block tables -> normed hidden")
       .def("forward", &NativeDecoder::forward, py::call_guard<py::gil_scoped_release>(),

@@ -165,9 +165,9 @@ class LlamaFamilyForCausalLM(nn.Module):
         if self._native_decoder is None:
             raise ValueError("forward_decode_rows needs a bound native decoder (bind_native_decoder)")
         # The native decoder looks the embedding rows up itself unless the lookup is a module's
-        # (a tensor-parallel vocabulary shard, which sums over the ranks).
+        # (a tensor-parallel vocabulary shard, which sums over the ranks: build_native_decoder).
         hidden = None
-        if type(self.embed_tokens) is not nn.Embedding:
+        if not self._native_decoder.has_embedding:
             hidden = self.embed_tokens(torch.tensor(token_ids, dtype=torch.int64))
         return self._native_decoder.forward_rows(hidden, token_ids, positions, block_tables)
 

@@ -90,6 +90,9 @@ def test_decode_only_steps_run_natively_and_prefill_steps_do_not(
         def __init__(self, inner: Any) -> None:
             self.inner = inner
 
+        def __getattr__(self, name: str) -> Any:  # everything else: the decoder's
+            return getattr(self.inner, name)
+
         def forward(self, hidden: torch.Tensor, *args: Any) -> torch.Tensor:
             rows.append(hidden.shape[0])
             return self.inner.forward(hidden, *args)
