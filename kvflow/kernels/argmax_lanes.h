@@ -102,4 +102,14 @@ void parallel_tiles_greedy(int64_t tiles, int64_t grain, const uint16_t* y, int6
   }
 }
 
+// run_tiles over [0, tiles) as at::parallel_for(0, tiles, grain, run_tiles) does; with `tokens`
+// (non-null, [M]), also each row's argmax of y [M, N] (parallel_tiles_greedy). The GEMVs' one
+// entry for both their plain and their greedy form.
+template <typename RunTiles>
+void parallel_tiles(int64_t tiles, int64_t grain, const uint16_t* y, int64_t M, int64_t N, int64_t* tokens,
+                    const RunTiles& run_tiles) {
+  if (tokens == nullptr) return at::parallel_for(0, tiles, grain, run_tiles);
+  parallel_tiles_greedy(tiles, grain, y, M, N, tokens, run_tiles);
+}
+
 }  // namespace kvflow

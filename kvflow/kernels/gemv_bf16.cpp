@@ -105,13 +105,11 @@ torch::Tensor tile_bf16_weight(torch::Tensor w) {
   return padded.view({tiles, kTileRows, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
 }
 
-// x: [M, K] bf16, w_tiles: tile_bf16_weight(W), N = out_features, bias: optional [N] (any float
-// dtype) -> [M, N] bf16.
 namespace {
 
-// skinny_linear_bf16; with `tokens` ([M] int64), also each row's argmax (argmax_lanes.h).
+// skinny_linear_bf16; with `tokens` (non-null, [M]), also each row's argmax (argmax_lanes.h).
 torch::Tensor skinny_linear_bf16_impl(torch::Tensor x, const torch::Tensor& w_tiles, int64_t out_features,
-                                      const c10::optional<torch::Tensor>& bias, torch::Tensor* tokens) {
+                                      const c10::optional<torch::Tensor>& bias, int64_t* tokens) {
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && w_tiles.dtype() == torch::kBFloat16, "bf16 inputs expected");
   TORCH_CHECK(w_tiles.dim() == 4 && w_tiles.size(2) == kTileRows && w_tiles.size(3) == 2 && w_tiles.is_contiguous(),
               "weights must be tiles [N_pad / 16, K / 2, 16, 2] (tile_bf16_weight)");
@@ -129,24 +127,18 @@ torch::Tensor skinny_linear_bf16_impl(torch::Tensor x, const torch::Tensor& w_ti
                        bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
                        reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
                        M, K, N};
-  if (M == 0) {
-    if (tokens != nullptr) *tokens = torch::empty({0}, x.options().dtype(torch::kInt64));
-    return y;
-  }
+  if (M == 0) return y;
   // Grain: a thread streams >= ~64 KiB of weights between synchronisations.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * 2 * kTileRows));
-  if (tokens != nullptr) {
-    *tokens = torch::empty({M}, x.options().dtype(torch::kInt64));
-    kvflow::parallel_tiles_greedy(tiles, grain, gemv.y, M, N, tokens->data_ptr<int64_t>(),
-                                  [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
-    return y;
-  }
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
+  kvflow::parallel_tiles(tiles, grain, gemv.y, M, N, tokens,
+                         [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
   return y;
 }
 
 }  // namespace
 
+// x: [M, K] bf16, w_tiles: tile_bf16_weight(W), N = out_features, bias: optional [N] (any float
+// dtype) -> [M, N] bf16.
 torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
                                  c10::optional<torch::Tensor> bias) {
   return skinny_linear_bf16_impl(std::move(x), w_tiles, out_features, bias, nullptr);
@@ -154,7 +146,7 @@ torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t
 
 torch::Tensor skinny_linear_bf16_greedy(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
                                         c10::optional<torch::Tensor> bias) {
-  torch::Tensor tokens;
-  skinny_linear_bf16_impl(std::move(x), w_tiles, out_features, bias, &tokens);
+  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+  skinny_linear_bf16_impl(std::move(x), w_tiles, out_features, bias, tokens.data_ptr<int64_t>());
   return tokens;
 }

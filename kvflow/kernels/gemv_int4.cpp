@@ -169,16 +169,10 @@ Weights check_weights(const torch::Tensor& packed, const torch::Tensor& scales, 
   return {N, K, tiles, K / g};
 }
 
-}  // namespace
-
-// x: [M, K] bf16; packed, scales, mins: the tile layout above; N = out_features; bias: optional
-// [N] -> [M, N] bf16.
-namespace {
-
-// skinny_linear_int4; with `tokens` ([M] int64), also each row's argmax (argmax_lanes.h).
+// skinny_linear_int4; with `tokens` (non-null, [M]), also each row's argmax (argmax_lanes.h).
 torch::Tensor skinny_linear_int4_impl(torch::Tensor x, const torch::Tensor& packed, const torch::Tensor& scales,
                                       const torch::Tensor& mins, int64_t group_size, int64_t out_features,
-                                      const c10::optional<torch::Tensor>& bias, torch::Tensor* tokens) {
+                                      const c10::optional<torch::Tensor>& bias, int64_t* tokens) {
   const Weights wt = check_weights(packed, scales, mins, group_size, out_features);
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == wt.K, "bf16 x [M, K]");
   x = x.contiguous();
@@ -197,19 +191,15 @@ torch::Tensor skinny_linear_int4_impl(torch::Tensor x, const torch::Tensor& pack
                   M, wt.K, wt.N, group_size};
   // Grain: a thread streams >= ~64 KiB of packed weights between synchronisations.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (8 * wt.K));
-  if (tokens != nullptr) {
-    *tokens = torch::empty({M}, x.options().dtype(torch::kInt64));
-    kvflow::parallel_tiles_greedy(wt.tiles, grain, reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>()), M,
-                                  wt.N, tokens->data_ptr<int64_t>(),
-                                  [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
-    return y;
-  }
-  at::parallel_for(0, wt.tiles, grain, [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
+  kvflow::parallel_tiles(wt.tiles, grain, gemv.y, M, wt.N, tokens,
+                         [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
   return y;
 }
 
 }  // namespace
 
+// x: [M, K] bf16; packed, scales, mins: the tile layout above; N = out_features; bias: optional
+// [N] -> [M, N] bf16.
 torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
                                  int64_t group_size, int64_t out_features, c10::optional<torch::Tensor> bias) {
   return skinny_linear_int4_impl(std::move(x), packed, scales, mins, group_size, out_features, bias, nullptr);
@@ -218,8 +208,9 @@ torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::T
 torch::Tensor skinny_linear_int4_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
                                         torch::Tensor mins, int64_t group_size, int64_t out_features,
                                         c10::optional<torch::Tensor> bias) {
-  torch::Tensor tokens;
-  skinny_linear_int4_impl(std::move(x), packed, scales, mins, group_size, out_features, bias, &tokens);
+  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+  skinny_linear_int4_impl(std::move(x), packed, scales, mins, group_size, out_features, bias,
+                          tokens.data_ptr<int64_t>());
   return tokens;
 }
 

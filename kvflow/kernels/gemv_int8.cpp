@@ -118,14 +118,10 @@ int64_t check_tiles(const torch::Tensor& tiles, const torch::Tensor& scales) {
   return tiles.size(1) * 4;
 }
 
-}  // namespace
 
-// x: [M, K] bf16; tiles: the layout above; scales: [N] fp32; bias: optional [N] -> [M, N] bf16.
-namespace {
-
-// skinny_linear_int8; with `tokens` ([M] int64), also each row's argmax (argmax_lanes.h).
+// skinny_linear_int8; with `tokens` (non-null, [M]), also each row's argmax (argmax_lanes.h).
 torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tiles, const torch::Tensor& scales,
-                                      const c10::optional<torch::Tensor>& bias, torch::Tensor* tokens) {
+                                      const c10::optional<torch::Tensor>& bias, int64_t* tokens) {
   const int64_t K_pad = check_tiles(tiles, scales), N = scales.numel();
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) <= K_pad &&
                   x.size(1) > K_pad - kvflow::kActivationBlock,
@@ -133,10 +129,7 @@ torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tile
   x = x.contiguous();
   const int64_t M = x.size(0);
   auto y = torch::empty({M, N}, x.options());
-  if (M == 0) {
-    if (tokens != nullptr) *tokens = torch::empty({0}, x.options().dtype(torch::kInt64));
-    return y;
-  }
+  if (M == 0) return y;
   const kvflow::Int8Activations activations =
       kvflow::quantize_activations_int8(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, x.size(1));
   torch::Tensor bias_f;
@@ -146,19 +139,14 @@ torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tile
                   reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K_pad};
   // Grain: a thread streams >= ~64 KiB of weights between synchronisations.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K_pad * kTileRows));
-  if (tokens != nullptr) {
-    *tokens = torch::empty({M}, x.options().dtype(torch::kInt64));
-    kvflow::parallel_tiles_greedy(tiles.size(0), grain, reinterpret_cast<const uint16_t*>(y.data_ptr<at::BFloat16>()),
-                                  M, N, tokens->data_ptr<int64_t>(),
-                                  [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
-    return y;
-  }
-  at::parallel_for(0, tiles.size(0), grain, [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
+  kvflow::parallel_tiles(tiles.size(0), grain, gemv.y, M, N, tokens,
+                         [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
   return y;
 }
 
 }  // namespace
 
+// x: [M, K] bf16; tiles: the layout above; scales: [N] fp32; bias: optional [N] -> [M, N] bf16.
 torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
                                  c10::optional<torch::Tensor> bias) {
   return skinny_linear_int8_impl(std::move(x), tiles, scales, bias, nullptr);
@@ -166,8 +154,8 @@ torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Te
 
 torch::Tensor skinny_linear_int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
                                         c10::optional<torch::Tensor> bias) {
-  torch::Tensor tokens;
-  skinny_linear_int8_impl(std::move(x), tiles, scales, bias, &tokens);
+  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+  skinny_linear_int8_impl(std::move(x), tiles, scales, bias, tokens.data_ptr<int64_t>());
   return tokens;
 }
 
