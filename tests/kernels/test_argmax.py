@@ -57,3 +57,36 @@ def test_native_argmax_one_row_split_over_threads(dtype: torch.dtype) -> None:
                 assert torch.equal(kernel(row), row.float().argmax(dim=-1)), num_threads
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 40])
+def test_greedy_gemv_gives_the_argmax_of_its_outputs(rows: int) -> None:
+    """The LM head's greedy GEMV folds its outputs into each row's argmax every few tiles, per
+    thread: whatever the thread count and the fold and thread boundaries (N not a multiple of the
+    16-row tile; rows past a pass of 8 and past max_gemv_rows), its tokens are the argmax of the
+    plain GEMV's outputs, first index on ties."""
+    from kvflow.kernels import native_decoder_classes
+    from kvflow.layers.linear import Linear
+
+    classes = native_decoder_classes()
+    if classes is None:
+        pytest.skip("native kernels unavailable on this CPU/toolchain")
+    gen = torch.Generator().manual_seed(rows)
+    head = Linear(128, 3001, False, torch.bfloat16)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(3001, 128, generator=gen).to(torch.bfloat16))
+        head.weight[2999] = head.weight[17]  # equal outputs at columns 17 and 2999: the first wins
+    x = torch.randn(rows, 128, generator=gen).to(torch.bfloat16)
+    x[0] = head.weight[17].float().sign().to(torch.bfloat16)  # row 0's maximum: column 17 (and 2999)
+    head.prepare_for_inference()  # the weights move into the GEMV's tiles
+    native = head.native(classes)
+    threads = torch.get_num_threads()
+    try:
+        for num_threads in (1, 2, 3):
+            torch.set_num_threads(num_threads)
+            with torch.inference_mode():
+                tokens = native.greedy(x)
+                assert torch.equal(tokens, native.forward(x).float().argmax(dim=-1)), num_threads
+                assert tokens[0] == 17  # the tie went to the first column
+    finally:
+        torch.set_num_threads(threads)
