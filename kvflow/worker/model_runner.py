@@ -1,5 +1,10 @@
 """Runs one engine step on the model: flat batch -> forward -> logits at sampling rows -> tokens.
 
+A decode-only step on the native decoder skips the flat batch's tensors (input_batch.DecodeRows:
+plain lists, since a step's Python runs with the caches cold), and a step whose rows are all plain
+greedy skips the logits: the LM head's greedy GEMV returns each row's argmax (drafts are accepted
+against it).
+
 Owns the per-request sampling state the scheduler does not need: the torch.Generator of each
 seeded request (created on its first sampled token, dropped when the scheduler reports it
 finished), so that a seeded request's tokens depend only on its seed and its logits.
