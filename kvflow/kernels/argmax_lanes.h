@@ -1,9 +1,9 @@
 // Argmax over columns, vectorised: each of 16 lanes keeps its maximum and the first column that
 // reached it, so one pass gives the maximum and its first index (torch.argmax's answer: a NaN
 // counts as the maximum, the first NaN's index). Shared by the greedy argmax over logits
-// (argmax.cpp) and the GEMVs' greedy epilogue (parallel_tiles_greedy below), which takes a row's
-// argmax tile by tile while the LM head writes it, instead of reading 300 KB of logits per row
-// back from DRAM afterwards (the head's 272 MB weight stream has evicted them by then).
+// (argmax.cpp) and the GEMVs' greedy epilogue (parallel_tiles_greedy below), which folds a row's
+// outputs into its argmax every few tiles while the LM head writes them, instead of reading 300 KB
+// of logits per row back from DRAM afterwards (the head's 272 MB weight stream has evicted them).
 #pragma once
 
 #include <ATen/Parallel.h>

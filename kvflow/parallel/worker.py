@@ -26,7 +26,7 @@ from kvflow.parallel.errors import WorkerDiedError
 from kvflow.parallel.model_loader import load_shard
 from kvflow.parallel.state import JOIN_TIMEOUT, ParallelContext, connect, pin_threads
 from kvflow.parallel.step_channel import SHUTDOWN, KVSpec, LoadSpec, decode_step
-from kvflow.worker.input_batch import build_input_batch
+from kvflow.worker.model_runner import forward_step
 
 logger = logging.getLogger("kvflow")
 
@@ -113,22 +113,21 @@ def _serve(config: EngineConfig, ctx: ParallelContext, conn: Connection) -> None
         kv_store.num_bytes / 2**20,
         a.num_key_value_heads,
     )
-    if not mc.enforce_eager:  # as rank 0 does (executor.py): the collectives come in the same order
-        model.bind_native_decoder(kv_store, ctx.comm.all_reduce)
-    _loop(model, kv_store, conn)
+    # As rank 0 does (executor.py): the collectives come in the same order.
+    native = not mc.enforce_eager and model.bind_native_decoder(kv_store, ctx.comm.all_reduce)
+    _loop(model, kv_store, native, conn)
 
 
-def _loop(model: LlamaFamilyForCausalLM, kv_store: KVStore, conn: Connection) -> None:
-    sliding_window = model.config.sliding_window
+def _loop(model: LlamaFamilyForCausalLM, kv_store: KVStore, native_decode: bool, conn: Connection) -> None:
     while True:
         payload = conn.recv_bytes()
         if payload == SHUTDOWN:
             return
         scheduler_output = decode_step(payload)
-        batch = build_input_batch(scheduler_output, kv_store.block_size, sliding_window)
-        hidden = model(batch.input_ids, batch.attn_metadata, kv_store)
-        if batch.sampling_requests:  # this rank's part of the sampled rows' logits -> rank 0
-            model.compute_logits(hidden.index_select(0, batch.logits_indices))
+        # The same forward as rank 0's runner (decode-only steps as lists on the native decoder).
+        _, sampling_requests, _, sampled = forward_step(model, kv_store, scheduler_output, native_decode)
+        if sampling_requests:  # this rank's part of the sampled rows' logits -> rank 0
+            model.compute_logits(sampled)
 
 
 def spawned_worker_main(

@@ -157,24 +157,9 @@ class ModelRunner:
     def _forward(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[list[ScheduledRequest], list[ScheduledRequest], torch.Tensor, torch.Tensor]:
-        """The step's forward -> (its requests in flat-batch order, those that sample, hidden [T, H],
-        the hidden rows to sample [N, H]). A decode-only step goes to the native decoder as plain
-        lists (DecodeRows); any other through build_input_batch's tensors and the model's forward."""
-        rows = build_decode_rows(scheduler_output, self.batch_invariant) if self.native_decode else None
-        if rows is not None:
-            hidden = self.model.forward_decode_rows(rows.token_ids, rows.positions, rows.block_tables)
-            indices = rows.logits_indices  # increasing: all rows exactly when there are as many
-            sampled = (
-                hidden
-                if len(indices) == hidden.shape[0]
-                else hidden.index_select(0, torch.tensor(indices, dtype=torch.int64))
-            )
-            return rows.requests, rows.sampling_requests, hidden, sampled
-        batch = build_input_batch(
-            scheduler_output, self.block_size, self.sliding_window, all_query_rows=self.batch_invariant
+        return forward_step(
+            self.model, self.kv_store, scheduler_output, self.native_decode, self.batch_invariant
         )
-        hidden = self.model(batch.input_ids, batch.attn_metadata, self.kv_store)  # [T, hidden]
-        return batch.requests, batch.sampling_requests, hidden, hidden.index_select(0, batch.logits_indices)
 
     def _greedy_from_argmax(self, requests: list[ScheduledRequest]) -> bool:
         """Every row's outcome follows from the argmax of its raw logits: greedy, with no logprobs,
@@ -292,6 +277,34 @@ class ModelRunner:
             self._grammar_bitmask_tensor = torch.from_numpy(grammar.array())  # [N, W]
         start = grammar.rows[req.request_id]
         return self._grammar_bitmask_tensor[start : start + 1 + req.num_spec_tokens]
+
+
+def forward_step(
+    model: LlamaFamilyForCausalLM,
+    kv_store: KVStore,
+    scheduler_output: SchedulerOutput,
+    native_decode: bool,
+    batch_invariant: bool = False,
+) -> tuple[list[ScheduledRequest], list[ScheduledRequest], torch.Tensor, torch.Tensor]:
+    """One step's forward -> (its requests in flat-batch order, those that sample, hidden [T, H], the
+    hidden rows to sample [N, H]). With the native decoder bound to `kv_store`, a decode-only step
+    goes to it as plain lists (DecodeRows); any other through build_input_batch's tensors and the
+    model's forward. Every tensor-parallel rank runs this, so their collectives come in one order."""
+    rows = build_decode_rows(scheduler_output, batch_invariant) if native_decode else None
+    if rows is not None:
+        hidden = model.forward_decode_rows(rows.token_ids, rows.positions, rows.block_tables)
+        indices = rows.logits_indices  # increasing: all rows exactly when there are as many
+        sampled = (
+            hidden
+            if len(indices) == hidden.shape[0]
+            else hidden.index_select(0, torch.tensor(indices, dtype=torch.int64))
+        )
+        return rows.requests, rows.sampling_requests, hidden, sampled
+    batch = build_input_batch(
+        scheduler_output, kv_store.block_size, model.config.sliding_window, all_query_rows=batch_invariant
+    )
+    hidden = model(batch.input_ids, batch.attn_metadata, kv_store)  # [T, hidden]
+    return batch.requests, batch.sampling_requests, hidden, hidden.index_select(0, batch.logits_indices)
 
 
 def _describe(exc: Exception) -> str:
