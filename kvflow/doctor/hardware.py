@@ -118,6 +118,8 @@ def probe_cpu() -> Hardware:
     """Measure this machine (a few seconds): DRAM bandwidth, bf16/fp32 matmul FLOP/s, memory."""
     import torch
 
+    from kvflow.layers.bf16_gemm import bf16_linear
+
     src = torch.empty(BANDWIDTH_PROBE_BYTES // 4, dtype=torch.float32)
     src.fill_(1.0)
     dst = torch.empty_like(src)
@@ -128,7 +130,10 @@ def probe_cpu() -> Hardware:
     n = MATMUL_PROBE_SIZE
     for dtype_name, dtype in (("bfloat16", torch.bfloat16), ("float32", torch.float32)):
         a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-        mm_s, mm_spread = _timings(partial(torch.mm, a, b))  # the warm-up lets oneDNN pick its kernel
+        # bf16 through the GEMM kvflow's prefill runs: oneDNN's bf16 one, or fp32 on CPUs without it
+        # (AVX2, where torch's own bf16 matmul is ~100x slower than the fp32 one).
+        matmul = partial(bf16_linear, a, b) if dtype == torch.bfloat16 else partial(torch.mm, a, b)
+        mm_s, mm_spread = _timings(matmul)  # the warm-up lets oneDNN pick its kernel
         flops[dtype_name] = 2 * n**3 / mm_s
         spread[f"flops_{dtype_name}"] = mm_spread
     memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))

@@ -1,6 +1,6 @@
 """Optional native CPU kernels, compiled on first use with torch's JIT extension builder.
 
-- `skinny_linear_bf16()`: the AVX512-BF16 GEMV for few-row (decode) linears on 16-row tiles of the
+- `skinny_linear_bf16()`: the bf16 GEMV (vdpbf16ps) for few-row (decode) linears on 16-row tiles of the
   weights, and the tiling (gemv_bf16.cpp);
 - `paged_decode_attention_bf16()` / `paged_decode_attention_quantized()`: decode attention read in
   place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4 (paged_decode_attention.cpp);
@@ -14,11 +14,14 @@
 - `elementwise_kernels()`: bf16 RMSNorm and SiLU-and-mul in one pass each (elementwise.cpp);
 - `native_decoder_classes()`: the decoder layers of a decode step in one native call, over the
   kernels above (decode_forward.cpp; built by kvflow/models/native_decoder.py).
-Each returns None when this CPU lacks AVX512-BF16, no compiler is available, or the build fails;
-callers then keep the generic torch path. The build (~2.5 min on 2 cores, once per sources, torch and
-compiler; `kvflow build-kernels` does it ahead of time) is cached under ~/.cache/kvflow/kernels
-(KVFLOW_KERNEL_CACHE), one process at a time under a lock that dies with its process
-(build_cache.py); KVFLOW_DISABLE_KERNELS=1 skips it.
+The kernels are written in AVX-512 intrinsics and built for the best of two targets the CPU runs
+(`simd_target`): AVX512-BF16 + VNNI (Zen 4, Sapphire Rapids), or AVX2 + FMA + F16C (Zen 2/3, Intel
+client cores), where simd.h supplies the same intrinsics over pairs of 256-bit registers
+(avx512_on_avx2.h). Each returns None when the CPU has neither, no compiler is available, or the
+build fails; callers then keep the generic torch path. The build (~1-2.5 min on 2 cores, once per
+sources, torch, compiler and target; `kvflow build-kernels` does it ahead of time) is cached under
+~/.cache/kvflow/kernels (KVFLOW_KERNEL_CACHE), one process at a time under a lock that dies with its
+process (build_cache.py); KVFLOW_DISABLE_KERNELS=1 skips it.
 """
 
 from __future__ import annotations
@@ -81,7 +84,27 @@ _SOURCES = (
     "paged_decode_attention.cpp",
     "prefill_attention.cpp",
 )
-_REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "bmi2")
+
+
+class SimdTarget(NamedTuple):
+    """An instruction set the kernels build for: the CPU flags it needs and the compiler's."""
+
+    name: str
+    required_cpu_flags: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+# The kernels are written in AVX-512 intrinsics (simd.h). On an AVX2 CPU they build against
+# avx512_on_avx2.h, which supplies those intrinsics over pairs of 256-bit registers.
+AVX512_BF16 = SimdTarget(
+    "avx512-bf16",
+    ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "f16c", "bmi2"),
+    ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mbmi2", "-fopenmp"),
+)
+AVX2 = SimdTarget(
+    "avx2", ("avx2", "fma", "f16c", "bmi2"), ("-O3", "-mavx2", "-mfma", "-mf16c", "-mbmi2", "-fopenmp")
+)
+_TARGETS = (AVX512_BF16, AVX2)  # preference order
 
 
 def _cpu_flags() -> set[str]:
@@ -95,7 +118,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-_CFLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mbmi2", "-fopenmp")
+def simd_target(cpu_flags: set[str] | None = None) -> SimdTarget | None:
+    """The best target this CPU runs (`cpu_flags` as /proc/cpuinfo spells them), or None."""
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return next((t for t in _TARGETS if all(f in flags for f in t.required_cpu_flags)), None)
+
+
 _LDFLAGS = ("-fopenmp",)
 _MODULE_NAME = "kvflow_cpu_kernels"
 _HERE = Path(__file__).parent
@@ -107,12 +135,13 @@ class NativeBuild(NamedTuple):
     module: ModuleType | None
     reason: str
     build_dir: Path | None = None
+    target: SimdTarget | None = None
 
 
-def native_build_dir() -> Path:
+def native_build_dir(target: SimdTarget = AVX512_BF16) -> Path:
     """Where this kvflow's kernels are built for this torch, Python, compiler and flags."""
     inputs = [*(_HERE / s for s in _SOURCES), *sorted(_HERE.glob("*.h"))]
-    return build_dir_for(cache_root(), toolchain_key(_CFLAGS, _LDFLAGS), sources_key(inputs))
+    return build_dir_for(cache_root(), toolchain_key(target.cflags, _LDFLAGS), sources_key(inputs))
 
 
 @functools.cache
@@ -120,22 +149,23 @@ def native_build() -> NativeBuild:
     """Load the native kernels, building them first if this key has no build (once per process)."""
     if os.environ.get("KVFLOW_DISABLE_KERNELS") == "1":
         return NativeBuild(None, "disabled by KVFLOW_DISABLE_KERNELS=1")
-    missing = [f for f in _REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
-    if missing:
-        logger.info("native bf16 kernels disabled: CPU lacks %s", ", ".join(missing))
-        return NativeBuild(None, f"this CPU lacks {', '.join(missing)}")
+    target = simd_target()
+    if target is None:
+        wanted = " or ".join(" + ".join(t.required_cpu_flags) for t in _TARGETS)
+        logger.info("native kernels disabled: this CPU has neither %s", wanted)
+        return NativeBuild(None, f"this CPU has neither {wanted}")
     sources = [_HERE / s for s in _SOURCES]
     build_dir: Path | None = None
     try:
         from torch.utils.cpp_extension import load
 
-        build_dir = native_build_dir()
+        build_dir = native_build_dir(target)
 
         def build(directory: Path) -> ModuleType:
             return load(
                 name=_MODULE_NAME,
                 sources=[str(s) for s in sources],
-                extra_cflags=list(_CFLAGS),
+                extra_cflags=list(target.cflags),
                 extra_ldflags=list(_LDFLAGS),
                 build_directory=str(directory),
                 verbose=False,
@@ -147,7 +177,7 @@ def native_build() -> NativeBuild:
             "kvflow's native CPU kernels",
             is_built=lambda d: (d / f"{_MODULE_NAME}.so").exists(),
         )
-        return NativeBuild(module, "built", build_dir)
+        return NativeBuild(module, f"built for {target.name}", build_dir, target)
     except Exception as e:  # a missing compiler or ninja, or a stuck build, must not stop the engine
         logger.warning("native bf16 kernels unavailable (build failed: %s); using torch paths", e)
         return NativeBuild(None, f"the build failed: {e}", build_dir)

@@ -4,7 +4,7 @@
 // Note: torch's JIT builder hashes the .cpp sources, not headers (kvflow's build cache hashes both).
 #pragma once
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include "bf16_utils.h"
 

@@ -11,8 +11,8 @@
 // through a native LM head does not come here: the head's GEMV folds the argmax into its tiles.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
+#include "simd.h"
 
 #include "argmax_lanes.h"
 #include "bf16_utils.h"

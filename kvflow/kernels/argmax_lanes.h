@@ -7,7 +7,7 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>

@@ -4,7 +4,7 @@
 // editing this file rebuilds the kernels.
 #pragma once
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <cstdint>
 

@@ -3,7 +3,7 @@
 // editing this file rebuilds the kernels.
 #pragma once
 
-#include <immintrin.h>
+#include "simd.h"
 
 #include <cstdint>
 #include <cstring>

@@ -30,15 +30,18 @@ void bind_decode_forward(py::module& m) {
   py::class_<NativeLinear, std::shared_ptr<NativeLinear>>(m, "NativeLinear")
       .def_static(
           "bf16",
-          [](torch::Tensor tiles, torch::Tensor packed, int64_t out_features, OptTensor bias, int64_t max_gemv_rows) {
+          [](torch::Tensor tiles, torch::Tensor packed, bool packed_is_blocked, int64_t out_features, OptTensor bias,
+             int64_t max_gemv_rows) {
             auto l = make_linear(NativeLinear::Kind::kBf16, tiles, tiles.size(1) * 2);
             l->out_features = out_features;
             l->packed = packed;
+            l->packed_is_blocked = packed_is_blocked;
             l->bias = bias;
             l->max_gemv_rows = max_gemv_rows;
             return l;
           },
-          "bf16 16-row tiles (tile_bf16_weight), the oneDNN-blocked weight, N, bias, GEMV row limit")
+          "bf16 16-row tiles (tile_bf16_weight), the oneDNN-blocked weight (or the plain one), whether it is "
+          "blocked, N, bias, GEMV row limit")
       .def_static(
           "int8",
           [](torch::Tensor tiles, torch::Tensor scales, int64_t in_features, OptTensor bias, int64_t max_gemv_rows) {

@@ -64,14 +64,30 @@ torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed,
   return op.call(x, packed, bias, "none", c10::List<std::optional<c10::Scalar>>(), "");
 }
 
+// Whether oneDNN has a bf16 GEMM on this CPU (kvflow/layers/bf16_gemm.py onednn_bf16_gemm).
+bool onednn_bf16_gemm() {
+  static const bool supported = c10::Dispatcher::singleton()
+                                    .findSchemaOrThrow("mkldnn::_is_mkldnn_bf16_supported", "")
+                                    .typed<bool()>()
+                                    .call();
+  return supported;
+}
+
+// x [T, K] bf16 @ w [N, K] bf16 -> [T, N] bf16 on the CPU's fast GEMM: oneDNN's bf16 one, or fp32
+// where it has none (AVX2 CPUs; kvflow/layers/bf16_gemm.py bf16_linear).
+torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
+  if (onednn_bf16_gemm()) return at::linear(x, w);
+  return at::linear(x.to(torch::kFloat32), w.to(torch::kFloat32)).to(torch::kBFloat16);
+}
+
 // Prefill-sized rows of a quantized linear: row blocks dequantized to bf16 and multiplied by
-// F.linear one at a time (kvflow/quant/linear.py _gemm_over_tiles).
+// bf16_linear one at a time (kvflow/quant/linear.py _gemm_over_tiles).
 template <typename Dequantize>
 torch::Tensor gemm_over_tiles(const torch::Tensor& x, int64_t N, int64_t K, int64_t row_multiple,
                               const Dequantize& dequantize, const c10::optional<torch::Tensor>& bias) {
   const int64_t rows = std::max<int64_t>(row_multiple, kPrefillTileElements / K / row_multiple * row_multiple);
   std::vector<torch::Tensor> parts;
-  for (int64_t n0 = 0; n0 < N; n0 += rows) parts.push_back(at::linear(x, dequantize(n0, std::min(N, n0 + rows))));
+  for (int64_t n0 = 0; n0 < N; n0 += rows) parts.push_back(bf16_linear(x, dequantize(n0, std::min(N, n0 + rows))));
   torch::Tensor y = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
   return bias.has_value() ? y + *bias : y;
 }
@@ -83,7 +99,8 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
   switch (kind) {
     case Kind::kBf16:
       if (M <= max_gemv_rows) return skinny_linear_bf16(x_in, weight, out_features, bias);
-      return onednn_linear(x_in, packed, bias);
+      if (packed_is_blocked) return onednn_linear(x_in, packed, bias);
+      return bias.has_value() ? bf16_linear(x_in, packed) + *bias : bf16_linear(x_in, packed);
     case Kind::kInt8:
       if (M <= max_gemv_rows) return skinny_linear_int8(x_in, weight, scales, bias);
       return gemm_over_tiles(

@@ -47,7 +47,9 @@ struct NativeLinear {
   Kind kind;
   torch::Tensor weight;  // bf16 tiles [N_pad / 16, K / 2, 16, 2] | int8 tiles [N_pad / 16, K_pad / 4, 16, 4] | int4
                          // tiles [N_pad / 16, 8K]
-  torch::Tensor packed;  // bf16 only: oneDNN's blocked copy (rows > max_gemv_rows)
+  torch::Tensor packed;  // bf16 only, rows > max_gemv_rows: oneDNN's blocked copy, or the plain [N, K] weight
+                         // where oneDNN has no bf16 GEMM (AVX2 CPUs: multiplied in fp32)
+  bool packed_is_blocked = true;
   torch::Tensor scales;  // int8 [N] fp32 | int4 [N_pad / 16, K / g, 16] bf16
   torch::Tensor mins;    // int4 [N_pad / 16, K / g, 16] bf16
   c10::optional<torch::Tensor> bias;

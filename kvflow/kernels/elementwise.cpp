@@ -13,8 +13,8 @@
 // decode paths stay bit-identical.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
+#include "simd.h"
 
 #include "bf16_utils.h"
 

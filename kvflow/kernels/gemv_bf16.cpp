@@ -21,8 +21,8 @@
 // (kvflow/layers/linear.py: past 32 rows oneDNN is faster, except in batch-invariant mode).
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
+#include "simd.h"
 
 #include "argmax_lanes.h"
 #include "row_dispatch.h"

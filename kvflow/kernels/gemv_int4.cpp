@@ -28,8 +28,8 @@
 // layout, n0 a multiple of 16, for prefill chunks multiplied a block at a time with oneDNN.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
+#include "simd.h"
 
 #include "activation_quant.h"
 #include "argmax_lanes.h"
@@ -44,8 +44,11 @@
 #include <vector>
 
 // VNNI (vpdpbusd) for this file only: every CPU with AVX512-BF16 has it, and kvflow/kernels checks
-// the avx512_vnni CPU flag before building.
+// the avx512_vnni CPU flag before building. The AVX2 build has no such instruction: simd.h gives
+// vpdpbusd's exact sum in 16-bit multiplies (avx512_on_avx2.h).
+#if defined(__AVX512F__)
 #pragma GCC target("avx512vnni")
+#endif
 
 namespace {
 

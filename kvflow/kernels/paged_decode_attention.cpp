@@ -17,8 +17,8 @@
 // kernel streams the pool's 1 or 0.5 bytes per element instead of gathering a dequantized copy.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
+#include "simd.h"
 
 #include "attention_simd.h"
 #include "bf16_utils.h"

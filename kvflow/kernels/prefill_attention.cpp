@@ -23,8 +23,8 @@
 // keys. The output is rounded to bf16 once.
 
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <torch/extension.h>
+#include "simd.h"
 
 #include "attention_simd.h"
 #include "bf16_utils.h"

@@ -15,6 +15,11 @@ Measured on this 2-core AVX512-BF16 EPYC (benchmarks/NOTES.md), weights streamed
   machine's vdpbf16ps peak.
 Both copies are held (tiles + blocked: twice the model's bf16 bytes), the plain one is dropped.
 Without the native kernels only the blocked copy is kept; float32/float16 keep `F.linear`.
+
+On an AVX2 CPU (no AVX-512: Zen 2/3, Intel client cores) the GEMV is the same source built over
+256-bit registers (kvflow/kernels/avx512_on_avx2.h), and oneDNN has no bf16 GEMM, so the plain
+weight stays in place of the blocked copy and rows past the GEMV's limit are multiplied in fp32
+(kvflow/layers/bf16_gemm.py).
 """
 
 from __future__ import annotations
@@ -27,15 +32,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.kernels import NativeDecoderClasses, SkinnyLinear, on_huge_pages, skinny_linear_bf16
+from kvflow.layers.bf16_gemm import bf16_linear, onednn_bf16_gemm
 
 # Up to this many rows the native GEMV runs (module docstring; kvflow/kernels/gemv_bf16.cpp kMaxRows).
 SKINNY_MAX_ROWS = 32
 # A row limit of "every row": batch-invariant mode runs all rows through the row-invariant GEMVs.
 ALL_ROWS = sys.maxsize
-
-
-def _onednn_bf16_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
 class Linear(nn.Module):
@@ -61,29 +63,39 @@ class Linear(nn.Module):
     def prepare_for_inference(self) -> None:
         """Lay the bf16 weights out for their kernels once they are loaded (module docstring); the
         plain copy is dropped, as no path reads it afterwards."""
-        if self.weight.dtype != torch.bfloat16 or self.weight.is_meta or not _onednn_bf16_available():
+        if self.weight.dtype != torch.bfloat16 or self.weight.is_meta:
             return
-        self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
         native = skinny_linear_bf16() if self.in_features % 2 == 0 else None
         if native is not None:
             self._skinny, tile = native
             self._tiles = on_huge_pages(tile(self.weight.data))  # read in full every decode step
-        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+        if onednn_bf16_gemm():
+            self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
+            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self._skinny is not None and self._tiles is not None and x.shape[0] <= self.max_gemv_rows:
             return self._skinny(x, self._tiles, self.out_features, self.bias)
         if self._packed_weight is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
+        if self.weight.dtype == torch.bfloat16:
+            return bf16_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def native(self, classes: NativeDecoderClasses) -> Any | None:
         """This layer for the native decode forward (kvflow/kernels/decode_forward.cpp), or None when
         it runs only in torch (not bf16, or a kernel missing): the same kernels as `forward`."""
-        if self._tiles is None or self._packed_weight is None:
+        if self._tiles is None:
             return None
+        # Past the GEMV's rows: oneDNN on its blocked copy, or (no bf16 GEMM) fp32 on the plain weight.
+        blocked = self._packed_weight is not None
         return classes.linear.bf16(
-            self._tiles, self._packed_weight, self.out_features, self.bias, self.max_gemv_rows
+            self._tiles,
+            self._packed_weight if blocked else self.weight.data,
+            blocked,
+            self.out_features,
+            self.bias,
+            self.max_gemv_rows,
         )
 
     def extra_repr(self) -> str:

@@ -30,7 +30,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvflow.kernels import (
@@ -43,6 +42,7 @@ from kvflow.kernels import (
     int8_weight_kernels,
     on_huge_pages,
 )
+from kvflow.layers.bf16_gemm import bf16_linear
 from kvflow.quant.weights import Int4Weight, Int8Weight
 
 # Up to this many rows the native int8/int4 GEMVs beat dequantize-and-GEMM (measured at M = 4..16).
@@ -138,8 +138,9 @@ def _row_blocks(out_features: int, in_features: int, multiple: int = 1) -> list[
 def _gemm_over_tiles(
     x: torch.Tensor, tiles: Iterator[torch.Tensor], bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """Prefill: x [T, in] times each bf16 row block [rows, in] through oneDNN, as it is produced."""
-    parts = [F.linear(x, tile) for tile in tiles]
+    """Prefill: x [T, in] times each bf16 row block [rows, in] through oneDNN (fp32 where the CPU has
+    no bf16 GEMM: kvflow/layers/bf16_gemm.py), as it is produced."""
+    parts = [bf16_linear(x, tile) for tile in tiles]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
     return y if bias is None else y + bias
 

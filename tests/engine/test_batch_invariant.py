@@ -20,7 +20,8 @@ from kvflow.errors import InvalidRequestError
 from kvflow.kernels import native_decoder_classes
 
 pytestmark = pytest.mark.skipif(
-    native_decoder_classes() is None, reason="native kernels unavailable (no AVX512-BF16 or no compiler)"
+    native_decoder_classes() is None,
+    reason="native kernels unavailable (no AVX512-BF16 or AVX2, or no compiler)",
 )
 
 # A small token budget chunks the prompts, and how depends on the other requests' decodes.

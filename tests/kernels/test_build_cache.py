@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.kernels import _CFLAGS, _LDFLAGS, native_build_dir
+from kvflow.kernels import _LDFLAGS, AVX2, AVX512_BF16, native_build_dir, simd_target
 from kvflow.kernels.build_cache import (
     CACHE_ENV,
     TORCH_BATON,
@@ -150,10 +150,21 @@ def test_the_cache_is_keyed_by_sources_toolchain_and_flags(
 
     # The real kernels' directory: under KVFLOW_KERNEL_CACHE, named by both keys.
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
-    real = native_build_dir()
-    assert real.parent == tmp_path / "cache"
-    assert real.name.startswith(toolchain_key(_CFLAGS, _LDFLAGS) + "-")
-    assert real == build_dir_for(tmp_path / "cache", *real.name.split("-"))
+    # Each instruction set builds apart: an AVX2 build never loads on an AVX-512 CPU, nor the reverse.
+    for target in (AVX512_BF16, AVX2):
+        real = native_build_dir(target)
+        assert real.parent == tmp_path / "cache"
+        assert real.name.startswith(toolchain_key(target.cflags, _LDFLAGS) + "-")
+        assert real == build_dir_for(tmp_path / "cache", *real.name.split("-"))
+    assert native_build_dir(AVX512_BF16) != native_build_dir(AVX2)
+
+
+def test_simd_target_prefers_avx512_bf16_and_falls_back_to_avx2() -> None:
+    zen4 = {"avx2", "fma", "f16c", "bmi2", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni"}
+    assert simd_target(zen4) == AVX512_BF16
+    assert simd_target({"avx2", "fma", "f16c", "bmi2", "avx512f"}) == AVX2  # Skylake-X: no BF16
+    assert simd_target({"avx2", "fma", "f16c", "bmi2"}) == AVX2  # Zen 2/3
+    assert simd_target({"avx", "sse4_2"}) is None
 
 
 def test_build_kernels_command_says_why_kernels_are_unavailable() -> None:

@@ -1,5 +1,6 @@
-"""The bf16 linear fast paths (native AVX512-BF16 GEMV for few rows, oneDNN blocked weights for
-more) agree with a float32 reference to bf16 rounding, for awkward shapes too."""
+"""The bf16 linear fast paths (the native GEMV for few rows; oneDNN blocked weights for more, or an
+fp32 GEMM where oneDNN has no bf16 one) agree with a float32 reference to bf16 rounding, for awkward
+shapes too."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from kvflow.kernels import skinny_linear_bf16
+from kvflow.layers import bf16_gemm
 from kvflow.layers.linear import SKINNY_MAX_ROWS, Linear
 
 # (rows M, out N, in K): K not a multiple of 32 exercises the masked tail, N of the thread split.
@@ -17,9 +19,18 @@ def _relative_error(y: torch.Tensor, ref: torch.Tensor) -> float:
     return float((y.float() - ref).abs().max() / ref.abs().max())
 
 
+@pytest.fixture(params=["cpu", "no_bf16_gemm"])
+def gemm_kind(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """This CPU's GEMM for many rows, and the fp32 one an AVX2 CPU (no oneDNN bf16 GEMM) takes."""
+    if request.param == "no_bf16_gemm":
+        monkeypatch.setattr(bf16_gemm, "onednn_bf16_gemm", lambda: False)
+        monkeypatch.setattr("kvflow.layers.linear.onednn_bf16_gemm", lambda: False)
+    return str(request.param)
+
+
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_bf16_linear_matches_float_reference(m: int, n: int, k: int, bias: bool) -> None:
+def test_bf16_linear_matches_float_reference(m: int, n: int, k: int, bias: bool, gemm_kind: str) -> None:
     torch.manual_seed(m * 1000 + n + k)
     layer = Linear(k, n, bias, torch.bfloat16)
     with torch.no_grad():
@@ -39,7 +50,7 @@ def test_bf16_linear_matches_float_reference(m: int, n: int, k: int, bias: bool)
 def test_native_kernel_handles_every_row_count_up_to_the_threshold() -> None:
     native = skinny_linear_bf16()
     if native is None:
-        pytest.skip("native AVX512-BF16 kernel unavailable on this CPU/toolchain")
+        pytest.skip("native kernel unavailable on this CPU/toolchain")
     kernel, tile = native
     w = torch.randn(50, 130, dtype=torch.bfloat16)  # 50 rows: 3 whole 16-row tiles and a partial one
     tiles = tile(w)

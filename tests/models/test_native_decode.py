@@ -23,7 +23,8 @@ from kvflow.kernels import native_decoder_classes
 from kvflow.worker.input_batch import build_decode_rows, build_input_batch
 
 pytestmark = pytest.mark.skipif(
-    native_decoder_classes() is None, reason="native kernels unavailable (no AVX512-BF16 or no compiler)"
+    native_decoder_classes() is None,
+    reason="native kernels unavailable (no AVX512-BF16 or AVX2, or no compiler)",
 )
 
 NUM_PROMPTS = 12  # decode steps shrink from 12 rows to 1 as requests finish one by one

@@ -87,7 +87,9 @@ def test_native_decode_kernel_dequantizes_pools_like_the_gather_path(kind: str, 
     lists); the reference is exact attention over the same pool dequantized in fp32."""
     native = paged_decode_attention_quantized()
     if native is None:
-        pytest.skip("kvflow's native kernels are unavailable on this CPU (no AVX512-BF16 or no compiler)")
+        pytest.skip(
+            "kvflow's native kernels are unavailable on this CPU (no AVX512-BF16 or AVX2, or no compiler)"
+        )
     gen = torch.Generator().manual_seed(4)
     num_heads, lens = 6, [5, 40, 17]
     total = sum(lens)

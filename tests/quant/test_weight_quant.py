@@ -102,7 +102,9 @@ def test_native_quantized_paths_equal_the_dequantized_matmul(
     dequantize-and-GEMM, here cut into several blocks (one of them partial) by a small tile."""
     kernels = int8_weight_kernels() if method == "int8" else int4_weight_kernels()
     if kernels is None:
-        pytest.skip("kvflow's native kernels are unavailable on this CPU (no AVX512-BF16 or no compiler)")
+        pytest.skip(
+            "kvflow's native kernels are unavailable on this CPU (no AVX512-BF16 or AVX2, or no compiler)"
+        )
     monkeypatch.setattr(quant_linear, "PREFILL_TILE_ELEMENTS", 40 * in_features)  # 40-row blocks
     torch.manual_seed(1)
     weight = torch.randn(96, in_features).to(torch.bfloat16)
