@@ -354,6 +354,34 @@ KVFLOW_AVX2_INLINE m512i dpbusd_epi32(m512i acc, m512i a, m512i b) {
   return {dpbusd_8(acc.lo, a.lo, b.lo), dpbusd_8(acc.hi, a.hi, b.hi)};
 }
 
+// Cheaper forms of vpdpbusd for the weight-only GEMVs, where the operands' ranges let vpmaddubsw
+// (u8 x s8 pairs summed into int16, saturating) be exact: 2 multiplies per 32 bytes instead of
+// vpdpbusd's 16-bit widening above (the int8 / int4 GEMVs were compute-bound on it: ~12 GB/s).
+//
+// vpdpbusd where every byte of `a` is <= 15 (int4 nibbles): a pair sums to at most 2 * 15 * 128.
+KVFLOW_AVX2_INLINE m512i dpbusd_nibbles(m512i acc, m512i a, m512i b) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(a.lo, b.lo), ones)),
+          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(a.hi, b.hi), ones))};
+}
+// Weights stored as the unsigned byte q + 128 with |q| <= 127, split once per load for dpbssd.
+struct SignedWeights {
+  m512i q, magnitude;  // q (signed bytes) and |q|
+};
+KVFLOW_AVX2_INLINE SignedWeights signed_weights(m512i stored) {
+  const __m256i flip = _mm256_set1_epi8(char(0x80));  // byte - 128 = byte ^ 0x80 as a signed byte
+  const __m256i lo = _mm256_xor_si256(stored.lo, flip), hi = _mm256_xor_si256(stored.hi, flip);
+  return {{lo, hi}, {_mm256_abs_epi8(lo), _mm256_abs_epi8(hi)}};
+}
+// acc + the 4 products q x b of each 32-bit lane (b signed bytes, |b| <= 127): |q| times b with q's
+// sign moved onto b (vpsignb), so each vpmaddubsw pair is at most 2 * 127 * 127 < 2^15.
+KVFLOW_AVX2_INLINE m512i dpbssd(m512i acc, const SignedWeights& w, m512i b) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i lo = _mm256_maddubs_epi16(w.magnitude.lo, _mm256_sign_epi8(b.lo, w.q.lo));
+  const __m256i hi = _mm256_maddubs_epi16(w.magnitude.hi, _mm256_sign_epi8(b.hi, w.q.hi));
+  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(lo, ones)), _mm256_add_epi32(acc.hi, _mm256_madd_epi16(hi, ones))};
+}
+
 }  // namespace kvflow_avx2
 
 // The AVX-512 names, as the kernels spell them.

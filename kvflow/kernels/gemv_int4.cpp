@@ -124,8 +124,13 @@ struct Gemv {
           int32_t x_lo, x_hi;  // 4 activations each, broadcast to every row's lane
           std::memcpy(&x_lo, xq, 4);
           std::memcpy(&x_hi, xq + 4, 4);
+#if defined(__AVX512F__)
           dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x_lo));
           dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x_hi));
+#else  // the same sums: nibbles times int8 cannot saturate vpmaddubsw (avx512_on_avx2.h)
+          dot[m] = kvflow_avx2::dpbusd_nibbles(dot[m], lo, _mm512_set1_epi32(x_lo));
+          dot[m] = kvflow_avx2::dpbusd_nibbles(dot[m], hi, _mm512_set1_epi32(x_hi));
+#endif
         }
       }
       for (int64_t m = 0; m < MB; ++m) {

@@ -75,15 +75,26 @@ struct Gemv {
       for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
       for (int64_t c = 0; c < kQuadsPerBlock; ++c) {
         const __m512i wq = _mm512_loadu_si512(wb + c * kQuadBytes);
+#if !defined(__AVX512F__)
+        const kvflow_avx2::SignedWeights ws = kvflow_avx2::signed_weights(wq);
+#endif
         for (int64_t m = 0; m < MB; ++m) {
           int32_t x4;  // 4 activations, broadcast to every row's lane
           std::memcpy(&x4, x->q.data() + (m0 + m) * K_pad + b * kvflow::kActivationBlock + 4 * c, 4);
+#if defined(__AVX512F__)
           dot[m] = _mm512_dpbusd_epi32(dot[m], wq, _mm512_set1_epi32(x4));
+#else  // AVX2: sum q xq directly (vpsignb + vpmaddubsw, exact; avx512_on_avx2.h), no offset to remove
+          dot[m] = kvflow_avx2::dpbssd(dot[m], ws, _mm512_set1_epi32(x4));
+#endif
         }
       }
       for (int64_t m = 0; m < MB; ++m) {
         const int64_t i = (m0 + m) * blocks + b;
+#if defined(__AVX512F__)
         const __m512i exact = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(kWeightOffset * x->sums[i]));
+#else
+        const __m512i exact = dot[m];
+#endif
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x->scales[i]), acc[m]);
       }
     }

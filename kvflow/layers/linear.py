@@ -51,7 +51,11 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None = (
             nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
         )
-        self._packed_weight: torch.Tensor | None = None
+        # The copy rows past the GEMV read: oneDNN's blocked one (_gemm_blocked), or the plain weight
+        # where oneDNN has no bf16 GEMM. Held outside the module's tensors, so that those count the
+        # bytes decode reads (the tiles) once.
+        self._gemm_weight: torch.Tensor | None = None
+        self._gemm_blocked = False
         self._skinny: SkinnyLinear | None = None
         # Rows up to which the GEMV runs; ALL_ROWS in batch-invariant mode (set_batch_invariant).
         self.max_gemv_rows = SKINNY_MAX_ROWS
@@ -70,14 +74,21 @@ class Linear(nn.Module):
             self._skinny, tile = native
             self._tiles = on_huge_pages(tile(self.weight.data))  # read in full every decode step
         if onednn_bf16_gemm():
-            self._packed_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
-            self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
+            self._gemm_weight = torch.ops.mkldnn._reorder_linear_weight(self.weight.data)
+            self._gemm_blocked = True
+        elif self._tiles is not None:
+            self._gemm_weight = self.weight.data  # multiplied in fp32 (kvflow/layers/bf16_gemm.py)
+        else:
+            return  # no kernel and no bf16 GEMM: the plain weight stays the only copy
+        self.weight = nn.Parameter(torch.empty(0, dtype=self.weight.dtype), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self._skinny is not None and self._tiles is not None and x.shape[0] <= self.max_gemv_rows:
             return self._skinny(x, self._tiles, self.out_features, self.bias)
-        if self._packed_weight is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed_weight, self.bias, "none", [], "")
+        if self._gemm_weight is not None and self._gemm_blocked:
+            return torch.ops.mkldnn._linear_pointwise(x, self._gemm_weight, self.bias, "none", [], "")
+        if self._gemm_weight is not None:
+            return bf16_linear(x, self._gemm_weight, self.bias)
         if self.weight.dtype == torch.bfloat16:
             return bf16_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
@@ -85,14 +96,12 @@ class Linear(nn.Module):
     def native(self, classes: NativeDecoderClasses) -> Any | None:
         """This layer for the native decode forward (kvflow/kernels/decode_forward.cpp), or None when
         it runs only in torch (not bf16, or a kernel missing): the same kernels as `forward`."""
-        if self._tiles is None:
+        if self._tiles is None or self._gemm_weight is None:
             return None
-        # Past the GEMV's rows: oneDNN on its blocked copy, or (no bf16 GEMM) fp32 on the plain weight.
-        blocked = self._packed_weight is not None
         return classes.linear.bf16(
             self._tiles,
-            self._packed_weight if blocked else self.weight.data,
-            blocked,
+            self._gemm_weight,
+            self._gemm_blocked,
             self.out_features,
             self.bias,
             self.max_gemv_rows,
