@@ -44,7 +44,7 @@ def enable_batch_invariance(model: LlamaFamilyForCausalLM, kv_store: KVStore) ->
             f"batch_invariant is not supported for {model.config.architecture}: {family}"
             if family
             else "batch_invariant needs every layer on kvflow's native kernels: a bfloat16 model (dtype "
-            "bfloat16), a CPU with AVX512-BF16, int4 group sizes 32/64/128, and no act-order parts"
+            "bfloat16), a CPU with AVX512-BF16 or AVX2, int4 group sizes 32/64/128, and no act-order parts"
         )
 
 

@@ -25,8 +25,12 @@ GAP_S = 0.050
 # every per-token gap is GAP_S while the per-chunk gaps are GAP_S, GAP_S, 2 * GAP_S, GAP_S.
 SCHEDULE = ((0.0, 1), (GAP_S, 1), (2 * GAP_S, 1), (4 * GAP_S, 2), (5 * GAP_S, 1))
 NUM_TOKENS = sum(n for _, n in SCHEDULE)
-# Tolerances for medians: asyncio timers, loopback and JSON on a shared 2-core machine.
-TTFT_TOLERANCE_MS = 20.0
+# Tolerances for medians: asyncio timers, loopback and JSON on a shared 2-core machine. A request's
+# round trip (client -> uvicorn -> first byte back) adds to TTFT and end-to-end latency, never takes
+# away: 3-5 ms on the Zen 4 machines, 10-21 ms on a Zen 3 one (the chat role chunk, sent at once,
+# measures it), so those two get a one-sided window and the chat endpoint checks TTFT net of it.
+TIMER_SLACK_MS = 2.0
+ROUND_TRIP_ALLOWANCE_MS = 40.0
 ITL_TOLERANCE_MS = 10.0
 
 
@@ -87,15 +91,23 @@ def test_reported_latencies_match_the_known_delays(fixed_server: str, tmp_path: 
     )
     result = run_benchmark(config)
     assert (result["completed"], result["failed"]) == (6, 0)
-    assert result["ttft_ms"]["p50"] == pytest.approx(TTFT_S * 1e3, abs=TTFT_TOLERANCE_MS)
+    ttft = result["ttft_ms"]["p50"]
+    assert TTFT_S * 1e3 - TIMER_SLACK_MS <= ttft <= TTFT_S * 1e3 + ROUND_TRIP_ALLOWANCE_MS
     assert result["itl_ms"]["p50"] == pytest.approx(GAP_S * 1e3, abs=ITL_TOLERANCE_MS)
     assert result["tpot_ms"]["p50"] == pytest.approx(GAP_S * 1e3, abs=ITL_TOLERANCE_MS)
     # Per chunk, the 2-token chunk's gap is twice as long: the median stays GAP_S, the max is ~2 GAP_S.
     assert result["itl_chunk_ms"]["max"] == pytest.approx(2 * GAP_S * 1e3, abs=2 * ITL_TOLERANCE_MS)
-    assert result["e2e_ms"]["p50"] == pytest.approx((TTFT_S + 5 * GAP_S) * 1e3, abs=TTFT_TOLERANCE_MS)
+    e2e = result["e2e_ms"]["p50"]
+    assert (
+        (TTFT_S + 5 * GAP_S) * 1e3 - TIMER_SLACK_MS
+        <= e2e
+        <= (TTFT_S + 5 * GAP_S) * 1e3 + ROUND_TRIP_ALLOWANCE_MS
+    )
     first_chunk = result["ttft_first_chunk_ms"]["p50"]
     if endpoint == "chat":  # vLLM's definition counts the immediate role chunk
         assert first_chunk < TTFT_S * 1e3 / 2
+        # The role chunk left the server at once: TTFT net of that round trip is the server's delay.
+        assert ttft - first_chunk == pytest.approx(TTFT_S * 1e3, abs=ITL_TOLERANCE_MS)
     else:
         assert first_chunk == pytest.approx(result["ttft_ms"]["p50"], abs=1.0)
     assert all(
