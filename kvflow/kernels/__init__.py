@@ -135,11 +135,10 @@ class NativeBuild(NamedTuple):
     module: ModuleType | None
     reason: str
     build_dir: Path | None = None
-    target: SimdTarget | None = None
 
 
-def native_build_dir(target: SimdTarget = AVX512_BF16) -> Path:
-    """Where this kvflow's kernels are built for this torch, Python, compiler and flags."""
+def native_build_dir(target: SimdTarget) -> Path:
+    """Where this kvflow's kernels are built for `target` and this torch, Python and compiler."""
     inputs = [*(_HERE / s for s in _SOURCES), *sorted(_HERE.glob("*.h"))]
     return build_dir_for(cache_root(), toolchain_key(target.cflags, _LDFLAGS), sources_key(inputs))
 
@@ -177,7 +176,7 @@ def native_build() -> NativeBuild:
             "kvflow's native CPU kernels",
             is_built=lambda d: (d / f"{_MODULE_NAME}.so").exists(),
         )
-        return NativeBuild(module, f"built for {target.name}", build_dir, target)
+        return NativeBuild(module, f"built for {target.name}", build_dir)
     except Exception as e:  # a missing compiler or ninja, or a stuck build, must not stop the engine
         logger.warning("native bf16 kernels unavailable (build failed: %s); using torch paths", e)
         return NativeBuild(None, f"the build failed: {e}", build_dir)

@@ -73,11 +73,18 @@ bool onednn_bf16_gemm() {
   return supported;
 }
 
-// x [T, K] bf16 @ w [N, K] bf16 -> [T, N] bf16 on the CPU's fast GEMM: oneDNN's bf16 one, or fp32
-// where it has none (AVX2 CPUs; kvflow/layers/bf16_gemm.py bf16_linear).
-torch::Tensor bf16_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  if (onednn_bf16_gemm()) return at::linear(x, w);
-  return at::linear(x.to(torch::kFloat32), w.to(torch::kFloat32)).to(torch::kBFloat16);
+// x [T, K] bf16 as the CPU's fast GEMM takes it: itself for oneDNN's bf16 GEMM, widened to fp32
+// where there is none (AVX2 CPUs). Widened once per linear, not once per row block.
+torch::Tensor gemm_input(const torch::Tensor& x) { return onednn_bf16_gemm() ? x : x.to(torch::kFloat32); }
+
+// gemm_input(x) [T, K] @ w [N, K] bf16 (+ bias) -> [T, N] bf16 on the CPU's fast GEMM, as
+// kvflow/layers/bf16_gemm.py bf16_linear computes it (in fp32 there, the bias included).
+torch::Tensor bf16_linear(const torch::Tensor& x_gemm, const torch::Tensor& w,
+                          const c10::optional<torch::Tensor>& bias = c10::nullopt) {
+  if (onednn_bf16_gemm()) return at::linear(x_gemm, w, bias);
+  const c10::optional<torch::Tensor> bias_wide =
+      bias.has_value() ? c10::optional<torch::Tensor>(bias->to(torch::kFloat32)) : c10::nullopt;
+  return at::linear(x_gemm, w.to(torch::kFloat32), bias_wide).to(torch::kBFloat16);
 }
 
 // Prefill-sized rows of a quantized linear: row blocks dequantized to bf16 and multiplied by
@@ -86,8 +93,9 @@ template <typename Dequantize>
 torch::Tensor gemm_over_tiles(const torch::Tensor& x, int64_t N, int64_t K, int64_t row_multiple,
                               const Dequantize& dequantize, const c10::optional<torch::Tensor>& bias) {
   const int64_t rows = std::max<int64_t>(row_multiple, kPrefillTileElements / K / row_multiple * row_multiple);
+  const torch::Tensor x_gemm = gemm_input(x);
   std::vector<torch::Tensor> parts;
-  for (int64_t n0 = 0; n0 < N; n0 += rows) parts.push_back(bf16_linear(x, dequantize(n0, std::min(N, n0 + rows))));
+  for (int64_t n0 = 0; n0 < N; n0 += rows) parts.push_back(bf16_linear(x_gemm, dequantize(n0, std::min(N, n0 + rows))));
   torch::Tensor y = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
   return bias.has_value() ? y + *bias : y;
 }
@@ -100,7 +108,7 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
     case Kind::kBf16:
       if (M <= max_gemv_rows) return skinny_linear_bf16(x_in, weight, out_features, bias);
       if (packed_is_blocked) return onednn_linear(x_in, packed, bias);
-      return bias.has_value() ? bf16_linear(x_in, packed) + *bias : bf16_linear(x_in, packed);
+      return bf16_linear(gemm_input(x_in), packed, bias);
     case Kind::kInt8:
       if (M <= max_gemv_rows) return skinny_linear_int8(x_in, weight, scales, bias);
       return gemm_over_tiles(

@@ -132,7 +132,6 @@ int64_t check_tiles(const torch::Tensor& tiles, const torch::Tensor& scales) {
   return tiles.size(1) * 4;
 }
 
-
 // skinny_linear_int8; with `tokens` (non-null, [M]), also each row's argmax (argmax_lanes.h).
 torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tiles, const torch::Tensor& scales,
                                       const c10::optional<torch::Tensor>& bias, int64_t* tokens) {

@@ -11,6 +11,7 @@ back to bf16. bf16 -> fp32 is exact, and the GEMMs accumulate in fp32 either way
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -32,3 +33,14 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return F.linear(x, weight, bias)
     y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
     return y.to(x.dtype)
+
+
+def bf16_linear_blocks(x: torch.Tensor, weights: Iterable[torch.Tensor]) -> torch.Tensor:
+    """x [T, in] bf16 times each bf16 row block [rows_i, in] as it is produced -> [T, sum rows_i] bf16,
+    the blocks' outputs side by side: bf16_linear per block, with x widened once, not per block."""
+    if onednn_bf16_gemm():
+        parts = [F.linear(x, w) for w in weights]
+    else:
+        x_wide = x.float()
+        parts = [F.linear(x_wide, w.float()).to(x.dtype) for w in weights]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

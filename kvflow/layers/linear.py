@@ -85,13 +85,12 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         if self._skinny is not None and self._tiles is not None and x.shape[0] <= self.max_gemv_rows:
             return self._skinny(x, self._tiles, self.out_features, self.bias)
-        if self._gemm_weight is not None and self._gemm_blocked:
+        if self._gemm_blocked:
             return torch.ops.mkldnn._linear_pointwise(x, self._gemm_weight, self.bias, "none", [], "")
-        if self._gemm_weight is not None:
-            return bf16_linear(x, self._gemm_weight, self.bias)
-        if self.weight.dtype == torch.bfloat16:
-            return bf16_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        weight = self.weight if self._gemm_weight is None else self._gemm_weight
+        if weight.dtype == torch.bfloat16:
+            return bf16_linear(x, weight, self.bias)
+        return F.linear(x, weight, self.bias)
 
     def native(self, classes: NativeDecoderClasses) -> Any | None:
         """This layer for the native decode forward (kvflow/kernels/decode_forward.cpp), or None when

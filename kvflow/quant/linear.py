@@ -42,7 +42,7 @@ from kvflow.kernels import (
     int8_weight_kernels,
     on_huge_pages,
 )
-from kvflow.layers.bf16_gemm import bf16_linear
+from kvflow.layers.bf16_gemm import bf16_linear_blocks
 from kvflow.quant.weights import Int4Weight, Int8Weight
 
 # Up to this many rows the native int8/int4 GEMVs beat dequantize-and-GEMM (measured at M = 4..16).
@@ -140,8 +140,7 @@ def _gemm_over_tiles(
 ) -> torch.Tensor:
     """Prefill: x [T, in] times each bf16 row block [rows, in] through oneDNN (fp32 where the CPU has
     no bf16 GEMM: kvflow/layers/bf16_gemm.py), as it is produced."""
-    parts = [bf16_linear(x, tile) for tile in tiles]
-    y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    y = bf16_linear_blocks(x, tiles)
     return y if bias is None else y + bias
 
 
