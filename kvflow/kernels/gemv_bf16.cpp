@@ -19,6 +19,16 @@
 // share one pass over the weights (registers: 2 accumulators per row); more rows take more passes
 // over each tile while it is in L1/L2, so up to ~32 rows the weights still come from DRAM once
 // (kvflow/layers/linear.py: past 32 rows oneDNN is faster, except in batch-invariant mode).
+//
+// The AVX2 build (no vdpbf16ps, 16 ymm registers) has its own tile over the same layout: the
+// 64-byte pair row splits into two 8-row halves, each widened by an AND (input 2p + 1) and a shift
+// (input 2p) into fp32, and multiplied by the activations, widened to fp32 once per call and
+// broadcast from memory. One accumulator per row and half, so 4 rows per pass: 8 accumulators, 4
+// widened weights and 2 broadcasts fit the register file; per pair, acc += x_2p * w_2p +
+// (x_2p+1 * w_2p+1), the sum computed off the accumulator's dependency chain. (The AVX-512 tile through
+// avx512_on_avx2.h needed 32 registers at 8 rows and spilled: 8-row GEMV 8.2-8.9 GB/s of weights
+// on 2 threads against 13.6-14.5 here; benchmarks/NOTES.md, session 13.) Output (m, n) is the same
+// chain of FMAs over the pairs in order whatever M is, so the AVX2 build is batch-invariant too.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -35,16 +45,40 @@
 namespace {
 
 constexpr int64_t kTileRows = 16;         // output rows per tile: one per fp32 lane
+#if defined(__AVX512F__)
 constexpr int64_t kMaxRows = 8;           // activation rows sharing one pass over the weights
+#else
+constexpr int64_t kMaxRows = 4;           // AVX2: 8 accumulators + 4 weights + 2 broadcasts of 16 ymm
+#endif
 constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loads
 
 struct TiledGemv {
   const uint16_t* w;  // [N_pad / 16, K / 2, 16, 2]
   const uint16_t* x;  // [M, K]
+  const float* xf;    // [M, K]: x widened to fp32 (the AVX2 tile's broadcasts; null on AVX-512)
   const float* bias;  // [N] or null
   uint16_t* y;        // [M, N]
   int64_t M, K, N;
 
+  // Tile t's 16 columns of y: which are valid, and their bias (zero without one).
+  struct Columns {
+    int64_t n0;
+    __mmask16 keep;
+    __m512 bias;
+  };
+  inline Columns columns(int64_t t) const {
+    const int64_t n0 = t * kTileRows, valid = std::min(kTileRows, N - n0);
+    const __mmask16 keep = __mmask16((1u << valid) - 1u);
+    return {n0, keep, bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps()};
+  }
+
+  // y[m, tile columns] = bf16(acc + bias), round to nearest even.
+  inline void store(const Columns& c, int64_t m, __m512 acc) const {
+    const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc, c.bias));
+    _mm256_mask_storeu_epi16(y + m * N + c.n0, c.keep, out);
+  }
+
+#if defined(__AVX512F__)
   // Rows [m0, m0 + MB) of y for tile t.
   template <int64_t MB>
   inline void tile(int64_t t, int64_t m0) const {
@@ -75,19 +109,52 @@ struct TiledGemv {
         even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x0));
       }
     }
-    const int64_t n0 = t * kTileRows, valid = std::min(kTileRows, N - n0);
-    const __mmask16 keep = __mmask16((1u << valid) - 1u);
-    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
-    for (int64_t m = 0; m < MB; ++m) {  // bf16(even + odd + bias), round to nearest even
-      const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(_mm512_add_ps(even[m], odd[m]), b));
-      _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
-    }
+    const Columns c = columns(t);
+    for (int64_t m = 0; m < MB; ++m) store(c, m0 + m, _mm512_add_ps(even[m], odd[m]));
   }
+#else
+  // Rows [m0, m0 + MB) of y for tile t, MB <= 4 (the AVX2 tile in the header comment).
+  template <int64_t MB>
+  inline void tile(int64_t t, int64_t m0) const {
+    const int64_t pairs = K / 2;
+    const uint16_t* wt = w + t * pairs * 2 * kTileRows;
+    const __m256i top = _mm256_set1_epi32(int(0xffff0000u));  // a bf16 pair's upper half: input 2p + 1
+    __m256 lo[MB], hi[MB];  // rows 16t + 0..7 and 16t + 8..15 of activation row m0 + m
+    const float* xs[MB];    // activation row m0 + m, from input 2p
+    for (int64_t m = 0; m < MB; ++m) {
+      lo[m] = hi[m] = _mm256_setzero_ps();
+      xs[m] = xf + (m0 + m) * K;
+    }
+    for (int64_t p = 0; p < pairs; ++p) {
+      const uint16_t* wp = wt + p * 2 * kTileRows;  // one 64-byte line: 16 rows x inputs 2p, 2p + 1
+      _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+      const __m256i w_lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp));
+      const __m256i w_hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp + kTileRows));
+      const __m256 odd_lo = _mm256_castsi256_ps(_mm256_and_si256(w_lo, top));
+      const __m256 odd_hi = _mm256_castsi256_ps(_mm256_and_si256(w_hi, top));
+      const __m256 even_lo = _mm256_castsi256_ps(_mm256_slli_epi32(w_lo, 16));
+      const __m256 even_hi = _mm256_castsi256_ps(_mm256_slli_epi32(w_hi, 16));
+      for (int64_t m = 0; m < MB; ++m) {
+        const __m256 x_odd = _mm256_broadcast_ss(xs[m] + 2 * p + 1), x_even = _mm256_broadcast_ss(xs[m] + 2 * p);
+        // The pair's two products summed off the accumulator's chain (exact product, one FMA),
+        // so the chain is one add per pair: one row is not FMA-latency-bound (a chain of two FMAs
+        // per pair read 24 GB/s on one core from L2, this form 46, the AVX-512 tile's form 46).
+        lo[m] = _mm256_add_ps(lo[m], _mm256_fmadd_ps(even_lo, x_even, _mm256_mul_ps(odd_lo, x_odd)));
+        hi[m] = _mm256_add_ps(hi[m], _mm256_fmadd_ps(even_hi, x_even, _mm256_mul_ps(odd_hi, x_odd)));
+      }
+    }
+    const Columns c = columns(t);
+#pragma GCC unroll 4  // whole: a loop indexing lo / hi at run time keeps them in memory inside the one above
+    for (int64_t m = 0; m < MB; ++m) store(c, m0 + m, __m512{lo[m], hi[m]});
+  }
+#endif
 
   void tiles(int64_t t_begin, int64_t t_end) const {
     for (int64_t t = t_begin; t < t_end; ++t) {
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        kvflow::with_row_count(std::min(kMaxRows, M - m0), [&](auto rows) { tile<decltype(rows)::value>(t, m0); });
+        kvflow::with_row_count(std::min(kMaxRows, M - m0), [&](auto rows) {
+          if constexpr (decltype(rows)::value <= kMaxRows) tile<decltype(rows)::value>(t, m0);
+        });
       }
     }
   }
@@ -122,8 +189,15 @@ torch::Tensor skinny_linear_bf16_impl(torch::Tensor x, const torch::Tensor& w_ti
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
+#if defined(__AVX512F__)
+  const float* xf = nullptr;
+#else
+  const torch::Tensor x_f32 = x.to(torch::kFloat32);  // exact; read once per tile by the broadcasts
+  const float* xf = x_f32.data_ptr<float>();
+#endif
   const TiledGemv gemv{reinterpret_cast<const uint16_t*>(w_tiles.data_ptr<at::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
+                       xf,
                        bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
                        reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()),
                        M, K, N};

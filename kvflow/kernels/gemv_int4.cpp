@@ -111,8 +111,8 @@ struct Gemv {
           acc[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(x->sums[(m0 + m) * groups + j]), acc[m]);
       }
       const uint8_t* wb = wt + b * kTileBlockBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + 128), _MM_HINT_T0);
+      for (int64_t line = 0; line < kTileBlockBytes; line += kvflow::kWeightPrefetchStride)
+        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
       __m512i dot[MB];
       for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
       for (int64_t c = 0; c < 4; ++c) {

@@ -69,7 +69,7 @@ struct Gemv {
     for (int64_t m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* wb = wt + b * kQuadsPerBlock * kQuadBytes;
-      for (int64_t line = 0; line < kQuadsPerBlock * kQuadBytes; line += 128)
+      for (int64_t line = 0; line < kQuadsPerBlock * kQuadBytes; line += kvflow::kWeightPrefetchStride)
         _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
       __m512i dot[MB];
       for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();

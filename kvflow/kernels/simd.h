@@ -10,6 +10,23 @@
 
 #include <immintrin.h>
 
+#include <cstdint>
+
 #if !defined(__AVX512F__)
 #include "avx512_on_avx2.h"
 #endif
+
+namespace kvflow {
+
+// Bytes between the software prefetches of a streamed weight matrix (gemv_int8.cpp, gemv_int4.cpp).
+// On the AVX-512 CPUs kvflow was tuned on (Zen 4), every other line is enough: the adjacent-line
+// prefetcher fetches the pair. On Zen 3 (the AVX2 build) prefetching every other line is slower
+// than no software prefetch at all (one core, int8 inner loop over 256 MiB: 7.6-10 GB/s against
+// 11-12 without and 14-15.6 with every line; benchmarks/NOTES.md, session 13), so every line.
+#if defined(__AVX512F__)
+constexpr int64_t kWeightPrefetchStride = 128;
+#else
+constexpr int64_t kWeightPrefetchStride = 64;
+#endif
+
+}  // namespace kvflow
