@@ -270,7 +270,15 @@ constexpr int64_t kKeysPerBlock = 16;  // keys transposed together: one per fp32
 constexpr int64_t kScorePrefetchKeys = 64;
 constexpr int64_t kDwordsPerBlock = 16;  // dims 32 at a time = 16 bf16 pairs (one 512-bit row load)
 constexpr int64_t kMaxHeadsPerPass = 8;  // query heads scored per pass over a key block (registers)
+#if defined(__AVX512F__)
 constexpr int64_t kMaxValueHeads = 7;    // P.V: 7 heads x 4 vectors = 28 accumulators + 4 V vectors
+constexpr int64_t kValueBlocks = 2;      // 32-dim blocks of V per value pass
+#else
+// AVX2 (16 ymm registers, two per 16-lane vector): 3 heads x one 32-dim block = 12 accumulators + 4
+// for the V row. 7 heads x 2 blocks (56 registers) spilled every accumulator on every key.
+constexpr int64_t kMaxValueHeads = 3;
+constexpr int64_t kValueBlocks = 1;
+#endif
 constexpr int64_t kMaxGroupHeads = 64;   // query heads of one attend_rows call (check_common: G <= 64)
 // Rows that share their keys (row_groups) are grouped while the group has at most this many query
 // heads: two score passes and three value passes per key block. Measured at GQA 3:1, D = 64, 2 KV
@@ -352,9 +360,84 @@ struct Bf16Attention {
     }
   }
 
+#if !defined(__AVX512F__)
+  // The AVX2 build's score pass (D a multiple of 16), the same scores as score_pass without its
+  // transposes: through avx512_on_avx2.h each key block's 16 x 16 dword transpose was 64 two-source
+  // permutes of register pairs, and the 16 transposed rows (32 ymm) spilled. Here each key row is
+  // read as it is, 16 dims per 32-byte load widened to fp32 (even dims by a shift, odd by a mask),
+  // and multiplied into one accumulator per query head (the query widened once, in the same
+  // even/odd order, read from L1 as FMA operands); every kAvx2Keys keys, each head's partial sums
+  // are reduced across lanes into one vector of kAvx2Keys scores. A score's additions depend only
+  // on its head and key, not on which others share the pass (grouped rows change no bit).
+  static constexpr int64_t kAvx2Keys = 8;  // keys reduced together: one per fp32 lane of a ymm
+
+  template <int64_t GN>
+  void score_pass_avx2(const int64_t* sl, int64_t h, const uint32_t* const* qd, int64_t L, int64_t ld,
+                       float* scores, bool far) const {
+    const int64_t chunks = D / 16;
+    const __m256i top = _mm256_set1_epi32(int32_t(0xffff0000u));
+    std::vector<float> qf(GN * D);  // [GN, D / 16, (8 even dims, 8 odd dims)]
+    for (int64_t g = 0; g < GN; ++g)
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qd[g] + 8 * c));
+        _mm256_storeu_ps(qf.data() + g * D + 16 * c, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+        _mm256_storeu_ps(qf.data() + g * D + 16 * c + 8, _mm256_castsi256_ps(_mm256_and_si256(x, top)));
+      }
+    const __m256 vscale = _mm256_set1_ps(scale);
+    alignas(32) float partial[GN][kAvx2Keys][8];  // per head and key: 8 lanes summing to the dot product
+    int64_t ahead = 0;  // keys [0, ahead) have been prefetched
+    for (int64_t l0 = 0; l0 < L; l0 += kAvx2Keys) {
+      const int64_t nk = std::min(kAvx2Keys, L - l0);
+      if (far) {  // as score_pass: keys far ahead and this block's values into L2
+        for (const int64_t until = std::min(L, l0 + kAvx2Keys + kScorePrefetchKeys); ahead < until; ++ahead)
+          prefetch_row<_MM_HINT_T1>(key_row(sl[ahead], h), 2 * D);
+        for (int64_t j = 0; j < nk; ++j) prefetch_row<_MM_HINT_T1>(value_row(sl[l0 + j], h), 2 * D);
+      } else {
+        for (int64_t j = 0; j < kAvx2Keys && l0 + kAvx2Keys + j < L; ++j)  // the next block's rows
+          prefetch_row(key_row(sl[l0 + kAvx2Keys + j], h), 2 * D);
+      }
+      for (int64_t j = 0; j < kAvx2Keys; ++j) {
+        __m256 acc[GN];
+        for (int64_t g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
+        if (j < nk) {
+          const uint16_t* key = key_row(sl[l0 + j], h);
+          for (int64_t c = 0; c < chunks; ++c) {
+            const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + 16 * c));
+            const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+            const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(x, top));
+            for (int64_t g = 0; g < GN; ++g) {
+              acc[g] = _mm256_fmadd_ps(even, _mm256_loadu_ps(qf.data() + g * D + 16 * c), acc[g]);
+              acc[g] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(qf.data() + g * D + 16 * c + 8), acc[g]);
+            }
+          }
+        }
+        for (int64_t g = 0; g < GN; ++g) _mm256_store_ps(partial[g][j], acc[g]);
+      }
+      for (int64_t g = 0; g < GN; ++g) {  // lane j of the result: the sum of partial[g][j]'s 8 lanes
+        const auto row = [&](int64_t j) { return _mm256_load_ps(partial[g][j]); };
+        const __m256 t0 = _mm256_hadd_ps(row(0), row(1)), t1 = _mm256_hadd_ps(row(2), row(3));
+        const __m256 t2 = _mm256_hadd_ps(row(4), row(5)), t3 = _mm256_hadd_ps(row(6), row(7));
+        const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per 128-bit half
+        const __m256 dots = _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+        alignas(32) float out[kAvx2Keys];
+        _mm256_store_ps(out, _mm256_mul_ps(dots, vscale));
+        std::memcpy(scores + g * ld + l0, out, nk * sizeof(float));
+      }
+    }
+  }
+#endif
+
   void score_heads(const int64_t* sl, int64_t h, const uint32_t* const* qd, int64_t GN, int64_t L, int64_t ld,
                    float* scores, bool far) const {
     static_assert(kMaxHeadsPerPass == 8, "with_row_count dispatches counts up to 8");
+#if !defined(__AVX512F__)
+    if (D % 16 == 0) {
+      kvflow::with_row_count(GN, [&](auto heads) {
+        score_pass_avx2<decltype(heads)::value>(sl, h, qd, L, ld, scores, far);
+      });
+      return;
+    }
+#endif
     kvflow::with_row_count(GN, [&](auto heads) { score_pass<decltype(heads)::value>(sl, h, qd, L, ld, scores, far); });
   }
 
@@ -439,8 +522,8 @@ struct Bf16Attention {
                   far_prefetch && v0 == 0);
     float inv_sum[kMaxGroupHeads];
     for (int64_t v = 0; v < VH; ++v) inv_sum[v] = softmax_unnormalised(scores + v * L_max, ends[v]);
-    for (int64_t blk0 = 0; blk0 < blocks32; blk0 += 2) {
-      const int64_t NB = std::min<int64_t>(2, blocks32 - blk0);
+    for (int64_t blk0 = 0; blk0 < blocks32; blk0 += kValueBlocks) {
+      const int64_t NB = std::min<int64_t>(kValueBlocks, blocks32 - blk0);
       for (int64_t v0 = 0; v0 < VH; v0 += kMaxValueHeads) {
         const int64_t GN = std::min(kMaxValueHeads, VH - v0);
         const float* probs = scores + v0 * L_max;
