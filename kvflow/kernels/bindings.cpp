@@ -148,7 +148,7 @@ void bind_decode_forward(py::module& m) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_bf16_weight", &tile_bf16_weight, "W [N, K] bf16 -> 16-row tiles [N_pad / 16, K / 2, 16, 2]");
-  m.def("skinny_linear_bf16", &skinny_linear_bf16, "y = x @ W^T (+ b) for <= 8 rows x, bf16 tiles (AVX512-BF16)");
+  m.def("skinny_linear_bf16", &skinny_linear_bf16, "y = x @ W^T (+ b) for few rows x, bf16 16-row tiles");
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16,
         "single-query attention over the paged bf16 KV pool, GQA-aware");
   m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
