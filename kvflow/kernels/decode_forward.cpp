@@ -42,7 +42,6 @@ namespace kvflow {
 namespace {
 
 constexpr int64_t kPrefillTileElements = 4 << 20;  // kvflow/quant/linear.py PREFILL_TILE_ELEMENTS
-constexpr int64_t kFp32BlockElements = 2 << 20;    // kvflow/layers/bf16_gemm.py FP32_BLOCK_ELEMENTS
 constexpr int64_t kInt4TileRows = 16;              // kvflow/quant/linear.py INT4_TILE_ROWS
 constexpr int64_t kInt8TileRows = 16;              // kvflow/quant/linear.py INT8_TILE_ROWS
 constexpr float kInt8Max = 127.0f;         // kvflow/attention/kv_layer.py INT8_MAX
@@ -80,19 +79,12 @@ torch::Tensor gemm_input(const torch::Tensor& x) { return onednn_bf16_gemm() ? x
 
 // gemm_input(x) [T, K] @ w [N, K] bf16 (+ bias) -> [T, N] bf16 on the CPU's fast GEMM, as
 // kvflow/layers/bf16_gemm.py bf16_linear computes it (in fp32 there, the bias included).
-// In fp32, the weight is widened kFp32BlockElements at a time (the same blocks as Python's).
 torch::Tensor bf16_linear(const torch::Tensor& x_gemm, const torch::Tensor& w,
                           const c10::optional<torch::Tensor>& bias = c10::nullopt) {
   if (onednn_bf16_gemm()) return at::linear(x_gemm, w, bias);
-  const int64_t N = w.size(0), rows = std::max<int64_t>(1, kFp32BlockElements / w.size(1));
-  std::vector<torch::Tensor> parts;
-  for (int64_t n0 = 0; n0 < N; n0 += rows) {
-    const int64_t n1 = std::min(N, n0 + rows);
-    const c10::optional<torch::Tensor> bias_wide =
-        bias.has_value() ? c10::optional<torch::Tensor>(bias->slice(0, n0, n1).to(torch::kFloat32)) : c10::nullopt;
-    parts.push_back(at::linear(x_gemm, w.slice(0, n0, n1).to(torch::kFloat32), bias_wide).to(torch::kBFloat16));
-  }
-  return parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+  const c10::optional<torch::Tensor> bias_wide =
+      bias.has_value() ? c10::optional<torch::Tensor>(bias->to(torch::kFloat32)) : c10::nullopt;
+  return at::linear(x_gemm, w.to(torch::kFloat32), bias_wide).to(torch::kBFloat16);
 }
 
 // Prefill-sized rows of a quantized linear: row blocks dequantized to bf16 and multiplied by

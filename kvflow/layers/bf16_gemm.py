@@ -6,11 +6,6 @@ weight, and torch's own bf16 matmul runs at ~18 GFLOP/s there, against ~85-90 fo
 two cores (benchmarks/NOTES.md, "AVX2"). So without a native bf16 GEMM, rows past the GEMV's limit
 are multiplied in fp32: activations and the weight (or its row block) widened, the product rounded
 back to bf16. bf16 -> fp32 is exact, and the GEMMs accumulate in fp32 either way.
-
-The weight is widened a row block of FP32_BLOCK_ELEMENTS at a time, each block multiplied while it
-is in the last-level cache: widened whole, a gate_up projection's fp32 copy (35 MB at Qwen2.5-0.5B's
-shape) went out to DRAM and back, and its 512-row prefill GEMM took 90-97 ms against 67-73 in
-blocks of 512-2048 rows (16 MB blocks: 89 ms; benchmarks/NOTES.md, session 13).
 """
 
 from __future__ import annotations
@@ -32,33 +27,12 @@ def onednn_bf16_gemm() -> bool:
     )
 
 
-# Weights widened to fp32 per block (8 MiB): well inside the shared L3 (32 MiB on the Zen 3 this was
-# measured on) with the GEMM's own packing buffers beside it.
-# kvflow/kernels/decode_forward.cpp kFp32BlockElements cuts the same blocks.
-FP32_BLOCK_ELEMENTS = 2 * 2**20
-
-
-def _fp32_linear(x_wide: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x_wide [T, in] fp32 @ weight [out, in] bf16 (+ bias) -> [T, out] bf16, the weight widened
-    FP32_BLOCK_ELEMENTS at a time."""
-    out_features, in_features = weight.shape
-    rows = max(1, FP32_BLOCK_ELEMENTS // in_features)
-    parts = [
-        F.linear(
-            x_wide,
-            weight[n0 : n0 + rows].float(),
-            None if bias is None else bias[n0 : n0 + rows].float(),
-        ).to(torch.bfloat16)
-        for n0 in range(0, out_features, rows)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-
-
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] bf16 @ weight [out, in] bf16 (+ bias) -> [T, out] bf16, on the CPU's fast GEMM."""
     if onednn_bf16_gemm():
         return F.linear(x, weight, bias)
-    return _fp32_linear(x.float(), weight, bias)
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
 
 
 def bf16_linear_blocks(x: torch.Tensor, weights: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -68,5 +42,5 @@ def bf16_linear_blocks(x: torch.Tensor, weights: Iterable[torch.Tensor]) -> torc
         parts = [F.linear(x, w) for w in weights]
     else:
         x_wide = x.float()
-        parts = [_fp32_linear(x_wide, w, None) for w in weights]
+        parts = [F.linear(x_wide, w.float()).to(x.dtype) for w in weights]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
