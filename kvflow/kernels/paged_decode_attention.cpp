@@ -311,6 +311,20 @@ struct Bf16Attention {
   const uint16_t* key_row(int64_t slot, int64_t h) const { return k + (slot * Hkv + h) * D; }
   const uint16_t* value_row(int64_t slot, int64_t h) const { return v + (slot * Hkv + h) * D; }
 
+  // A score pass's requests before it scores keys [l0, l0 + block) of L. `far`: key rows up to
+  // kScorePrefetchKeys past the block into L2 (`ahead`: keys requested so far, advanced here) and
+  // the block's value rows; otherwise the next block's key rows.
+  void prefetch_for_block(const int64_t* sl, int64_t h, int64_t L, int64_t l0, int64_t block, bool far,
+                          int64_t& ahead) const {
+    if (far) {
+      for (const int64_t until = std::min(L, l0 + block + kScorePrefetchKeys); ahead < until; ++ahead)
+        prefetch_row<_MM_HINT_T1>(key_row(sl[ahead], h), 2 * D);
+      for (int64_t j = l0; j < std::min(L, l0 + block); ++j) prefetch_row<_MM_HINT_T1>(value_row(sl[j], h), 2 * D);
+    } else {
+      for (int64_t j = l0 + block; j < std::min(L, l0 + 2 * block); ++j) prefetch_row(key_row(sl[j], h), 2 * D);
+    }
+  }
+
   // scores[g * ld + l] = scale * <query head g, K[l]> for the GN <= kMaxHeadsPerPass query heads
   // qd[g] (bf16 pairs) and keys l < L: one transpose of each key block serves all GN heads.
   // `far`: request rows kScorePrefetchKeys ahead into L2, and each block's value rows (the first
@@ -325,14 +339,7 @@ struct Bf16Attention {
     int64_t ahead = 0;  // keys [0, ahead) have been prefetched
     for (int64_t l0 = 0; l0 < L; l0 += kKeysPerBlock) {
       const int64_t nk = std::min(kKeysPerBlock, L - l0);
-      if (far) {
-        for (const int64_t until = std::min(L, l0 + kKeysPerBlock + kScorePrefetchKeys); ahead < until; ++ahead)
-          prefetch_row<_MM_HINT_T1>(key_row(sl[ahead], h), 2 * D);
-        for (int64_t j = 0; j < nk; ++j) prefetch_row<_MM_HINT_T1>(value_row(sl[l0 + j], h), 2 * D);
-      } else {
-        for (int64_t j = 0; j < kKeysPerBlock && l0 + kKeysPerBlock + j < L; ++j)  // the next block's rows
-          prefetch_row(key_row(sl[l0 + kKeysPerBlock + j], h), 2 * D);
-      }
+      prefetch_for_block(sl, h, L, l0, kKeysPerBlock, far, ahead);
       __m512 acc[GN];
       for (int64_t g = 0; g < GN; ++g) acc[g] = _mm512_setzero_ps();
       for (int64_t blk = 0; blk < blocks; ++blk) {
@@ -388,14 +395,7 @@ struct Bf16Attention {
     int64_t ahead = 0;  // keys [0, ahead) have been prefetched
     for (int64_t l0 = 0; l0 < L; l0 += kAvx2Keys) {
       const int64_t nk = std::min(kAvx2Keys, L - l0);
-      if (far) {  // as score_pass: keys far ahead and this block's values into L2
-        for (const int64_t until = std::min(L, l0 + kAvx2Keys + kScorePrefetchKeys); ahead < until; ++ahead)
-          prefetch_row<_MM_HINT_T1>(key_row(sl[ahead], h), 2 * D);
-        for (int64_t j = 0; j < nk; ++j) prefetch_row<_MM_HINT_T1>(value_row(sl[l0 + j], h), 2 * D);
-      } else {
-        for (int64_t j = 0; j < kAvx2Keys && l0 + kAvx2Keys + j < L; ++j)  // the next block's rows
-          prefetch_row(key_row(sl[l0 + kAvx2Keys + j], h), 2 * D);
-      }
+      prefetch_for_block(sl, h, L, l0, kAvx2Keys, far, ahead);
       for (int64_t j = 0; j < kAvx2Keys; ++j) {
         __m256 acc[GN];
         for (int64_t g = 0; g < GN; ++g) acc[g] = _mm256_setzero_ps();
