@@ -21,14 +21,15 @@
 // (kvflow/layers/linear.py: past 32 rows oneDNN is faster, except in batch-invariant mode).
 //
 // The AVX2 build (no vdpbf16ps, 16 ymm registers) has its own tile over the same layout: the
-// 64-byte pair row splits into two 8-row halves, each widened by an AND (input 2p + 1) and a shift
-// (input 2p) into fp32, and multiplied by the activations, widened to fp32 once per call and
-// broadcast from memory. One accumulator per row and half, so 4 rows per pass: 8 accumulators, 4
-// widened weights and 2 broadcasts fit the register file; per pair, acc += x_2p * w_2p +
-// (x_2p+1 * w_2p+1), the sum computed off the accumulator's dependency chain. (The AVX-512 tile through
-// avx512_on_avx2.h needed 32 registers at 8 rows and spilled: 8-row GEMV 8.2-8.9 GB/s of weights
-// on 2 threads against 13.6-14.5 here; benchmarks/NOTES.md, session 13.) Output (m, n) is the same
-// chain of FMAs over the pairs in order whatever M is, so the AVX2 build is batch-invariant too.
+// 64-byte pair row splits into two 8-row halves, each widened to fp32 by an AND (input 2p + 1) and
+// a shift (input 2p). One accumulator per row and half, so 4 rows per pass: 8 accumulators, 4
+// widened weights and 2 activation broadcasts fit the register file. Per pair,
+// acc += (x_2p * w_2p + x_2p+1 * w_2p+1), the pair's sum computed off the accumulator's chain.
+// Several rows broadcast their activations from a copy widened to fp32 once per call; one row
+// broadcasts its bf16 pair and splits it like the weights (the same fp32 values, fewer loads). The
+// AVX-512 tile through avx512_on_avx2.h needed 32 registers at 8 rows and spilled (head-sized
+// GEMV, 8 rows, 2 threads: 9.5 GB/s of weights against 13.2 here; benchmarks/NOTES.md, session 13).
+// Output (m, n) is the same chain of operations over the pairs whatever M is: batch-invariant.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
@@ -55,7 +56,7 @@ constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loa
 struct TiledGemv {
   const uint16_t* w;  // [N_pad / 16, K / 2, 16, 2]
   const uint16_t* x;  // [M, K]
-  const float* xf;    // [M, K]: x widened to fp32 (the AVX2 tile's broadcasts; null on AVX-512)
+  const float* xf;    // [M, K]: x widened to fp32 (the AVX2 tile's broadcasts at M > 1; else null)
   const float* bias;  // [N] or null
   uint16_t* y;        // [M, N]
   int64_t M, K, N;
@@ -203,12 +204,12 @@ torch::Tensor skinny_linear_bf16_impl(torch::Tensor x, const torch::Tensor& w_ti
   auto y = torch::empty({M, N}, x.options());
   torch::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
-#if defined(__AVX512F__)
-  const float* xf = nullptr;
-#else
-  const torch::Tensor x_f32 = x.to(torch::kFloat32);  // exact; read once per tile by the broadcasts
-  const float* xf = x_f32.data_ptr<float>();
+  // The AVX2 tile's broadcasts at several rows (exact); one row and the AVX-512 tile read x itself.
+  torch::Tensor x_f32;
+#if !defined(__AVX512F__)
+  if (M > 1) x_f32 = x.to(torch::kFloat32);
 #endif
+  const float* xf = x_f32.defined() ? x_f32.data_ptr<float>() : nullptr;
   const TiledGemv gemv{reinterpret_cast<const uint16_t*>(w_tiles.data_ptr<at::BFloat16>()),
                        reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()),
                        xf,

@@ -368,8 +368,8 @@ struct Bf16Attention {
   }
 
 #if !defined(__AVX512F__)
-  // The AVX2 build's score pass (D a multiple of 16), the same scores as score_pass without its
-  // transposes: through avx512_on_avx2.h each key block's 16 x 16 dword transpose was 64 two-source
+  // The AVX2 build's score pass (D a multiple of 16): score_pass's scores (summed in another
+  // order) without its transposes: through avx512_on_avx2.h each key block's 16 x 16 dword transpose was 64 two-source
   // permutes of register pairs, and the 16 transposed rows (32 ymm) spilled. Here each key row is
   // read as it is, 16 dims per 32-byte load widened to fp32 (even dims by a shift, odd by a mask),
   // and multiplied into one accumulator per query head (the query widened once, in the same
@@ -383,12 +383,12 @@ struct Bf16Attention {
                        float* scores, bool far) const {
     const int64_t chunks = D / 16;
     const __m256i top = _mm256_set1_epi32(int32_t(0xffff0000u));
-    std::vector<float> qf(GN * D);  // [GN, D / 16, (8 even dims, 8 odd dims)]
+    alignas(32) float qf[GN * kMaxChunks * kLanes];  // [GN, D / 16, (8 even dims, 8 odd dims)], D <= 256
     for (int64_t g = 0; g < GN; ++g)
       for (int64_t c = 0; c < chunks; ++c) {
         const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qd[g] + 8 * c));
-        _mm256_storeu_ps(qf.data() + g * D + 16 * c, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
-        _mm256_storeu_ps(qf.data() + g * D + 16 * c + 8, _mm256_castsi256_ps(_mm256_and_si256(x, top)));
+        _mm256_store_ps(qf + g * D + 16 * c, _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)));
+        _mm256_store_ps(qf + g * D + 16 * c + 8, _mm256_castsi256_ps(_mm256_and_si256(x, top)));
       }
     const __m256 vscale = _mm256_set1_ps(scale);
     alignas(32) float partial[GN][kAvx2Keys][8];  // per head and key: 8 lanes summing to the dot product
@@ -406,8 +406,8 @@ struct Bf16Attention {
             const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
             const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(x, top));
             for (int64_t g = 0; g < GN; ++g) {
-              acc[g] = _mm256_fmadd_ps(even, _mm256_loadu_ps(qf.data() + g * D + 16 * c), acc[g]);
-              acc[g] = _mm256_fmadd_ps(odd, _mm256_loadu_ps(qf.data() + g * D + 16 * c + 8), acc[g]);
+              acc[g] = _mm256_fmadd_ps(even, _mm256_load_ps(qf + g * D + 16 * c), acc[g]);
+              acc[g] = _mm256_fmadd_ps(odd, _mm256_load_ps(qf + g * D + 16 * c + 8), acc[g]);
             }
           }
         }
