@@ -42,6 +42,19 @@ def tiny_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out_dir
 
 
+@pytest.fixture
+def prefill_through_dequantized_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Quantized prefill chunks through the dequantize-and-GEMM blocks (bf16 activations), as on CPUs
+    with a bf16 GEMM, rather than the int8-activation GEMV that takes them on AVX2
+    (kvflow/quant/linear.py): for tests that check quantized weights against their dequantization
+    with tolerances a random model's amplified activation rounding would exceed. The GEMV's own
+    error is bounded in tests/quant/test_weight_quant.py. Set in the environment, which
+    tensor-parallel workers inherit."""
+    from kvflow.quant.linear import QUANTIZED_PREFILL_ENV
+
+    monkeypatch.setenv(QUANTIZED_PREFILL_ENV, "dequantize")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread() -> None:
     """Tiny models: one thread is faster (no OpenMP hand-off) and immune to the 1000x slowdown two

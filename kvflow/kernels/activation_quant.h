@@ -4,6 +4,7 @@
 // Note: torch's JIT builder hashes the .cpp sources, not headers (kvflow's build cache hashes both).
 #pragma once
 
+#include <ATen/Parallel.h>
 #include "simd.h"
 
 #include "bf16_utils.h"
@@ -17,6 +18,9 @@ namespace kvflow {
 
 constexpr int64_t kActivationBlock = 32;  // inputs per activation scale (llama.cpp's q8_0 block)
 constexpr float kActivationInt8Max = 127.0f;
+// Rows per task when a prefill chunk's activations are quantized on every thread; a decode batch
+// (<= 8 rows) stays on the calling thread.
+constexpr int64_t kQuantizeGrainRows = 16;
 
 struct Int8Activations {
   std::vector<int8_t> q;      // [M, K_pad]: round(x / dx_b); inputs past K (padding) are 0
@@ -32,22 +36,24 @@ inline Int8Activations quantize_activations_int8(const uint16_t* x, int64_t M, i
   const int64_t blocks = (K + kActivationBlock - 1) / kActivationBlock, padded = blocks * kActivationBlock;
   Int8Activations a{std::vector<int8_t>(M * padded, 0), std::vector<float>(M * blocks), std::vector<int32_t>(M * blocks),
                     padded};
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t k0 = b * kActivationBlock;
-      const __mmask16 m0 = lanes_left(K - k0), m1 = K - k0 > 16 ? lanes_left(K - k0 - 16) : __mmask16(0);
-      const __m512 x0 = load_bf16_lanes(x + m * K + k0, m0);
-      const __m512 x1 = K - k0 > 16 ? load_bf16_lanes(x + m * K + k0 + 16, m1) : _mm512_setzero_ps();
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.0f ? kActivationInt8Max / amax : 0.0f);
-      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-      int8_t* out = a.q.data() + m * padded + k0;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
-      a.scales[m * blocks + b] = amax / kActivationInt8Max;
-      a.sums[m * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  at::parallel_for(0, M, kQuantizeGrainRows, [&](int64_t m_begin, int64_t m_end) {
+    for (int64_t m = m_begin; m < m_end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t k0 = b * kActivationBlock;
+        const __mmask16 m0 = lanes_left(K - k0), m1 = K - k0 > 16 ? lanes_left(K - k0 - 16) : __mmask16(0);
+        const __m512 x0 = load_bf16_lanes(x + m * K + k0, m0);
+        const __m512 x1 = K - k0 > 16 ? load_bf16_lanes(x + m * K + k0 + 16, m1) : _mm512_setzero_ps();
+        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+        const __m512 inv = _mm512_set1_ps(amax > 0.0f ? kActivationInt8Max / amax : 0.0f);
+        const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+        int8_t* out = a.q.data() + m * padded + k0;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtsepi32_epi8(q1));
+        a.scales[m * blocks + b] = amax / kActivationInt8Max;
+        a.sums[m * blocks + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+      }
     }
-  }
+  });
   return a;
 }
 

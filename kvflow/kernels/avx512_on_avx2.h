@@ -358,11 +358,19 @@ KVFLOW_AVX2_INLINE m512i dpbusd_epi32(m512i acc, m512i a, m512i b) {
 // (u8 x s8 pairs summed into int16, saturating) be exact: 2 multiplies per 32 bytes instead of
 // vpdpbusd's 16-bit widening above (the int8 / int4 GEMVs were compute-bound on it: ~12 GB/s).
 //
-// vpdpbusd where every byte of `a` is <= 15 (int4 nibbles): a pair sums to at most 2 * 15 * 128.
-KVFLOW_AVX2_INLINE m512i dpbusd_nibbles(m512i acc, m512i a, m512i b) {
+// The int4 GEMV's block dot in two steps: int16 partial sums of up to kNibbleProductsInInt16
+// vpmaddubsw results (nibble 0..15 x int8: |pair| <= 2 * 15 * 128 = 3840, so 8 of them sum to at
+// most 30720 < 2^15: exact), then one vpmaddwd against ones into the vpdpbusd lanes. Per 32 inputs
+// and half: 8 multiplies, 7 16-bit adds and 1 vpmaddwd, where a vpmaddwd and a 32-bit add per
+// vpmaddubsw (vpdpbusd's form) took 8 of each: a prefill GEMM is bound by the multiply ports.
+constexpr int kNibbleProductsInInt16 = 8;
+KVFLOW_AVX2_INLINE m512i maddubs_add_epi16(m512i acc16, m512i a, m512i b) {
+  return {_mm256_add_epi16(acc16.lo, _mm256_maddubs_epi16(a.lo, b.lo)),
+          _mm256_add_epi16(acc16.hi, _mm256_maddubs_epi16(a.hi, b.hi))};
+}
+KVFLOW_AVX2_INLINE m512i widen_pair_sums(m512i acc16) {  // adjacent int16 pairs summed into int32 lanes
   const __m256i ones = _mm256_set1_epi16(1);
-  return {_mm256_add_epi32(acc.lo, _mm256_madd_epi16(_mm256_maddubs_epi16(a.lo, b.lo), ones)),
-          _mm256_add_epi32(acc.hi, _mm256_madd_epi16(_mm256_maddubs_epi16(a.hi, b.hi), ones))};
+  return {_mm256_madd_epi16(acc16.lo, ones), _mm256_madd_epi16(acc16.hi, ones)};
 }
 // Weights stored as the unsigned byte q + 128 with |q| <= 127, split once per load for dpbssd.
 struct SignedWeights {

@@ -21,8 +21,10 @@
 // batch-invariant), and exact fp32 group sums of x. No horizontal reduction: lane l is row l.
 // About 33 vector instructions per 512 weights at one activation row, a third of what widening
 // nibbles to bf16 for vdpbf16ps needed, which left the GEMV compute-bound at g = 32 (NOTES.md).
-// The cost of int8 activations is measured in benchmarks/NOTES.md; prefill, compute-bound,
-// multiplies bf16 activations by dequantized row blocks.
+// The cost of int8 activations is measured in benchmarks/NOTES.md. Prefill (compute-bound) runs
+// this GEMV at every M on AVX2, where it beats fp32 sgemm on widened blocks ~1.5x (vpmaddubsw: 32
+// products per instruction), and multiplies bf16 activations by dequantized row blocks where
+// oneDNN has a bf16 GEMM (kvflow/quant/linear.py).
 //
 // dequantize_int4_rows: W[n0:n1] as bf16 (q * s + z in fp32, rounded once) in the plain [rows, K]
 // layout, n0 a multiple of 16, for prefill chunks multiplied a block at a time with oneDNN.
@@ -52,12 +54,16 @@
 
 namespace {
 
-using kvflow::bf16_to_float;
-
 constexpr int64_t kTileRows = 16;          // output rows per tile: one per fp32/int32 lane
 constexpr int64_t kXBlock = 32;            // inputs per activation scale (llama.cpp's q8_0 block)
 constexpr int64_t kTileBlockBytes = 256;   // 16 rows x 32 int4 weights
-constexpr int64_t kMaxRowsPerPass = 8;     // activation rows sharing one pass over the weights
+// Activation rows sharing one pass over the weights. AVX2 has 16 registers: 4 rows keep their
+// int16 dots (2 each) and the tile's nibbles in registers, 8 spilled (benchmarks/NOTES.md).
+#if defined(__AVX512F__)
+constexpr int64_t kMaxRowsPerPass = 8;
+#else
+constexpr int64_t kMaxRowsPerPass = 4;
+#endif
 constexpr int64_t kPrefetchBytes = 1024;   // packed weights prefetched ahead of the loads
 
 inline __m512 load_bf16x16(const uint16_t* p) {
@@ -74,12 +80,16 @@ struct QuantizedActivations {
 QuantizedActivations quantize_activations(const uint16_t* x, int64_t M, int64_t K, int64_t g) {
   kvflow::Int8Activations q8 = kvflow::quantize_activations_int8(x, M, K);  // K % 32 == 0 here
   QuantizedActivations a{std::move(q8.q), std::move(q8.scales), std::vector<float>(M * (K / g))};
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t j = 0; j < K / g; ++j) {
-      float sum = 0.0f;
-      for (int64_t i = 0; i < g; ++i) sum += bf16_to_float(x[m * K + j * g + i]);
-      a.sums[m * (K / g) + j] = sum;
-    }
+  // 16 lanes of partial sums per group, then their sum: a prefill chunk's M x K inputs in one
+  // scalar chain took ~3 ms per down_proj at M = 512 on one thread.
+  at::parallel_for(0, M, kvflow::kQuantizeGrainRows, [&](int64_t m_begin, int64_t m_end) {
+    for (int64_t m = m_begin; m < m_end; ++m)
+      for (int64_t j = 0; j < K / g; ++j) {
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t i = 0; i < g; i += 16) sum = _mm512_add_ps(sum, load_bf16x16(x + m * K + j * g + i));
+        a.sums[m * (K / g) + j] = _mm512_reduce_add_ps(sum);
+      }
+  });
   return a;
 }
 
@@ -113,8 +123,11 @@ struct Gemv {
       const uint8_t* wb = wt + b * kTileBlockBytes;
       for (int64_t line = 0; line < kTileBlockBytes; line += kvflow::kWeightPrefetchStride)
         _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
-      __m512i dot[MB];
+      __m512i dot[MB];  // AVX-512: int32 lanes; AVX2: int16 pair sums until the block's end
       for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+#if !defined(__AVX512F__)
+      static_assert(2 * 4 <= kvflow_avx2::kNibbleProductsInInt16, "a block's 8 products must fit int16");
+#endif
       for (int64_t c = 0; c < 4; ++c) {
         const __m512i packed = _mm512_loadu_si512(wb + 64 * c);
         const __m512i lo = _mm512_and_si512(packed, nibble);
@@ -127,12 +140,15 @@ struct Gemv {
 #if defined(__AVX512F__)
           dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x_lo));
           dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x_hi));
-#else  // the same sums: nibbles times int8 cannot saturate vpmaddubsw (avx512_on_avx2.h)
-          dot[m] = kvflow_avx2::dpbusd_nibbles(dot[m], lo, _mm512_set1_epi32(x_lo));
-          dot[m] = kvflow_avx2::dpbusd_nibbles(dot[m], hi, _mm512_set1_epi32(x_hi));
+#else  // the same sums: the block's 8 nibble x int8 products fit int16 exactly (avx512_on_avx2.h)
+          dot[m] = kvflow_avx2::maddubs_add_epi16(dot[m], lo, _mm512_set1_epi32(x_lo));
+          dot[m] = kvflow_avx2::maddubs_add_epi16(dot[m], hi, _mm512_set1_epi32(x_hi));
 #endif
         }
       }
+#if !defined(__AVX512F__)
+      for (int64_t m = 0; m < MB; ++m) dot[m] = kvflow_avx2::widen_pair_sums(dot[m]);
+#endif
       for (int64_t m = 0; m < MB; ++m) {
         const __m512 sdx = _mm512_mul_ps(s, _mm512_set1_ps(x->scales[(m0 + m) * blocks + b]));
         acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), sdx, acc[m]);

@@ -19,7 +19,8 @@
 // Why: the previous kernel widened every int8 weight to bf16 for vdpbf16ps (5 instructions per 32
 // weights), which left 8-row decode compute-bound at ~13 GB/s of int8 (benchmarks/NOTES.md); here
 // one instruction covers 64 multiply-adds and nothing is widened. The cost: activations rounded to
-// int8 per block, measured with `kvflow quant-eval` in NOTES.md.
+// int8 per block, measured with `kvflow quant-eval` in NOTES.md. On AVX2 prefill runs this GEMV at
+// every M too (kvflow/quant/linear.py): ~1.5x fp32 sgemm on widened blocks.
 //
 // dequantize_int8_rows: W[n0:n1] as bf16 ([rows, K], q * s rounded once), n0 a multiple of 16, for
 // prefill chunks multiplied a block of rows at a time with oneDNN (compute-bound there).
@@ -49,7 +50,13 @@ namespace {
 constexpr int64_t kTileRows = 16;         // output rows per tile: one per int32 lane
 constexpr int64_t kQuadBytes = 64;        // 16 rows x 4 inputs
 constexpr int64_t kQuadsPerBlock = 8;     // 32 inputs per activation block
-constexpr int64_t kMaxRowsPerPass = 8;    // activation rows sharing one pass over a tile
+// Activation rows sharing one pass over a tile. AVX2 has 16 registers: 4 rows' dots (2 each)
+// beside the quad's weights and magnitudes (4); 8 rows spilled (benchmarks/NOTES.md).
+#if defined(__AVX512F__)
+constexpr int64_t kMaxRowsPerPass = 8;
+#else
+constexpr int64_t kMaxRowsPerPass = 4;
+#endif
 constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loads
 constexpr int32_t kWeightOffset = 128;    // stored byte = q + 128
 

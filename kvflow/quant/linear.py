@@ -12,12 +12,17 @@ to stream fewer bytes.
   oneDNN's GEMM, ~1.1x the bf16 model's time against ~3x for `_weight_int8pack_mm` at M = 512.
   A block is at most PREFILL_TILE_ELEMENTS weights, so it stays in cache between its
   dequantization and its use and no whole bf16 matrix is ever held.
+  Where oneDNN has no bf16 GEMM (AVX2 CPUs), that GEMM would widen both operands to fp32 (8
+  multiply-adds per instruction); the GEMV's int8 x int8 products (32 per vpmaddubsw) are faster at
+  every M, so it takes every row (`native_gemv_max_rows`), as llama.cpp's q8_0 / q4_0 prefill
+  does: 512 rows, int4 g32 gate_up, 1.5-2x (benchmarks/NOTES.md, session 14). The rows' results are
+  then those of decode, whatever the chunk.
 - int8 otherwise: `aten._weight_int8pack_mm` (int8 [out, in], one scale per row).
 - int4, bf16 models with the native kernels (gemv_int4.cpp; group size 32, 64 or 128): the same
   two paths on kvflow's own layout of 16-row tiles (`pack_int4_tiles`): for M <= 8 the GEMV, which
   quantizes the activations to int8 per 32 inputs and multiplies them with VNNI as llama.cpp's
   q4 x q8 does (its quality cost in benchmarks/NOTES.md), and blockwise dequantize-and-GEMM with
-  bf16 activations above.
+  bf16 activations above (the GEMV at every M on AVX2, as for int8).
 - int4 otherwise: `aten._weight_int4pack_mm_for_cpu` reads nibble-packed weights with per-group
   (scale, zero) pairs, computing w = (q - 8) x scale + zero, so zero = min + 8 x scale in our
   asymmetric convention. Float32 models run it in bf16 (its supported dtype).
@@ -26,6 +31,7 @@ All take activations [T, in].
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,7 +48,8 @@ from kvflow.kernels import (
     int8_weight_kernels,
     on_huge_pages,
 )
-from kvflow.layers.bf16_gemm import bf16_linear_blocks
+from kvflow.layers.bf16_gemm import bf16_linear_blocks, onednn_bf16_gemm
+from kvflow.layers.linear import ALL_ROWS
 from kvflow.quant.weights import Int4Weight, Int8Weight
 
 # Up to this many rows the native int8/int4 GEMVs beat dequantize-and-GEMM (measured at M = 4..16).
@@ -70,6 +77,22 @@ INT4_KERNEL_OFFSET = 8
 INT4_INNER_K_TILES = 2
 
 
+# Set to "dequantize" to send prefill chunks (M > NATIVE_GEMV_MAX_ROWS) through the dequantized
+# blocks with bf16 activations even where the GEMV would take them: to A/B their quality and speed
+# (benchmarks/NOTES.md), and for tests whose tolerances assume bf16 activations. An environment
+# variable so that tensor-parallel workers, separate processes, follow it too.
+QUANTIZED_PREFILL_ENV = "KVFLOW_QUANTIZED_PREFILL"
+
+
+def native_gemv_max_rows() -> int:
+    """Rows up to which the native int8 / int4 GEMVs run: NATIVE_GEMV_MAX_ROWS where oneDNN has a
+    bf16 GEMM for the dequantized blocks (or QUANTIZED_PREFILL_ENV asks for them), every row where
+    it has none (module docstring)."""
+    if onednn_bf16_gemm() or os.environ.get(QUANTIZED_PREFILL_ENV) == "dequantize":
+        return NATIVE_GEMV_MAX_ROWS
+    return ALL_ROWS
+
+
 def pack_int8_tiles(q: torch.Tensor) -> torch.Tensor:
     """q [out, in] int8 -> the native kernel's tiles [ceil(out / 16), in_pad / 4, 16, 4] uint8 of
     q + 128 (kvflow/kernels/gemv_int8.cpp), in_pad = in rounded up to 32. Padding weights are 0."""
@@ -95,7 +118,7 @@ class Int8Linear(nn.Module):
             int8_weight_kernels() if dtype == torch.bfloat16 else None
         )
         scale_dtype = torch.float32 if self._native is not None else dtype
-        self.max_gemv_rows = NATIVE_GEMV_MAX_ROWS  # ALL_ROWS in batch-invariant mode
+        self.max_gemv_rows = native_gemv_max_rows()  # ALL_ROWS in batch-invariant mode
         qweight = weight.qweight.contiguous()
         # The tiles are read in full every decode step: on huge pages (kvflow/kernels/huge_pages.cpp).
         self.register_buffer(
@@ -187,7 +210,7 @@ class Int4Linear(nn.Module):
         self.out_features, self.in_features = weight.qweight.shape
         self.group_size = weight.group_size
         self.dtype = dtype
-        self.max_gemv_rows = NATIVE_GEMV_MAX_ROWS  # ALL_ROWS in batch-invariant mode
+        self.max_gemv_rows = native_gemv_max_rows()  # ALL_ROWS in batch-invariant mode
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
         native_layout = self.group_size in INT4_NATIVE_GROUP_SIZES
         self._native: tuple[SkinnyLinearInt4, DequantizeInt4Rows] | None = (

@@ -85,11 +85,19 @@ void check_dot_products() {
       for (int i = 0; i < 4; ++i) r += int32_t(u[4 * l + i]) * int32_t(s[4 * l + i]);
       check(out[l] == r, "dpbusd_epi32 (no saturation)", l);
     }
-    _mm512_storeu_si512(out, kvflow_avx2::dpbusd_nibbles(va, _mm512_loadu_si512(n), vs));
+    // int4's block dot: kNibbleProductsInInt16 vpmaddubsw summed in int16, then widened; trial 0
+    // takes the extremes (15 x -128 in every byte) that would overflow one more.
+    alignas(64) int8_t sb[64];
+    for (int i = 0; i < 64; ++i) sb[i] = trial == 0 ? int8_t(-128) : s[i];
+    if (trial == 0) std::memset(n, 15, sizeof n);
+    __m512i sums16 = _mm512_setzero_si512();
+    for (int k = 0; k < kvflow_avx2::kNibbleProductsInInt16; ++k)
+      sums16 = kvflow_avx2::maddubs_add_epi16(sums16, _mm512_loadu_si512(n), _mm512_loadu_si512(sb));
+    _mm512_storeu_si512(out, kvflow_avx2::widen_pair_sums(sums16));
     for (int l = 0; l < 16; ++l) {
-      int32_t r = acc[l];
-      for (int i = 0; i < 4; ++i) r += int32_t(n[4 * l + i]) * int32_t(s[4 * l + i]);
-      check(out[l] == r, "dpbusd_nibbles", l);
+      int32_t r = 0;
+      for (int i = 0; i < 4; ++i) r += int32_t(n[4 * l + i]) * int32_t(sb[4 * l + i]);
+      check(out[l] == kvflow_avx2::kNibbleProductsInInt16 * r, "maddubs_add_epi16 + widen_pair_sums", l);
     }
     const kvflow_avx2::SignedWeights w = kvflow_avx2::signed_weights(_mm512_loadu_si512(stored));
     _mm512_storeu_si512(out, kvflow_avx2::dpbssd(va, w, vs));

@@ -168,7 +168,7 @@ def test_sparse_and_dense_layers_follow_the_config(tiny_checkpoint_factory: Call
 
 
 def test_prequantized_expert_checkpoint_loads_packed(
-    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, prefill_through_dequantized_blocks: None
 ) -> None:
     """A compressed-tensors w4a16 MoE checkpoint (as llm-compressor writes Qwen3-MoE's): every
     expert's gate/up/down arrive packed and run as Int4Linear; the router stays float32."""

@@ -140,7 +140,10 @@ def test_gptq_and_awq_checkpoints_two_ranks_match_one(
     request: pytest.FixtureRequest,
     tiny_checkpoint_factory: Callable[..., Path],
     engines: list[LLMEngine],
+    prefill_through_dequantized_blocks: None,
 ) -> None:
+    # Blocks, not the AVX2 GEMV: int8 activations turn the ranks' different fp32 summation orders
+    # into whole rounding steps, which this random model amplifies past the float32-vs-bf16 gap.
     checkpoint: Path = request.getfixturevalue(f"{fmt}_checkpoint")
     dense = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
     work = _workload(512, logprobs=5)

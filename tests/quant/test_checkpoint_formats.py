@@ -184,7 +184,7 @@ def write_w4a16_checkpoints(src: Path, out_dir: Path) -> tuple[Path, Path]:
 
 
 def test_compressed_tensors_checkpoint_loads_and_matches_its_dequantization(
-    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, prefill_through_dequantized_blocks: None
 ) -> None:
     pytest.importorskip("compressed_tensors", reason="compressed-tensors is a test dependency")
     src = tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16)

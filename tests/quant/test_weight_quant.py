@@ -90,16 +90,23 @@ def test_quantized_linear_equals_dequantized_matmul(method: str, dtype: torch.dt
     assert float((got.float() - expected).abs().max()) <= float(tolerance)
 
 
+@pytest.mark.parametrize("gemv_rows", ["native", "blocks past 8"])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 40])
 @pytest.mark.parametrize(
     ("method", "in_features", "group_size"),
     [("int8", 200, 0), ("int8", 256, 0), ("int4", 256, 32), ("int4", 256, 128), ("int4", 384, 64)],
 )  # int8 at 200: a partial 32-wide tail in the GEMV; int4 needs whole 128-input blocks
 def test_native_quantized_paths_equal_the_dequantized_matmul(
-    rows: int, method: str, in_features: int, group_size: int, monkeypatch: pytest.MonkeyPatch
+    gemv_rows: str,
+    rows: int,
+    method: str,
+    in_features: int,
+    group_size: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The bf16 native paths: the GEMV (rows <= NATIVE_GEMV_MAX_ROWS) and the blockwise
-    dequantize-and-GEMM, here cut into several blocks (one of them partial) by a small tile."""
+    """The bf16 native paths: the GEMV (rows <= native_gemv_max_rows(): every row on AVX2) and the
+    blockwise dequantize-and-GEMM past NATIVE_GEMV_MAX_ROWS, here cut into several blocks (one of
+    them partial) by a small tile; both run on every CPU."""
     kernels = int8_weight_kernels() if method == "int8" else int4_weight_kernels()
     if kernels is None:
         pytest.skip(
@@ -123,6 +130,8 @@ def test_native_quantized_paths_equal_the_dequantized_matmul(
         groups = q4.qweight.reshape(96, -1, group_size).float()
         reference = (groups * scale[..., None] + low[..., None]).reshape(96, in_features)
     assert module._native is not None
+    if gemv_rows == "blocks past 8":
+        module.max_gemv_rows = quant_linear.NATIVE_GEMV_MAX_ROWS
     x = torch.randn(rows, in_features).to(torch.bfloat16)
     expected = x.float() @ reference.t() + bias.float()
     got = module(x)
@@ -192,8 +201,16 @@ FIRST_TOKEN_LOGPROB_TOLERANCE = {"int8": 0.075, "int4": 0.15}
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_with_quantized_weights_matches_the_dequantized_model(
-    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, method: str
+    tiny_checkpoint_factory: Callable[..., Path],
+    tmp_path: Path,
+    method: str,
+    prefill_through_dequantized_blocks: None,
 ) -> None:
+    """The engine's quantized weights against the dequantized model. Prefill chunks take the
+    dequantize-and-GEMM blocks, as on CPUs with a bf16 GEMM: on AVX2 they would take the GEMV,
+    whose int8 activations this random model amplifies (int4: 0.29 nats on one prompt). The GEMV's
+    error is bounded per output in test_native_quantized_paths_equal_the_dequantized_matmul, and its
+    cost on a trained model measured with `kvflow quant-eval` (benchmarks/NOTES.md, session 14)."""
     path = tiny_checkpoint_factory("qwen2", dtype=torch.bfloat16)
     prompts = ["def main():", "import os", "class Stack:", "x = [1, 2"]
     quantized = LLM(str(path), max_model_len=128, quantization=method, quantization_group_size=32)
