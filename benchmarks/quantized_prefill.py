@@ -3,8 +3,9 @@
     python benchmarks/quantized_prefill.py [--rows 512] [--runs 4]
 
 Where oneDNN has no bf16 GEMM (AVX2 CPUs), kvflow/quant/linear.py sends every row of an int8 / int4
-linear through the native GEMV; KVFLOW_QUANTIZED_PREFILL=dequantize restores the blocks. Two parts,
-each alternating the two routings in one process so that a drifting machine moves both alike:
+linear through the native GEMV; elsewhere prefill chunks take the dequantized blocks.
+KVFLOW_QUANTIZED_PREFILL=dequantize|gemv forces either, on any CPU. Two parts, each alternating the
+two routings in one process so that a drifting machine moves both alike:
 - layers: int8 and int4 g32 linears of the Qwen2.5-0.5B shape at --rows rows, GOP/s (2 M N K / time,
   median of 5 calls);
 - model: a 512-token prefill of the Qwen2.5-0.5B-shaped checkpoint (benchmarks/offline_throughput.py

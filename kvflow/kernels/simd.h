@@ -18,15 +18,12 @@
 
 namespace kvflow {
 
-// Bytes between the software prefetches of a streamed weight matrix (gemv_int8.cpp, gemv_int4.cpp).
-// On the AVX-512 CPUs kvflow was tuned on (Zen 4), every other line is enough: the adjacent-line
-// prefetcher fetches the pair. On Zen 3 (the AVX2 build) prefetching every other line is slower
-// than no software prefetch at all (one core, int8 inner loop over 256 MiB: 7.6-10 GB/s against
-// 11-12 without and 14-15.6 with every line; benchmarks/NOTES.md, session 13), so every line.
-#if defined(__AVX512F__)
-constexpr int64_t kWeightPrefetchStride = 128;
-#else
+// Bytes between the software prefetches of a streamed weight matrix (gemv_int8.cpp, gemv_int4.cpp):
+// every cache line. Every other line was enough on Zen 4 (the adjacent-line prefetcher fetched the
+// pair), but not on Zen 3 (AVX2 build; one core, int8 inner loop over 256 MiB: 7.6-10 GB/s against
+// 11-12 without software prefetch and 14-15.6 with every line) nor on Zen 5 (AVX-512 build;
+// head-sized GEMV, 2 threads: int8 8 rows 28 -> 41 GB/s, int4 g32 8 rows 15 -> 28, one row within
+// noise or better): benchmarks/NOTES.md, sessions 13 and 15.
 constexpr int64_t kWeightPrefetchStride = 64;
-#endif
 
 }  // namespace kvflow

@@ -16,7 +16,8 @@ to stream fewer bytes.
   multiply-adds per instruction); the GEMV's int8 x int8 products (32 per vpmaddubsw) are faster at
   every M, so it takes every row (`native_gemv_max_rows`), as llama.cpp's q8_0 / q4_0 prefill
   does: 512 rows, int4 g32 gate_up, 1.5-2x (benchmarks/NOTES.md, session 14). The rows' results are
-  then those of decode, whatever the chunk.
+  then those of decode, whatever the chunk. With oneDNN's bf16 GEMM (AVX512-BF16, Zen 5) the blocks
+  win: 512 rows, 575-626 GOP/s against the GEMV's 452-528 on gate_up (session 15).
 - int8 otherwise: `aten._weight_int8pack_mm` (int8 [out, in], one scale per row).
 - int4, bf16 models with the native kernels (gemv_int4.cpp; group size 32, 64 or 128): the same
   two paths on kvflow's own layout of 16-row tiles (`pack_int4_tiles`): for M <= 8 the GEMV, which
@@ -77,20 +78,27 @@ INT4_KERNEL_OFFSET = 8
 INT4_INNER_K_TILES = 2
 
 
-# Set to "dequantize" to send prefill chunks (M > NATIVE_GEMV_MAX_ROWS) through the dequantized
-# blocks with bf16 activations even where the GEMV would take them: to A/B their quality and speed
-# (benchmarks/NOTES.md), and for tests whose tolerances assume bf16 activations. An environment
-# variable so that tensor-parallel workers, separate processes, follow it too.
+# Overrides the routing of prefill chunks (M > NATIVE_GEMV_MAX_ROWS): "dequantize" sends them through
+# the dequantized blocks with bf16 activations, "gemv" through the int8 x int8 GEMV, whatever the
+# CPU. To A/B their quality and speed (benchmarks/quantized_prefill.py, benchmarks/NOTES.md), and
+# for tests whose tolerances assume bf16 activations. An environment variable so that
+# tensor-parallel workers, separate processes, follow it too.
 QUANTIZED_PREFILL_ENV = "KVFLOW_QUANTIZED_PREFILL"
+QUANTIZED_PREFILL_ROUTINGS = ("dequantize", "gemv")
 
 
 def native_gemv_max_rows() -> int:
-    """Rows up to which the native int8 / int4 GEMVs run: NATIVE_GEMV_MAX_ROWS where oneDNN has a
-    bf16 GEMM for the dequantized blocks (or QUANTIZED_PREFILL_ENV asks for them), every row where
-    it has none (module docstring)."""
-    if onednn_bf16_gemm() or os.environ.get(QUANTIZED_PREFILL_ENV) == "dequantize":
-        return NATIVE_GEMV_MAX_ROWS
-    return ALL_ROWS
+    """Rows up to which the native int8 / int4 GEMVs run: QUANTIZED_PREFILL_ENV's choice if set;
+    else NATIVE_GEMV_MAX_ROWS where oneDNN has a bf16 GEMM for the dequantized blocks, every row
+    where it has none (module docstring)."""
+    routing = os.environ.get(QUANTIZED_PREFILL_ENV, "")
+    if routing and routing not in QUANTIZED_PREFILL_ROUTINGS:
+        raise ValueError(
+            f"{QUANTIZED_PREFILL_ENV}={routing!r}: expected one of {', '.join(QUANTIZED_PREFILL_ROUTINGS)}"
+        )
+    if routing == "gemv" or (not routing and not onednn_bf16_gemm()):
+        return ALL_ROWS
+    return NATIVE_GEMV_MAX_ROWS
 
 
 def pack_int8_tiles(q: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from kvflow import LLM, SamplingParams
 from kvflow.config import ConfigError, QuantConfig
 from kvflow.kernels import int4_weight_kernels, int8_weight_kernels
-from kvflow.layers.linear import Linear
+from kvflow.layers.linear import ALL_ROWS, Linear
 from kvflow.quant import linear as quant_linear
 from kvflow.quant.apply import quantize_linear
 from kvflow.quant.linear import Int4Linear, Int8Linear
@@ -90,7 +90,7 @@ def test_quantized_linear_equals_dequantized_matmul(method: str, dtype: torch.dt
     assert float((got.float() - expected).abs().max()) <= float(tolerance)
 
 
-@pytest.mark.parametrize("gemv_rows", ["native", "blocks past 8"])
+@pytest.mark.parametrize("gemv_rows", ["every row", "blocks past 8"])
 @pytest.mark.parametrize("rows", [1, 5, 8, 9, 40])
 @pytest.mark.parametrize(
     ("method", "in_features", "group_size"),
@@ -104,9 +104,9 @@ def test_native_quantized_paths_equal_the_dequantized_matmul(
     group_size: int,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The bf16 native paths: the GEMV (rows <= native_gemv_max_rows(): every row on AVX2) and the
-    blockwise dequantize-and-GEMM past NATIVE_GEMV_MAX_ROWS, here cut into several blocks (one of
-    them partial) by a small tile; both run on every CPU."""
+    """The bf16 native paths, both forced on every CPU: the GEMV for every row (prefill's routing
+    on AVX2, native_gemv_max_rows()) and the blockwise dequantize-and-GEMM past
+    NATIVE_GEMV_MAX_ROWS, here cut into several blocks (one of them partial) by a small tile."""
     kernels = int8_weight_kernels() if method == "int8" else int4_weight_kernels()
     if kernels is None:
         pytest.skip(
@@ -130,8 +130,7 @@ def test_native_quantized_paths_equal_the_dequantized_matmul(
         groups = q4.qweight.reshape(96, -1, group_size).float()
         reference = (groups * scale[..., None] + low[..., None]).reshape(96, in_features)
     assert module._native is not None
-    if gemv_rows == "blocks past 8":
-        module.max_gemv_rows = quant_linear.NATIVE_GEMV_MAX_ROWS
+    module.max_gemv_rows = quant_linear.NATIVE_GEMV_MAX_ROWS if gemv_rows == "blocks past 8" else ALL_ROWS
     x = torch.randn(rows, in_features).to(torch.bfloat16)
     expected = x.float() @ reference.t() + bias.float()
     got = module(x)
@@ -141,6 +140,22 @@ def test_native_quantized_paths_equal_the_dequantized_matmul(
     # to int8 per 32 inputs (an error of at most half a level, 1/254 of the block's largest |x|).
     tolerance = 2 * BF16_RELATIVE * (x.float().abs() @ reference.abs().t()) + 1e-6
     assert bool(((got.float() - expected).abs() <= tolerance).all())
+
+
+@pytest.mark.parametrize(
+    ("routing", "expected"),
+    [("dequantize", quant_linear.NATIVE_GEMV_MAX_ROWS), ("gemv", ALL_ROWS)],
+)
+def test_quantized_prefill_routing_follows_the_environment(
+    routing: str, expected: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVFLOW_QUANTIZED_PREFILL forces either routing whatever the CPU; anything else is refused
+    with the accepted values, not silently read as the default."""
+    monkeypatch.setenv(quant_linear.QUANTIZED_PREFILL_ENV, routing)
+    assert quant_linear.native_gemv_max_rows() == expected
+    monkeypatch.setenv(quant_linear.QUANTIZED_PREFILL_ENV, "gemm")
+    with pytest.raises(ValueError, match="expected one of dequantize, gemv"):
+        quant_linear.native_gemv_max_rows()
 
 
 def kernel_view(weight: torch.Tensor, method: str, group_size: int) -> torch.Tensor:
