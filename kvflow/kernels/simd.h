@@ -22,8 +22,8 @@ namespace kvflow {
 // every cache line. Every other line was enough on Zen 4 (the adjacent-line prefetcher fetched the
 // pair), but not on Zen 3 (AVX2 build; one core, int8 inner loop over 256 MiB: 7.6-10 GB/s against
 // 11-12 without software prefetch and 14-15.6 with every line) nor on Zen 5 (AVX-512 build;
-// head-sized GEMV, 2 threads: int8 8 rows 28 -> 41 GB/s, int4 g32 8 rows 15 -> 28, one row within
-// noise or better): benchmarks/NOTES.md, sessions 13 and 15.
+// head-sized GEMV, 2 threads, two runs: int8 8 rows 13-28 -> 31-41 GB/s, int4 g32 8 rows 12-15 ->
+// 18-28, one row within noise or better): benchmarks/NOTES.md, sessions 13 and 15.
 constexpr int64_t kWeightPrefetchStride = 64;
 
 }  // namespace kvflow

@@ -17,7 +17,7 @@ to stream fewer bytes.
   every M, so it takes every row (`native_gemv_max_rows`), as llama.cpp's q8_0 / q4_0 prefill
   does: 512 rows, int4 g32 gate_up, 1.5-2x (benchmarks/NOTES.md, session 14). The rows' results are
   then those of decode, whatever the chunk. With oneDNN's bf16 GEMM (AVX512-BF16, Zen 5) the blocks
-  win: 512 rows, 575-626 GOP/s against the GEMV's 452-528 on gate_up (session 15).
+  win: 512 rows, 574-626 GOP/s against the GEMV's 452-528 on gate_up (session 15).
 - int8 otherwise: `aten._weight_int8pack_mm` (int8 [out, in], one scale per row).
 - int4, bf16 models with the native kernels (gemv_int4.cpp; group size 32, 64 or 128): the same
   two paths on kvflow's own layout of 16-row tiles (`pack_int4_tiles`): for M <= 8 the GEMV, which
@@ -96,9 +96,9 @@ def native_gemv_max_rows() -> int:
         raise ValueError(
             f"{QUANTIZED_PREFILL_ENV}={routing!r}: expected one of {', '.join(QUANTIZED_PREFILL_ROUTINGS)}"
         )
-    if routing == "gemv" or (not routing and not onednn_bf16_gemm()):
-        return ALL_ROWS
-    return NATIVE_GEMV_MAX_ROWS
+    if not routing:
+        routing = "dequantize" if onednn_bf16_gemm() else "gemv"
+    return ALL_ROWS if routing == "gemv" else NATIVE_GEMV_MAX_ROWS
 
 
 def pack_int8_tiles(q: torch.Tensor) -> torch.Tensor:
