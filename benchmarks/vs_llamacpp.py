@@ -6,6 +6,8 @@ On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py b
 - llama.cpp is built once from the llama-cpp-python sdist pip downloads (CMake Release,
   GGML_NATIVE=ON), cached in ~/.cache/kvflow-bench/llama.cpp; the checkpoint is converted with
   that copy's convert_hf_to_gguf.py and quantized with its llama-quantize (bf16, q8_0, q4_0).
+  Where that build dies on q8_0 (ggml's AMX kernels did on a Granite Rapids VM: NOTES.md,
+  session 16), the same build without the AMX instructions serves (`runnable_llamacpp`).
 - Precision pairs: bf16 vs bf16; int8 (LM head int8 too) vs q8_0; int4 group 32 (LM head int4
   too) vs q4_0 (group 32; llama.cpp keeps this shape's tied head in q8_0).
 - Per pair and round, each engine measures, alternately:
@@ -82,10 +84,9 @@ PAIRS = {
 # ------------------------------------------------------------------------------------ llama.cpp
 
 
-def build_llamacpp() -> Path:
-    """llama.cpp's tools from the llama-cpp-python sdist (its vendored llama.cpp), built once."""
-    bin_dir = LLAMA_DIR / "build" / "bin"
-    if all((bin_dir / t).exists() for t in TARGETS):
+def llamacpp_source() -> Path:
+    """llama.cpp's source from the llama-cpp-python sdist (its vendored llama.cpp), fetched once."""
+    if (LLAMA_DIR / "CMakeLists.txt").exists():
         return LLAMA_DIR
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
@@ -109,6 +110,16 @@ def build_llamacpp() -> Path:
         vendored = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
         shutil.rmtree(LLAMA_DIR, ignore_errors=True)
         shutil.copytree(vendored, LLAMA_DIR)
+    return LLAMA_DIR
+
+
+def build_llamacpp(build: str = "build", isa_off: str = "") -> Path:
+    """llama.cpp's tools built once into LLAMA_DIR / `build` (CMake Release, GGML_NATIVE on, plus
+    `isa_off`: -mno-* compiler flags); returns their bin directory."""
+    llama = llamacpp_source()
+    bin_dir = llama / build / "bin"
+    if all((bin_dir / t).exists() for t in TARGETS):
+        return bin_dir
     flags = [
         "-DCMAKE_BUILD_TYPE=Release",
         "-DGGML_NATIVE=ON",
@@ -116,14 +127,42 @@ def build_llamacpp() -> Path:
         "-DLLAMA_USE_PREBUILT_UI=OFF",
     ]
     flags += ["-DLLAMA_CURL=OFF", "-DLLAMA_BUILD_TESTS=OFF"]
-    print("building llama.cpp (about 10 minutes on 2 cores, once) ...", flush=True)
-    subprocess.run(["cmake", "-B", "build", *flags], cwd=LLAMA_DIR, check=True, capture_output=True)
+    # GCC lets an explicit -mno-X win over what -march=native implies, whatever their order.
+    flags += [f"-DCMAKE_C_FLAGS={isa_off}", f"-DCMAKE_CXX_FLAGS={isa_off}"] if isa_off else []
+    print(f"building llama.cpp into {build} (about 10 minutes on 2 cores, once) ...", flush=True)
+    subprocess.run(["cmake", "-B", build, *flags], cwd=llama, check=True, capture_output=True)
     jobs = str(os.cpu_count() or 2)
-    subprocess.run(["cmake", "--build", "build", "-j", jobs, "--target", *TARGETS], cwd=LLAMA_DIR, check=True)
-    return LLAMA_DIR
+    subprocess.run(["cmake", "--build", build, "-j", jobs, "--target", *TARGETS], cwd=llama, check=True)
+    return bin_dir
 
 
-def convert(checkpoint: Path, llama: Path, gguf_type: str) -> Path:
+def runnable_llamacpp(bin_dir: Path, gguf: Path, threads: int) -> Path:
+    """`bin_dir`, or an AMX-free build where the native one dies on `gguf` (a quantized file).
+
+    ggml's AMX kernels for q8_0 / q4_0 (ggml-cpu/amx/mmq.cpp, picked at -march=native on Sapphire
+    and Granite Rapids) raised SIGILL at their first `tileloadd` on the Granite Rapids VM of
+    benchmarks/NOTES.md session 16, although the kernel grants the tile state (ARCH_REQ_XCOMP_PERM)
+    and oneDNN's AMX GEMMs run in the same VM. `--repack 0` would avoid them too, but it also turns
+    off the interleaved q4_0 layout that is llama.cpp's fast AVX-512 path, so the fair peer is the
+    same native build without the AMX instructions (its VNNI / AVX512-BF16 kernels).
+    """
+    if _smoke(bin_dir, gguf, threads):
+        return bin_dir
+    print(f"llama.cpp ({bin_dir.parent.name}) died on {gguf.name}: using a build without AMX", flush=True)
+    fallback = build_llamacpp("build-noamx", "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+    if not _smoke(fallback, gguf, threads):
+        raise RuntimeError(f"llama.cpp's AMX-free build dies on {gguf} too")
+    return fallback
+
+
+def _smoke(bin_dir: Path, gguf: Path, threads: int) -> bool:
+    """Whether llama-bench runs a short prompt and a few decode steps on `gguf` without dying."""
+    args = ["-m", str(gguf), "-t", str(threads), "-r", "1", "-p", "64", "-n", "4"]
+    cmd = [str(bin_dir / "llama-bench"), *args]
+    return subprocess.run(cmd, capture_output=True).returncode == 0
+
+
+def convert(checkpoint: Path, bin_dir: Path, gguf_type: str) -> Path:
     """The checkpoint as GGUF of `gguf_type` (bf16 converted, the rest quantized from it), cached."""
     out = CACHE_DIR / "gguf" / f"{checkpoint.name}-{gguf_type}.gguf"
     if out.exists():
@@ -133,19 +172,19 @@ def convert(checkpoint: Path, llama: Path, gguf_type: str) -> Path:
     if not bf16.exists():
         # Its converter tries sentencepiece before the BPE vocabulary (our tokenizer.json).
         subprocess.run([sys.executable, "-m", "pip", "install", "-q", "sentencepiece"], check=True)
-        env = {**os.environ, "PYTHONPATH": str(llama / "gguf-py")}
-        cmd = [sys.executable, str(llama / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16"]
+        env = {**os.environ, "PYTHONPATH": str(LLAMA_DIR / "gguf-py")}
+        cmd = [sys.executable, str(LLAMA_DIR / "convert_hf_to_gguf.py"), str(checkpoint), "--outtype", "bf16"]
         subprocess.run([*cmd, "--outfile", str(bf16)], check=True, env=env, capture_output=True)
     if gguf_type != "bf16":
-        quantize = llama / "build" / "bin" / "llama-quantize"
+        quantize = bin_dir / "llama-quantize"
         subprocess.run([str(quantize), str(bf16), str(out), gguf_type], check=True, capture_output=True)
     return out
 
 
-def llama_bench(llama: Path, gguf: Path, threads: int) -> dict[str, float]:
+def llama_bench(bin_dir: Path, gguf: Path, threads: int) -> dict[str, float]:
     """pp512 and tg64 after a 512-token context, tokens/s (llama-bench's own averages); the decode
     run between two bandwidth probes."""
-    exe = str(llama / "build" / "bin" / "llama-bench")
+    exe = str(bin_dir / "llama-bench")
     common = ["-m", str(gguf), "-t", str(threads), "-r", "2", "-o", "json"]
     prefill = json.loads(_run([exe, *common, "-p", str(PROMPT_LEN), "-n", "0"]))
     decode, bandwidth = bracketed(
@@ -166,9 +205,9 @@ def bracketed(run: Callable[[], T]) -> tuple[T, dict[str, float]]:
     return result, {"bw_before": before, "bw_after": measure_bandwidth_gbs()}
 
 
-def llama_batched(llama: Path, gguf: Path, threads: int) -> float:
+def llama_batched(bin_dir: Path, gguf: Path, threads: int) -> float:
     """S_TG of llama-batched-bench: decode tokens/s of BATCH sequences together after their prompts."""
-    exe = str(llama / "build" / "bin" / "llama-batched-bench")
+    exe = str(bin_dir / "llama-batched-bench")
     ctx = BATCH * (PROMPT_LEN + GEN_LEN)
     args = ["-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-b", str(ctx), "-ub", str(PROMPT_LEN)]
     text = _run([exe, *args, "-npp", str(PROMPT_LEN), "-ntg", str(GEN_LEN), "-npl", str(BATCH)])
@@ -244,6 +283,7 @@ def main() -> None:
     checkpoint = build_checkpoint(torch.bfloat16)
     llama = build_llamacpp()
     ggufs = {p.name: convert(checkpoint, llama, p.gguf_type) for p in pairs}
+    llama = runnable_llamacpp(llama, convert(checkpoint, llama, "q8_0"), args.threads)
     engines = {p.name: kvflow_engine(checkpoint, p.kvflow_args) for p in pairs}
     for llm in engines.values():  # warm-up: oneDNN primitives, first-touch of the pools
         llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))

@@ -11,7 +11,9 @@
 // so one 64-byte load is 2 inputs of 16 rows, and vdpbf16ps against the 2 activations broadcast
 // to every lane adds both products into lane l = output row 16t + l (fp32). No horizontal sums:
 // a tile's 16 outputs come out as one register. Per 64 bytes of weights: one load and one
-// vdpbf16ps per activation row. Each tile is one sequential stream (~28 KiB at K = 896).
+// vdpbf16ps per activation row. Each tile is one sequential stream (~28 KiB at K = 896); at up to
+// 4 rows a thread reads 2-4 adjacent tiles side by side, so that its core keeps several streams in
+// flight (kTileStreams: one stream left a third of an Intel server core's bandwidth unused).
 //
 // Batch invariance: output (m, n) is lane n % 16 of two accumulators (even and odd pairs) summed
 // at the end, in the same order whatever M is, so a token's logits do not depend on what else is
@@ -53,6 +55,20 @@ constexpr int64_t kMaxRows = 4;           // AVX2: 8 accumulators + 4 weights + 
 #endif
 constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loads
 
+// Tiles whose weight streams one thread reads side by side, at MB rows per pass: as many as keep
+// the accumulators (2 per row and tile) within 16 of the 32 zmm registers, at most 4. Why: one
+// sequential stream per core leaves DRAM bandwidth unused on Intel server cores, whose L2
+// streamer runs ahead of each stream separately. Measured on a Granite Rapids VM, 2 threads, the
+// tile loop at one row over 1 GiB (benchmarks/NOTES.md, session 16): one stream 20.5 GB/s, two
+// 28.7, four 31.3, against 29.1 for a plain sum. The AVX2 build has no registers to spare (1).
+constexpr int64_t kTileStreams([[maybe_unused]] int64_t rows) {
+#if defined(__AVX512F__)
+  return rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
+#else
+  return 1;
+#endif
+}
+
 struct TiledGemv {
   const uint16_t* w;  // [N_pad / 16, K / 2, 16, 2]
   const uint16_t* x;  // [M, K]
@@ -80,38 +96,57 @@ struct TiledGemv {
   }
 
 #if defined(__AVX512F__)
-  // Rows [m0, m0 + MB) of y for tile t.
-  template <int64_t MB>
+  // Rows [m0, m0 + MB) of y for tiles t .. t + S - 1, the S tiles' weight streams read side by side
+  // (kTileStreams); per tile and row the same two chains as for S = 1.
+  template <int64_t MB, int64_t S>
   inline void tile(int64_t t, int64_t m0) const {
     const int64_t pairs = K / 2;
-    const uint16_t* wt = w + t * pairs * 2 * kTileRows;
-    __m512 even[MB], odd[MB];
-    for (int64_t m = 0; m < MB; ++m) even[m] = odd[m] = _mm512_setzero_ps();
+    const uint16_t* wt[S];
+    __m512 even[S][MB], odd[S][MB];
+    for (int64_t s = 0; s < S; ++s) {
+      wt[s] = w + (t + s) * pairs * 2 * kTileRows;
+      for (int64_t m = 0; m < MB; ++m) even[s][m] = odd[s][m] = _mm512_setzero_ps();
+    }
     int64_t p = 0;
     for (; p + 2 <= pairs; p += 2) {  // two input pairs per iteration: one per accumulator chain
-      const uint16_t* wp = wt + p * 2 * kTileRows;
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes + 64, _MM_HINT_T0);
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
-      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 2 * kTileRows);
-      for (int64_t m = 0; m < MB; ++m) {
-        int32_t x0, x1;  // the pair's 2 activations, broadcast to every row's lane
-        std::memcpy(&x0, x + (m0 + m) * K + 2 * p, 4);
-        std::memcpy(&x1, x + (m0 + m) * K + 2 * p + 2, 4);
-        even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x0));
-        odd[m] = _mm512_dpbf16_ps(odd[m], w1, (__m512bh)_mm512_set1_epi32(x1));
+      for (int64_t s = 0; s < S; ++s) {
+        const uint16_t* wp = wt[s] + p * 2 * kTileRows;
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes + 64, _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 2 * kTileRows);
+        for (int64_t m = 0; m < MB; ++m) {
+          int32_t x0, x1;  // the pair's 2 activations, broadcast to every row's lane (from L1)
+          std::memcpy(&x0, x + (m0 + m) * K + 2 * p, 4);
+          std::memcpy(&x1, x + (m0 + m) * K + 2 * p + 2, 4);
+          even[s][m] = _mm512_dpbf16_ps(even[s][m], w0, (__m512bh)_mm512_set1_epi32(x0));
+          odd[s][m] = _mm512_dpbf16_ps(odd[s][m], w1, (__m512bh)_mm512_set1_epi32(x1));
+        }
       }
     }
     if (p < pairs) {  // an odd number of pairs: the last one on the even chain
-      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wt + p * 2 * kTileRows);
       for (int64_t m = 0; m < MB; ++m) {
         int32_t x0;
         std::memcpy(&x0, x + (m0 + m) * K + 2 * p, 4);
-        even[m] = _mm512_dpbf16_ps(even[m], w0, (__m512bh)_mm512_set1_epi32(x0));
+        for (int64_t s = 0; s < S; ++s) {
+          const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wt[s] + p * 2 * kTileRows);
+          even[s][m] = _mm512_dpbf16_ps(even[s][m], w0, (__m512bh)_mm512_set1_epi32(x0));
+        }
       }
     }
-    const Columns c = columns(t);
-    for (int64_t m = 0; m < MB; ++m) store(c, m0 + m, _mm512_add_ps(even[m], odd[m]));
+    for (int64_t s = 0; s < S; ++s) {
+      const Columns c = columns(t + s);
+      for (int64_t m = 0; m < MB; ++m) store(c, m0 + m, _mm512_add_ps(even[s][m], odd[s][m]));
+    }
+  }
+
+  // Tiles [t, t + count) at rows [m0, m0 + MB): kTileStreams(MB) of them side by side at a time.
+  template <int64_t MB>
+  inline void tile_group(int64_t t, int64_t count, int64_t m0) const {
+    constexpr int64_t S = kTileStreams(MB);
+    int64_t s0 = 0;
+    for (; s0 + S <= count; s0 += S) tile<MB, S>(t + s0, m0);
+    for (; s0 < count; ++s0) tile<MB, 1>(t + s0, m0);
   }
 #else
   // Rows [m0, m0 + MB) of y for tile t, MB <= 4 (the AVX2 tile in the header comment).
@@ -162,13 +197,23 @@ struct TiledGemv {
 #pragma GCC unroll 4  // whole: a loop indexing lo / hi at run time keeps them in memory inside the one above
     for (int64_t m = 0; m < MB; ++m) store(c, m0 + m, __m512{lo[m], hi[m]});
   }
+
+  // The AVX2 tile reads one tile at a time (16 registers leave no room for a second stream).
+  template <int64_t MB>
+  inline void tile_group(int64_t t, int64_t count, int64_t m0) const {
+    for (int64_t s = 0; s < count; ++s) tile<MB>(t + s, m0);
+  }
 #endif
 
   void tiles(int64_t t_begin, int64_t t_end) const {
-    for (int64_t t = t_begin; t < t_end; ++t) {
+    // Groups of tiles as wide as the first pass streams together (later passes have no more rows,
+    // so as many streams or more fit them); every pass over a group while it is in L1/L2.
+    const int64_t group = kTileStreams(std::min(M, kMaxRows));
+    for (int64_t t = t_begin; t < t_end; t += group) {
+      const int64_t count = std::min(group, t_end - t);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
         kvflow::with_row_count(std::min(kMaxRows, M - m0), [&](auto rows) {
-          if constexpr (decltype(rows)::value <= kMaxRows) tile<decltype(rows)::value>(t, m0);
+          if constexpr (decltype(rows)::value <= kMaxRows) tile_group<decltype(rows)::value>(t, count, m0);
         });
       }
     }

@@ -62,3 +62,30 @@ def test_native_kernel_handles_every_row_count_up_to_the_threshold() -> None:
         y = kernel(x, tiles, 50, bias)
         assert _relative_error(y, x.float() @ w.float().T + bias.float()) < 8e-3
         assert torch.equal(kernel(x[-1:], tiles, 50, bias)[0], y[-1])  # batch-invariant
+
+
+@pytest.mark.parametrize("num_tiles", range(1, 10))
+def test_native_kernel_gives_every_tile_count_the_same_bits(num_tiles: int) -> None:
+    """At few rows a thread streams several tiles side by side (gemv_bf16.cpp kTileStreams) and the
+    rest one by one: every tile count, row count and thread split gives each output the same bits,
+    and the float reference to bf16 rounding."""
+    native = skinny_linear_bf16()
+    if native is None:
+        pytest.skip("native kernel unavailable on this CPU/toolchain")
+    kernel, tile = native
+    torch.manual_seed(num_tiles)
+    n, k = 16 * num_tiles - 3, 94  # a partial last tile; an odd number of input pairs
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    tiles = tile(w)
+    threads = torch.get_num_threads()
+    for m in range(1, 10):
+        x = torch.randn(m, k, dtype=torch.bfloat16)
+        y = kernel(x, tiles, n, None)
+        assert _relative_error(y, x.float() @ w.float().T) < 8e-3
+        for row in range(m):
+            assert torch.equal(kernel(x[row : row + 1], tiles, n, None)[0], y[row])
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            assert torch.equal(kernel(x, tiles, n, None), y)
+        finally:
+            torch.set_num_threads(threads)
