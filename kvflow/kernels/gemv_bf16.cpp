@@ -20,7 +20,8 @@
 // decoded with it (speculative verification reproduces plain decoding bit for bit). Up to 8 rows
 // share one pass over the weights (registers: 2 accumulators per row); more rows take more passes
 // over each tile while it is in L1/L2, so up to ~32 rows the weights still come from DRAM once
-// (kvflow/layers/linear.py: past 32 rows oneDNN is faster, except in batch-invariant mode).
+// (kvflow/layers/linear.py: past 32 rows oneDNN is faster, past 8 where it runs on AMX tiles,
+// except in batch-invariant mode).
 //
 // The AVX2 build (no vdpbf16ps, 16 ymm registers) has its own tile over the same layout: the
 // 64-byte pair row splits into two 8-row halves, each widened to fp32 by an AND (input 2p + 1) and

@@ -27,6 +27,13 @@ def onednn_bf16_gemm() -> bool:
     )
 
 
+@functools.cache
+def onednn_amx_bf16() -> bool:
+    """Whether oneDNN's bf16 GEMM runs on AMX tiles here (Sapphire / Granite Rapids): 16 x 32 bf16
+    products per instruction, so that it overtakes the vdpbf16ps GEMV from a few rows on."""
+    return onednn_bf16_gemm() and bool(torch.cpu._is_amx_tile_supported())
+
+
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] bf16 @ weight [out, in] bf16 (+ bias) -> [T, out] bf16, on the CPU's fast GEMM."""
     if onednn_bf16_gemm():

@@ -13,6 +13,11 @@ Measured on this 2-core AVX512-BF16 EPYC (benchmarks/NOTES.md), weights streamed
 - M > 32 (prefill chunks, large batches): oneDNN matmul on a weight reordered once into its
   blocked layout (`torch.ops.mkldnn._reorder_linear_weight`): 950 GFLOP/s from M ~ 256, the
   machine's vdpbf16ps peak.
+- Where oneDNN runs that matmul on AMX tiles (Sapphire / Granite Rapids), it takes over past
+  AMX_SKINNY_MAX_ROWS = 8 rows. Measured on a 2-core Granite Rapids VM (NOTES.md, session 16),
+  24 layers' weights streamed, GEMV / oneDNN time: gate_up 0.72x at M = 1, 0.79x at 4, 1.05x at 8,
+  2.0x at 16, 3.0x at 32 (down and qkv alike). There the GEMV's 8-row pass is bound by vdpbf16ps
+  (~1.4 G/s per core: ~11 GB/s of weights per core at 8 rows), which AMX is not.
 Both copies are held (tiles + blocked: twice the model's bf16 bytes), the plain one is dropped.
 Without the native kernels only the blocked copy is kept; float32/float16 keep `F.linear`.
 
@@ -32,12 +37,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.kernels import NativeDecoderClasses, SkinnyLinear, on_huge_pages, skinny_linear_bf16
-from kvflow.layers.bf16_gemm import bf16_linear, onednn_bf16_gemm
+from kvflow.layers.bf16_gemm import bf16_linear, onednn_amx_bf16, onednn_bf16_gemm
 
 # Up to this many rows the native GEMV runs (module docstring; kvflow/kernels/gemv_bf16.cpp kMaxRows).
 SKINNY_MAX_ROWS = 32
+# The same limit where oneDNN's GEMM runs on AMX tiles (module docstring).
+AMX_SKINNY_MAX_ROWS = 8
 # A row limit of "every row": batch-invariant mode runs all rows through the row-invariant GEMVs.
 ALL_ROWS = sys.maxsize
+
+
+def skinny_max_rows() -> int:
+    """Rows up to which a bf16 linear runs the native GEMV on this CPU (module docstring)."""
+    return AMX_SKINNY_MAX_ROWS if onednn_amx_bf16() else SKINNY_MAX_ROWS
 
 
 class Linear(nn.Module):
@@ -58,7 +70,7 @@ class Linear(nn.Module):
         self._gemm_blocked = False
         self._skinny: SkinnyLinear | None = None
         # Rows up to which the GEMV runs; ALL_ROWS in batch-invariant mode (set_batch_invariant).
-        self.max_gemv_rows = SKINNY_MAX_ROWS
+        self.max_gemv_rows = skinny_max_rows()
         # [out_pad / 16, in / 2, 16, 2] for the GEMV; a buffer (not in the state dict) so that the
         # module's tensors count the bytes decode reads.
         self._tiles: torch.Tensor | None

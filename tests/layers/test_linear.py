@@ -89,3 +89,17 @@ def test_native_kernel_gives_every_tile_count_the_same_bits(num_tiles: int) -> N
             assert torch.equal(kernel(x, tiles, n, None), y)
         finally:
             torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("amx", "limit"), [(True, 8), (False, SKINNY_MAX_ROWS)])
+def test_gemv_row_limit_follows_amx(amx: bool, limit: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where oneDNN multiplies on AMX tiles it takes over from 9 rows, else from 33 (linear.py)."""
+    monkeypatch.setattr("kvflow.layers.linear.onednn_amx_bf16", lambda: amx)
+    layer = Linear(64, 40, False, torch.bfloat16)
+    assert layer.max_gemv_rows == limit
+    layer.weight.data.copy_(torch.randn(40, 64))
+    w = layer.weight.detach().float().clone()
+    layer.prepare_for_inference()
+    for m in (limit, limit + 1):  # the last GEMV row count and the first GEMM one
+        x = torch.randn(m, 64, dtype=torch.bfloat16)
+        assert _relative_error(layer(x), x.float() @ w.T) < 8e-3
