@@ -13,7 +13,7 @@
 // a tile's 16 outputs come out as one register. Per 64 bytes of weights: one load and one
 // vdpbf16ps per activation row. Each tile is one sequential stream (~28 KiB at K = 896); at up to
 // 4 rows a thread reads 2-4 adjacent tiles side by side, so that its core keeps several streams in
-// flight (kTileStreams: one stream left a third of an Intel server core's bandwidth unused).
+// flight (simd.h kTileStreams: one stream left a third of an Intel server core's bandwidth unused).
 //
 // Batch invariance: output (m, n) is lane n % 16 of two accumulators (even and odd pairs) summed
 // at the end, in the same order whatever M is, so a token's logits do not depend on what else is
@@ -56,20 +56,6 @@ constexpr int64_t kMaxRows = 4;           // AVX2: 8 accumulators + 4 weights + 
 #endif
 constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loads
 
-// Tiles whose weight streams one thread reads side by side, at MB rows per pass: as many as keep
-// the accumulators (2 per row and tile) within 16 of the 32 zmm registers, at most 4. Why: one
-// sequential stream per core leaves DRAM bandwidth unused on Intel server cores, whose L2
-// streamer runs ahead of each stream separately. Measured on a Granite Rapids VM, 2 threads, the
-// tile loop at one row over 1 GiB (benchmarks/NOTES.md, session 16): one stream 20.5 GB/s, two
-// 28.7, four 31.3, against 29.1 for a plain sum. The AVX2 build has no registers to spare (1).
-constexpr int64_t kTileStreams([[maybe_unused]] int64_t rows) {
-#if defined(__AVX512F__)
-  return rows <= 2 ? 4 : rows <= 4 ? 2 : 1;
-#else
-  return 1;
-#endif
-}
-
 struct TiledGemv {
   const uint16_t* w;  // [N_pad / 16, K / 2, 16, 2]
   const uint16_t* x;  // [M, K]
@@ -98,7 +84,7 @@ struct TiledGemv {
 
 #if defined(__AVX512F__)
   // Rows [m0, m0 + MB) of y for tiles t .. t + S - 1, the S tiles' weight streams read side by side
-  // (kTileStreams); per tile and row the same two chains as for S = 1.
+  // (simd.h kTileStreams); per tile and row the same two chains as for S = 1.
   template <int64_t MB, int64_t S>
   inline void tile(int64_t t, int64_t m0) const {
     const int64_t pairs = K / 2;
@@ -144,7 +130,7 @@ struct TiledGemv {
   // Tiles [t, t + count) at rows [m0, m0 + MB): kTileStreams(MB) of them side by side at a time.
   template <int64_t MB>
   inline void tile_group(int64_t t, int64_t count, int64_t m0) const {
-    constexpr int64_t S = kTileStreams(MB);
+    constexpr int64_t S = kvflow::kTileStreams(MB);
     int64_t s0 = 0;
     for (; s0 + S <= count; s0 += S) tile<MB, S>(t + s0, m0);
     for (; s0 < count; ++s0) tile<MB, 1>(t + s0, m0);
@@ -209,7 +195,7 @@ struct TiledGemv {
   void tiles(int64_t t_begin, int64_t t_end) const {
     // Groups of tiles as wide as the first pass streams together (later passes have no more rows,
     // so as many streams or more fit them); every pass over a group while it is in L1/L2.
-    const int64_t group = kTileStreams(std::min(M, kMaxRows));
+    const int64_t group = kvflow::kTileStreams(std::min(M, kMaxRows));
     for (int64_t t = t_begin; t < t_end; t += group) {
       const int64_t count = std::min(group, t_end - t);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {

@@ -68,59 +68,85 @@ struct Gemv {
   uint16_t* y;         // [M, N] bf16
   int64_t M, N, K_pad;
 
-  // acc[m] (lane l: row 16t + l) = sum_b dx_b * (q[16t + l] . xq[m0 + m])_b for MB activation rows.
-  template <int64_t MB>
-  inline void tile_dot(int64_t t, int64_t m0, __m512* acc) const {
+  // acc[s][m] (lane l: row 16(t + s) + l) = sum_b dx_b * (q[16(t + s) + l] . xq[m0 + m])_b for MB
+  // activation rows and the S tiles t .. t + S - 1, whose weight streams are read side by side
+  // (kTileStreams); per tile and row the same operations in the same order as for S = 1.
+  template <int64_t MB, int64_t S>
+  inline void tile_dot(int64_t t, int64_t m0, __m512 (*acc)[kMaxRowsPerPass]) const {
     const int64_t blocks = K_pad / kvflow::kActivationBlock;
-    const uint8_t* wt = w + t * (K_pad / 4) * kQuadBytes;
-    for (int64_t m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
+    const uint8_t* wt[S];
+    for (int64_t s = 0; s < S; ++s) {
+      wt[s] = w + (t + s) * (K_pad / 4) * kQuadBytes;
+      for (int64_t m = 0; m < MB; ++m) acc[s][m] = _mm512_setzero_ps();
+    }
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* wb = wt + b * kQuadsPerBlock * kQuadBytes;
-      for (int64_t line = 0; line < kQuadsPerBlock * kQuadBytes; line += kvflow::kWeightPrefetchStride)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
-      __m512i dot[MB];
-      for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
+      __m512i dot[S][MB];
+      for (int64_t s = 0; s < S; ++s) {
+        const uint8_t* wb = wt[s] + b * kQuadsPerBlock * kQuadBytes;
+        for (int64_t line = 0; line < kQuadsPerBlock * kQuadBytes; line += kvflow::kWeightPrefetchStride)
+          _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+        for (int64_t m = 0; m < MB; ++m) dot[s][m] = _mm512_setzero_si512();
+      }
       for (int64_t c = 0; c < kQuadsPerBlock; ++c) {
-        const __m512i wq = _mm512_loadu_si512(wb + c * kQuadBytes);
+        for (int64_t s = 0; s < S; ++s) {
+          const __m512i wq = _mm512_loadu_si512(wt[s] + (b * kQuadsPerBlock + c) * kQuadBytes);
 #if !defined(__AVX512F__)
-        const kvflow_avx2::SignedWeights ws = kvflow_avx2::signed_weights(wq);
+          const kvflow_avx2::SignedWeights ws = kvflow_avx2::signed_weights(wq);
 #endif
-        for (int64_t m = 0; m < MB; ++m) {
-          int32_t x4;  // 4 activations, broadcast to every row's lane
-          std::memcpy(&x4, x->q.data() + (m0 + m) * K_pad + b * kvflow::kActivationBlock + 4 * c, 4);
+          for (int64_t m = 0; m < MB; ++m) {
+            int32_t x4;  // 4 activations, broadcast to every row's lane
+            std::memcpy(&x4, x->q.data() + (m0 + m) * K_pad + b * kvflow::kActivationBlock + 4 * c, 4);
 #if defined(__AVX512F__)
-          dot[m] = _mm512_dpbusd_epi32(dot[m], wq, _mm512_set1_epi32(x4));
+            dot[s][m] = _mm512_dpbusd_epi32(dot[s][m], wq, _mm512_set1_epi32(x4));
 #else  // AVX2: sum q xq directly (vpsignb + vpmaddubsw, exact; avx512_on_avx2.h), no offset to remove
-          dot[m] = kvflow_avx2::dpbssd(dot[m], ws, _mm512_set1_epi32(x4));
+            dot[s][m] = kvflow_avx2::dpbssd(dot[s][m], ws, _mm512_set1_epi32(x4));
 #endif
+          }
         }
       }
       for (int64_t m = 0; m < MB; ++m) {
         const int64_t i = (m0 + m) * blocks + b;
+        for (int64_t s = 0; s < S; ++s) {
 #if defined(__AVX512F__)
-        const __m512i exact = _mm512_sub_epi32(dot[m], _mm512_set1_epi32(kWeightOffset * x->sums[i]));
+          const __m512i exact = _mm512_sub_epi32(dot[s][m], _mm512_set1_epi32(kWeightOffset * x->sums[i]));
 #else
-        const __m512i exact = dot[m];
+          const __m512i exact = dot[s][m];
 #endif
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x->scales[i]), acc[m]);
+          acc[s][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x->scales[i]), acc[s][m]);
+        }
+      }
+    }
+  }
+
+  // y for tiles [t, t + S) at rows [m0, m0 + MB): bf16(acc * s + bias), round to nearest even.
+  template <int64_t MB, int64_t S>
+  inline void tile_rows(int64_t t, int64_t m0) const {
+    __m512 acc[S][kMaxRowsPerPass];
+    tile_dot<MB, S>(t, m0, acc);
+    for (int64_t s = 0; s < S; ++s) {
+      const int64_t n0 = (t + s) * kTileRows, valid = std::min(kTileRows, N - n0);
+      const __mmask16 keep = __mmask16((1u << valid) - 1u);
+      const __m512 scale = _mm512_maskz_loadu_ps(keep, scales + n0);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+      for (int64_t m = 0; m < MB; ++m) {
+        const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[s][m], scale, b));
+        _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
       }
     }
   }
 
   void tiles(int64_t t_begin, int64_t t_end) const {
-    __m512 acc[kMaxRowsPerPass];
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t n0 = t * kTileRows, valid = std::min(kTileRows, N - n0);
-      const __mmask16 keep = __mmask16((1u << valid) - 1u);
-      const __m512 s = _mm512_maskz_loadu_ps(keep, scales + n0);
-      const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    // Groups as wide as the first pass streams together (later passes have no more rows).
+    const int64_t group = kvflow::kTileStreams(std::min(M, kMaxRowsPerPass));
+    for (int64_t t = t_begin; t < t_end; t += group) {
+      const int64_t count = std::min(group, t_end - t);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
-        const int64_t mb = std::min(kMaxRowsPerPass, M - m0);
-        kvflow::with_row_count(mb, [&](auto rows) { tile_dot<decltype(rows)::value>(t, m0, acc); });
-        for (int64_t m = 0; m < mb; ++m) {  // bf16(acc * s + bias), round to nearest even
-          const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[m], s, b));
-          _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
-        }
+        kvflow::with_row_count(std::min(kMaxRowsPerPass, M - m0), [&](auto rows) {
+          constexpr int64_t MB = decltype(rows)::value, S = kvflow::kTileStreams(MB);
+          int64_t s0 = 0;
+          for (; s0 + S <= count; s0 += S) tile_rows<MB, S>(t + s0, m0);
+          for (; s0 < count; ++s0) tile_rows<MB, 1>(t + s0, m0);
+        });
       }
     }
   }

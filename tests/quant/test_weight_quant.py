@@ -253,3 +253,31 @@ def test_engine_with_quantized_weights_matches_the_dequantized_model(
     # Later tokens: a random-weight model's nearly flat distributions let bf16 rounding (different
     # accumulation order in the kernels) flip an argmax, after which the continuation diverges.
     print(f"{method}: greedy agreement with the dequantized model {agree}/{total}")
+
+
+@pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 7, 9])
+def test_native_int8_gemv_gives_every_tile_count_the_same_bits(num_tiles: int) -> None:
+    """At few rows a thread streams several int8 tiles side by side (simd.h kTileStreams) and the
+    rest one by one: every tile count, row count and thread split gives each output the same bits
+    (batch invariance), and the dequantized reference within the activations' int8 rounding."""
+    if int8_weight_kernels() is None:
+        pytest.skip("kvflow's native kernels are unavailable on this CPU")
+    torch.manual_seed(num_tiles)
+    n, k = 16 * num_tiles - 5, 200  # a partial last tile; a partial 32-input block
+    q8 = quantize_int8(torch.randn(n, k).to(torch.bfloat16))
+    module = Int8Linear(q8, None, torch.bfloat16)
+    module.max_gemv_rows = ALL_ROWS  # the GEMV at every row count (more than one pass from 9)
+    reference = q8.qweight.float() * q8.scales[:, None]
+    threads = torch.get_num_threads()
+    for m in range(1, 11):
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = module(x)
+        tolerance = 2 * BF16_RELATIVE * (x.float().abs() @ reference.abs().t()) + 1e-6
+        assert bool(((y.float() - x.float() @ reference.t()).abs() <= tolerance).all())
+        for row in range(m):
+            assert torch.equal(module(x[row : row + 1])[0], y[row])
+        torch.set_num_threads(1 if threads > 1 else 2)
+        try:
+            assert torch.equal(module(x), y)
+        finally:
+            torch.set_num_threads(threads)
