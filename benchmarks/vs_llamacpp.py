@@ -6,7 +6,7 @@ On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py b
 - llama.cpp is built once from the llama-cpp-python sdist pip downloads (CMake Release,
   GGML_NATIVE=ON), cached in ~/.cache/kvflow-bench/llama.cpp; the checkpoint is converted with
   that copy's convert_hf_to_gguf.py and quantized with its llama-quantize (bf16, q8_0, q4_0).
-  Where that build dies on q8_0 (ggml's AMX kernels did on a Granite Rapids VM: NOTES.md,
+  Where that build dies on q8_0 (ggml's AMX kernels did on an AMX Xeon VM: NOTES.md,
   session 16), the same build without the AMX instructions serves (`runnable_llamacpp`).
 - Precision pairs: bf16 vs bf16; int8 (LM head int8 too) vs q8_0; int4 group 32 (LM head int4
   too) vs q4_0 (group 32; llama.cpp keeps this shape's tied head in q8_0).
@@ -140,7 +140,7 @@ def runnable_llamacpp(bin_dir: Path, gguf: Path, threads: int) -> Path:
     """`bin_dir`, or an AMX-free build where the native one dies on `gguf` (a quantized file).
 
     ggml's AMX kernels for q8_0 / q4_0 (ggml-cpu/amx/mmq.cpp, picked at -march=native on Sapphire
-    and Granite Rapids) raised SIGILL at their first `tileloadd` on the Granite Rapids VM of
+    and Granite Rapids) raised SIGILL at their first `tileloadd` on the AMX Xeon VM of
     benchmarks/NOTES.md session 16, although the kernel grants the tile state (ARCH_REQ_XCOMP_PERM)
     and oneDNN's AMX GEMMs run in the same VM. `--repack 0` would avoid them too, but it also turns
     off the interleaved q4_0 layout that is llama.cpp's fast AVX-512 path, so the fair peer is the

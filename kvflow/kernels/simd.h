@@ -30,7 +30,7 @@ constexpr int64_t kWeightPrefetchStride = 64;
 // side at `rows` activation rows per pass: as many as keep their accumulators (2 per row and tile)
 // within 16 of the 32 zmm registers, at most 4. Why: one sequential stream per core leaves DRAM
 // bandwidth unused on Intel server cores, whose L2 streamer runs ahead of each stream on its own.
-// Measured on a Granite Rapids VM, 2 threads (benchmarks/NOTES.md, session 16): the bf16 tile loop
+// Measured on a 2-core AMX Xeon VM (benchmarks/NOTES.md, session 16): the bf16 tile loop
 // at one row over 1 GiB, one stream 20.5 GB/s, two 28.7, four 31.3, against 29.1 for a plain sum;
 // single-stream decode steps of the 0.5B shape, alternated, bf16 at 56% -> 94% of the roofline,
 // int8 20.4-20.7 -> 17.7-17.8 ms. The int4 GEMV keeps one stream: with four its steps took

@@ -14,7 +14,7 @@ Measured on this 2-core AVX512-BF16 EPYC (benchmarks/NOTES.md), weights streamed
   blocked layout (`torch.ops.mkldnn._reorder_linear_weight`): 950 GFLOP/s from M ~ 256, the
   machine's vdpbf16ps peak.
 - Where oneDNN runs that matmul on AMX tiles (Sapphire / Granite Rapids), it takes over past
-  AMX_SKINNY_MAX_ROWS = 8 rows. Measured on a 2-core Granite Rapids VM (NOTES.md, session 16),
+  AMX_SKINNY_MAX_ROWS = 8 rows. Measured on a 2-core AMX Xeon VM (NOTES.md, session 16),
   24 layers' weights streamed, GEMV / oneDNN time: gate_up 0.72x at M = 1, 0.79x at 4, 1.05x at 8,
   2.0x at 16, 3.0x at 32 (down and qkv alike). There the GEMV's 8-row pass is bound by vdpbf16ps
   (~1.4 G/s per core: ~11 GB/s of weights per core at 8 rows), which AMX is not.
