@@ -54,7 +54,15 @@ constexpr int64_t kMaxRows = 8;           // activation rows sharing one pass ov
 #else
 constexpr int64_t kMaxRows = 4;           // AVX2: 8 accumulators + 4 weights + 2 broadcasts of 16 ymm
 #endif
-constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loads
+// Weights prefetched ahead of the loads, in each tile's stream. AVX-512: with 4 tiles side by side
+// (simd.h kTileStreams), 1 KiB ahead of each gave 3-4% shorter single-stream bf16 decode steps
+// than 4 KiB on an AMX Xeon (two alternated pairs, 32.8 / 33.6 -> 31.5 / 32.6 ms; NOTES.md,
+// session 16). AVX2 (one stream per thread): 4 KiB, as measured on Zen 3 (session 13).
+#if defined(__AVX512F__)
+constexpr int64_t kPrefetchBytes = 1024;
+#else
+constexpr int64_t kPrefetchBytes = 4096;
+#endif
 
 struct TiledGemv {
   const uint16_t* w;  // [N_pad / 16, K / 2, 16, 2]
