@@ -66,6 +66,15 @@ constexpr int64_t kMaxRowsPerPass = 4;
 #endif
 constexpr int64_t kPrefetchBytes = 1024;   // packed weights prefetched ahead of the loads
 
+// Tiles one thread streams side by side at `rows` activation rows per pass: two at up to 2 rows
+// where simd.h's rule allows several (AVX-512), else one. Not simd.h's four: this tile does more
+// work per byte (nibbles unpacked, group scales and minima), and single-stream int4 g32 decode steps
+// of the 0.5B shape on an AMX Xeon, alternated, took 13.5-13.8 ms with one stream, 14.4-14.9 with
+// four, 12.5-13.2 with two against 13.2-13.7 with one (four pairs; benchmarks/NOTES.md, session 16).
+constexpr int64_t kInt4TileStreams(int64_t rows) {
+  return kvflow::kTileStreams(rows) > 1 && rows <= 2 ? 2 : 1;
+}
+
 inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
@@ -102,73 +111,102 @@ struct Gemv {
   uint16_t* y;        // [M, N] bf16
   int64_t M, K, N, g;
 
-  // acc[m] (lane l: row 16t + l) = W[16t + l] . x[m0 + m] for MB activation rows.
-  template <int64_t MB>
-  inline void tile_dot(int64_t t, int64_t m0, __m512* acc) const {
+  // acc[s][m] (lane l: row 16(t + s) + l) = W[16(t + s) + l] . x[m0 + m] for MB activation rows
+  // and the S tiles t .. t + S - 1, whose weight streams are read side by side
+  // (kInt4TileStreams); per tile and row the same operations in the same order as for S = 1.
+  template <int64_t MB, int64_t S>
+  inline void tile_dot(int64_t t, int64_t m0, __m512 (*acc)[kMaxRowsPerPass]) const {
     const int64_t groups = K / g, blocks = K / kXBlock, blocks_per_group = g / kXBlock;
-    const uint8_t* wt = w + t * (8 * K);
-    const uint16_t* st = scales + t * groups * kTileRows;
-    const uint16_t* zt = mins + t * groups * kTileRows;
+    const uint8_t* wt[S];
+    const uint16_t* st[S];
+    const uint16_t* zt[S];
+    __m512 scale[S];
+    for (int64_t i = 0; i < S; ++i) {
+      wt[i] = w + (t + i) * (8 * K);
+      st[i] = scales + (t + i) * groups * kTileRows;
+      zt[i] = mins + (t + i) * groups * kTileRows;
+      scale[i] = _mm512_setzero_ps();
+      for (int64_t m = 0; m < MB; ++m) acc[i][m] = _mm512_setzero_ps();
+    }
     const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int64_t m = 0; m < MB; ++m) acc[m] = _mm512_setzero_ps();
-    __m512 s = _mm512_setzero_ps();
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t j = b / blocks_per_group;
-      if (b % blocks_per_group == 0) {  // a new group: its scales, and sum_j z_j * xsum_j
-        s = load_bf16x16(st + j * kTileRows);
-        const __m512 z = load_bf16x16(zt + j * kTileRows);
-        for (int64_t m = 0; m < MB; ++m)
-          acc[m] = _mm512_fmadd_ps(z, _mm512_set1_ps(x->sums[(m0 + m) * groups + j]), acc[m]);
+      __m512i dot[S][MB];  // AVX-512: int32 lanes; AVX2: int16 pair sums until the block's end
+      for (int64_t i = 0; i < S; ++i) {
+        if (b % blocks_per_group == 0) {  // a new group: its scales, and sum_j z_j * xsum_j
+          scale[i] = load_bf16x16(st[i] + j * kTileRows);
+          const __m512 z = load_bf16x16(zt[i] + j * kTileRows);
+          for (int64_t m = 0; m < MB; ++m)
+            acc[i][m] = _mm512_fmadd_ps(z, _mm512_set1_ps(x->sums[(m0 + m) * groups + j]), acc[i][m]);
+        }
+        const uint8_t* wb = wt[i] + b * kTileBlockBytes;
+        for (int64_t line = 0; line < kTileBlockBytes; line += kvflow::kWeightPrefetchStride)
+          _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
+        for (int64_t m = 0; m < MB; ++m) dot[i][m] = _mm512_setzero_si512();
       }
-      const uint8_t* wb = wt + b * kTileBlockBytes;
-      for (int64_t line = 0; line < kTileBlockBytes; line += kvflow::kWeightPrefetchStride)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + kPrefetchBytes + line), _MM_HINT_T0);
-      __m512i dot[MB];  // AVX-512: int32 lanes; AVX2: int16 pair sums until the block's end
-      for (int64_t m = 0; m < MB; ++m) dot[m] = _mm512_setzero_si512();
 #if !defined(__AVX512F__)
       static_assert(2 * 4 <= kvflow_avx2::kNibbleProductsInInt16, "a block's 8 products must fit int16");
 #endif
       for (int64_t c = 0; c < 4; ++c) {
-        const __m512i packed = _mm512_loadu_si512(wb + 64 * c);
-        const __m512i lo = _mm512_and_si512(packed, nibble);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-        for (int64_t m = 0; m < MB; ++m) {
-          const int8_t* xq = x->q.data() + (m0 + m) * K + b * kXBlock + 8 * c;
-          int32_t x_lo, x_hi;  // 4 activations each, broadcast to every row's lane
-          std::memcpy(&x_lo, xq, 4);
-          std::memcpy(&x_hi, xq + 4, 4);
+        for (int64_t i = 0; i < S; ++i) {
+          const __m512i packed = _mm512_loadu_si512(wt[i] + b * kTileBlockBytes + 64 * c);
+          const __m512i lo = _mm512_and_si512(packed, nibble);
+          const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+          for (int64_t m = 0; m < MB; ++m) {
+            const int8_t* xq = x->q.data() + (m0 + m) * K + b * kXBlock + 8 * c;
+            int32_t x_lo, x_hi;  // 4 activations each, broadcast to every row's lane
+            std::memcpy(&x_lo, xq, 4);
+            std::memcpy(&x_hi, xq + 4, 4);
 #if defined(__AVX512F__)
-          dot[m] = _mm512_dpbusd_epi32(dot[m], lo, _mm512_set1_epi32(x_lo));
-          dot[m] = _mm512_dpbusd_epi32(dot[m], hi, _mm512_set1_epi32(x_hi));
+            dot[i][m] = _mm512_dpbusd_epi32(dot[i][m], lo, _mm512_set1_epi32(x_lo));
+            dot[i][m] = _mm512_dpbusd_epi32(dot[i][m], hi, _mm512_set1_epi32(x_hi));
 #else  // the same sums: the block's 8 nibble x int8 products fit int16 exactly (avx512_on_avx2.h)
-          dot[m] = kvflow_avx2::maddubs_add_epi16(dot[m], lo, _mm512_set1_epi32(x_lo));
-          dot[m] = kvflow_avx2::maddubs_add_epi16(dot[m], hi, _mm512_set1_epi32(x_hi));
+            dot[i][m] = kvflow_avx2::maddubs_add_epi16(dot[i][m], lo, _mm512_set1_epi32(x_lo));
+            dot[i][m] = kvflow_avx2::maddubs_add_epi16(dot[i][m], hi, _mm512_set1_epi32(x_hi));
 #endif
+          }
         }
       }
+      for (int64_t i = 0; i < S; ++i) {
+        for (int64_t m = 0; m < MB; ++m) {
 #if !defined(__AVX512F__)
-      for (int64_t m = 0; m < MB; ++m) dot[m] = kvflow_avx2::widen_pair_sums(dot[m]);
+          dot[i][m] = kvflow_avx2::widen_pair_sums(dot[i][m]);
 #endif
+          const __m512 sdx = _mm512_mul_ps(scale[i], _mm512_set1_ps(x->scales[(m0 + m) * blocks + b]));
+          acc[i][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][m]), sdx, acc[i][m]);
+        }
+      }
+    }
+  }
+
+  // y for tiles [t, t + S) at rows [m0, m0 + MB): bf16(acc + bias), round to nearest even.
+  template <int64_t MB, int64_t S>
+  inline void tile_rows(int64_t t, int64_t m0) const {
+    __m512 acc[S][kMaxRowsPerPass];
+    tile_dot<MB, S>(t, m0, acc);
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t n0 = (t + i) * kTileRows, valid = std::min(kTileRows, N - n0);
+      const __mmask16 keep = __mmask16((1u << valid) - 1u);
+      const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
       for (int64_t m = 0; m < MB; ++m) {
-        const __m512 sdx = _mm512_mul_ps(s, _mm512_set1_ps(x->scales[(m0 + m) * blocks + b]));
-        acc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), sdx, acc[m]);
+        const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[i][m], b));
+        _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
       }
     }
   }
 
   void tiles(int64_t t_begin, int64_t t_end) const {
-    __m512 acc[kMaxRowsPerPass];
-    for (int64_t t = t_begin; t < t_end; ++t) {
-      const int64_t n0 = t * kTileRows, valid = std::min(kTileRows, N - n0);
-      const __mmask16 keep = __mmask16((1u << valid) - 1u);
-      const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+    // Groups as wide as the first pass streams together (later passes have no more rows).
+    const int64_t group = kInt4TileStreams(std::min(M, kMaxRowsPerPass));
+    for (int64_t t = t_begin; t < t_end; t += group) {
+      const int64_t count = std::min(group, t_end - t);
       for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
-        const int64_t mb = std::min(kMaxRowsPerPass, M - m0);
-        kvflow::with_row_count(mb, [&](auto rows) { tile_dot<decltype(rows)::value>(t, m0, acc); });
-        for (int64_t m = 0; m < mb; ++m) {  // bf16(acc + bias), round to nearest even
-          const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[m], b));
-          _mm256_mask_storeu_epi16(y + (m0 + m) * N + n0, keep, out);
-        }
+        kvflow::with_row_count(std::min(kMaxRowsPerPass, M - m0), [&](auto rows) {
+          constexpr int64_t MB = decltype(rows)::value, S = kInt4TileStreams(MB);
+          int64_t s0 = 0;
+          for (; s0 + S <= count; s0 += S) tile_rows<MB, S>(t + s0, m0);
+          for (; s0 < count; ++s0) tile_rows<MB, 1>(t + s0, m0);
+        });
       }
     }
   }

@@ -26,16 +26,15 @@ namespace kvflow {
 // 18-28, one row within noise or better): benchmarks/NOTES.md, sessions 13 and 15.
 constexpr int64_t kWeightPrefetchStride = 64;
 
-// Weight tiles one thread of the bf16 and int8 GEMVs (gemv_bf16.cpp, gemv_int8.cpp) streams side by
+// Weight tiles one thread of a GEMV (gemv_bf16.cpp, gemv_int8.cpp, gemv_int4.cpp) streams side by
 // side at `rows` activation rows per pass: as many as keep their accumulators (2 per row and tile)
 // within 16 of the 32 zmm registers, at most 4. Why: one sequential stream per core leaves DRAM
 // bandwidth unused on Intel server cores, whose L2 streamer runs ahead of each stream on its own.
 // Measured on a 2-core AMX Xeon VM (benchmarks/NOTES.md, session 16): the bf16 tile loop
 // at one row over 1 GiB, one stream 20.5 GB/s, two 28.7, four 31.3, against 29.1 for a plain sum;
 // single-stream decode steps of the 0.5B shape, alternated, bf16 at 56% -> 94% of the roofline,
-// int8 20.4-20.7 -> 17.7-17.8 ms. The int4 GEMV keeps one stream: with four its steps took
-// 14.4-14.9 ms against 13.5-13.8 (more work per byte; the streams gain it nothing). The AVX2 build
-// has no registers to spare: one.
+// int8 20.4-20.7 -> 17.7-17.8 ms. The int4 GEMV takes at most two (gemv_int4.cpp kInt4TileStreams).
+// The AVX2 build has no registers to spare: one.
 constexpr int64_t kTileStreams([[maybe_unused]] int64_t rows) {
 #if defined(__AVX512F__)
   return rows <= 2 ? 4 : rows <= 4 ? 2 : 1;

@@ -255,24 +255,42 @@ def test_engine_with_quantized_weights_matches_the_dequantized_model(
     print(f"{method}: greedy agreement with the dequantized model {agree}/{total}")
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("num_tiles", [1, 2, 3, 4, 5, 7, 9])
-def test_native_int8_gemv_gives_every_tile_count_the_same_bits(num_tiles: int) -> None:
-    """At few rows a thread streams several int8 tiles side by side (simd.h kTileStreams) and the
-    rest one by one: every tile count, row count and thread split gives each output the same bits
-    (batch invariance), and the dequantized reference within the activations' int8 rounding."""
-    if int8_weight_kernels() is None:
+def test_native_quantized_gemv_gives_every_tile_count_the_same_bits(method: str, num_tiles: int) -> None:
+    """At few rows a thread streams several int8 / int4 tiles side by side (simd.h kTileStreams,
+    gemv_int4.cpp kInt4TileStreams) and the rest one by one: every tile count, row count and thread
+    split gives each output the same bits (batch invariance), and the dequantized reference within
+    the activations' int8 rounding."""
+    if (int8_weight_kernels() if method == "int8" else int4_weight_kernels()) is None:
         pytest.skip("kvflow's native kernels are unavailable on this CPU")
     torch.manual_seed(num_tiles)
-    n, k = 16 * num_tiles - 5, 200  # a partial last tile; a partial 32-input block
-    q8 = quantize_int8(torch.randn(n, k).to(torch.bfloat16))
-    module = Int8Linear(q8, None, torch.bfloat16)
+    # A partial last tile; int8: a partial 32-input block; int4: several groups of 32.
+    n, k = 16 * num_tiles - 5, 200 if method == "int8" else 128
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    module: Int8Linear | Int4Linear
+    if method == "int8":
+        q8 = quantize_int8(weight)
+        module, reference = Int8Linear(q8, None, torch.bfloat16), q8.qweight.float() * q8.scales[:, None]
+        scaled = reference  # the part multiplied by the int8 activations
+    else:
+        q4 = quantize_int4(weight, 32)
+        module = Int4Linear(q4, None, torch.bfloat16)
+        scale, low = q4.scales.to(torch.bfloat16).float(), q4.mins.to(torch.bfloat16).float()
+        groups = q4.qweight.reshape(n, -1, 32).float()
+        reference = (groups * scale[..., None] + low[..., None]).reshape(n, k)
+        scaled = (groups * scale[..., None]).reshape(n, k)  # the minima meet exact sums of x
     module.max_gemv_rows = ALL_ROWS  # the GEMV at every row count (more than one pass from 9)
-    reference = q8.qweight.float() * q8.scales[:, None]
     threads = torch.get_num_threads()
     for m in range(1, 11):
         x = torch.randn(m, k).to(torch.bfloat16)
         y = module(x)
-        tolerance = 2 * BF16_RELATIVE * (x.float().abs() @ reference.abs().t()) + 1e-6
+        # Each activation is off by at most half its 32-input block's step (max |x_b| / 254), each
+        # output by one bf16 rounding.
+        blocks = torch.nn.functional.pad(x.float().abs(), (0, -k % 32)).reshape(m, -1, 32)
+        step = blocks.amax(-1, keepdim=True).expand(blocks.shape).reshape(m, -1)[:, :k]
+        rounding = 2 * BF16_RELATIVE * (x.float().abs() @ reference.abs().t())
+        tolerance = (step / 254) @ scaled.abs().t() + rounding + 1e-6
         assert bool(((y.float() - x.float() @ reference.t()).abs() <= tolerance).all())
         for row in range(m):
             assert torch.equal(module(x[row : row + 1])[0], y[row])
