@@ -54,15 +54,12 @@ constexpr int64_t kMaxRows = 8;           // activation rows sharing one pass ov
 #else
 constexpr int64_t kMaxRows = 4;           // AVX2: 8 accumulators + 4 weights + 2 broadcasts of 16 ymm
 #endif
-// Weights prefetched ahead of the loads, in each tile's stream. AVX-512: with 4 tiles side by side
-// (simd.h kTileStreams), 1 KiB ahead of each gave 3-4% shorter single-stream bf16 decode steps
-// than 4 KiB on an AMX Xeon (two alternated pairs, 32.8 / 33.6 -> 31.5 / 32.6 ms; NOTES.md,
-// session 16). AVX2 (one stream per thread): 4 KiB, as measured on Zen 3 (session 13).
-#if defined(__AVX512F__)
-constexpr int64_t kPrefetchBytes = 1024;
-#else
+// Weights prefetched ahead of the loads: kPrefetchBytes per thread, split between the tile
+// streams it reads side by side (AVX-512: 4096 / S bytes ahead in each of S). Measured on an AMX
+// Xeon (NOTES.md, session 16), single-stream bf16 decode steps, alternated: four streams 1 KiB
+// ahead each 31.5 / 32.6 ms against 32.8 / 33.6 at 4 KiB each; one stream (8-row passes,
+// 8-sequence decode) lost ~5% of its tokens/s at 1 KiB against 4.
 constexpr int64_t kPrefetchBytes = 4096;
-#endif
 
 struct TiledGemv {
   const uint16_t* w;  // [N_pad / 16, K / 2, 16, 2]
@@ -96,6 +93,7 @@ struct TiledGemv {
   template <int64_t MB, int64_t S>
   inline void tile(int64_t t, int64_t m0) const {
     const int64_t pairs = K / 2;
+    constexpr int64_t ahead = kPrefetchBytes / S;  // bytes, in each stream
     const uint16_t* wt[S];
     __m512 even[S][MB], odd[S][MB];
     for (int64_t s = 0; s < S; ++s) {
@@ -106,8 +104,8 @@ struct TiledGemv {
     for (; p + 2 <= pairs; p += 2) {  // two input pairs per iteration: one per accumulator chain
       for (int64_t s = 0; s < S; ++s) {
         const uint16_t* wp = wt[s] + p * 2 * kTileRows;
-        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(wp) + kPrefetchBytes + 64, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + ahead, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wp) + ahead + 64, _MM_HINT_T0);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);
         const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + 2 * kTileRows);
         for (int64_t m = 0; m < MB; ++m) {
