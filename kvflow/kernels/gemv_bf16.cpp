@@ -133,18 +133,12 @@ struct TiledGemv {
     }
   }
 
-  // Tiles [t, t + count) at rows [m0, m0 + MB): kTileStreams(MB) of them side by side at a time.
-  template <int64_t MB>
-  inline void tile_group(int64_t t, int64_t count, int64_t m0) const {
-    constexpr int64_t S = kvflow::kTileStreams(MB);
-    int64_t s0 = 0;
-    for (; s0 + S <= count; s0 += S) tile<MB, S>(t + s0, m0);
-    for (; s0 < count; ++s0) tile<MB, 1>(t + s0, m0);
-  }
 #else
-  // Rows [m0, m0 + MB) of y for tile t, MB <= 4 (the AVX2 tile in the header comment).
-  template <int64_t MB>
+  // Rows [m0, m0 + MB) of y for tile t, MB <= 4 (the AVX2 tile in the header comment); one tile at
+  // a time (S = 1: 16 registers leave no room for a second stream).
+  template <int64_t MB, int64_t S>
   inline void tile(int64_t t, int64_t m0) const {
+    static_assert(S == 1, "the AVX2 tile reads one stream");
     const int64_t pairs = K / 2;
     const uint16_t* wt = w + t * pairs * 2 * kTileRows;
     const __m256i top = _mm256_set1_epi32(int(0xffff0000u));  // a bf16 pair's upper half: input 2p + 1
@@ -190,26 +184,13 @@ struct TiledGemv {
 #pragma GCC unroll 4  // whole: a loop indexing lo / hi at run time keeps them in memory inside the one above
     for (int64_t m = 0; m < MB; ++m) store(c, m0 + m, __m512{lo[m], hi[m]});
   }
-
-  // The AVX2 tile reads one tile at a time (16 registers leave no room for a second stream).
-  template <int64_t MB>
-  inline void tile_group(int64_t t, int64_t count, int64_t m0) const {
-    for (int64_t s = 0; s < count; ++s) tile<MB>(t + s, m0);
-  }
 #endif
 
   void tiles(int64_t t_begin, int64_t t_end) const {
-    // Groups of tiles as wide as the first pass streams together (later passes have no more rows,
-    // so as many streams or more fit them); every pass over a group while it is in L1/L2.
-    const int64_t group = kvflow::kTileStreams(std::min(M, kMaxRows));
-    for (int64_t t = t_begin; t < t_end; t += group) {
-      const int64_t count = std::min(group, t_end - t);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRows) {
-        kvflow::with_row_count(std::min(kMaxRows, M - m0), [&](auto rows) {
-          if constexpr (decltype(rows)::value <= kMaxRows) tile_group<decltype(rows)::value>(t, count, m0);
+    kvflow::for_tile_groups<kvflow::kTileStreams, kMaxRows>(
+        t_begin, t_end, M, [&](auto rows, auto streams, int64_t t, int64_t m0) {
+          tile<decltype(rows)::value, decltype(streams)::value>(t, m0);
         });
-      }
-    }
   }
 };
 

@@ -196,19 +196,10 @@ struct Gemv {
   }
 
   void tiles(int64_t t_begin, int64_t t_end) const {
-    // Groups as wide as the first pass streams together (later passes have no more rows).
-    const int64_t group = kInt4TileStreams(std::min(M, kMaxRowsPerPass));
-    for (int64_t t = t_begin; t < t_end; t += group) {
-      const int64_t count = std::min(group, t_end - t);
-      for (int64_t m0 = 0; m0 < M; m0 += kMaxRowsPerPass) {
-        kvflow::with_row_count(std::min(kMaxRowsPerPass, M - m0), [&](auto rows) {
-          constexpr int64_t MB = decltype(rows)::value, S = kInt4TileStreams(MB);
-          int64_t s0 = 0;
-          for (; s0 + S <= count; s0 += S) tile_rows<MB, S>(t + s0, m0);
-          for (; s0 < count; ++s0) tile_rows<MB, 1>(t + s0, m0);
+    kvflow::for_tile_groups<kInt4TileStreams, kMaxRowsPerPass>(
+        t_begin, t_end, M, [&](auto rows, auto streams, int64_t t, int64_t m0) {
+          tile_rows<decltype(rows)::value, decltype(streams)::value>(t, m0);
         });
-      }
-    }
   }
 };
 
