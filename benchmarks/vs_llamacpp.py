@@ -1,6 +1,6 @@
 """kvflow against llama.cpp on the same weights, side by side, engines alternated round by round.
 
-    python benchmarks/vs_llamacpp.py [--rounds 3] [--pairs bf16,int8,int4] [--threads 2]
+    python benchmarks/vs_llamacpp.py [--rounds 3] [--pairs bf16,int8,int4] [--threads 2] [--batch 8]
 
 On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it):
 - llama.cpp is built once from the llama-cpp-python sdist pip downloads (CMake Release,
@@ -14,7 +14,7 @@ On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py b
     prefill      tokens/s of one 512-token prompt (llama-bench pp512)
     decode@512   single-stream decode tokens/s after a 512-token prompt (llama-bench tg64 -d 512;
                  kvflow: 64 tokens after the prompt, (n - 1) / decode time, the same average)
-    decode x8    aggregate decode tokens/s of 8 sequences of 512-token prompts decoding together
+    decode xB    aggregate decode tokens/s of B (--batch, 8) sequences of 512-token prompts decoding together
                  (llama-batched-bench S_TG; kvflow: tokens after the first over the decode span)
 - Each engine's single-stream decode is also reported as a share of its bandwidth roofline (bytes
   of weights read per token / read bandwidth). The read bandwidth (a float32 sum over 1 GiB) is
@@ -57,7 +57,7 @@ LLAMA_DIR = CACHE_DIR / "llama.cpp"
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-quantize", "llama-server")
 PROMPT_LEN = 512
 GEN_LEN = 64
-BATCH = 8
+BATCH = 8  # sequences of the batched decode run, unless --batch says otherwise
 UNSTEADY_SPREAD = 0.15  # |before - after| / mean of the two bandwidth probes around a decode run
 
 T = TypeVar("T")
@@ -205,15 +205,15 @@ def bracketed(run: Callable[[], T]) -> tuple[T, dict[str, float]]:
     return result, {"bw_before": before, "bw_after": measure_bandwidth_gbs()}
 
 
-def llama_batched(bin_dir: Path, gguf: Path, threads: int) -> float:
-    """S_TG of llama-batched-bench: decode tokens/s of BATCH sequences together after their prompts."""
+def llama_batched(bin_dir: Path, gguf: Path, threads: int, batch: int) -> float:
+    """S_TG of llama-batched-bench: decode tokens/s of `batch` sequences together after their prompts."""
     exe = str(bin_dir / "llama-batched-bench")
-    ctx = BATCH * (PROMPT_LEN + GEN_LEN)
+    ctx = batch * (PROMPT_LEN + GEN_LEN)
     args = ["-m", str(gguf), "-t", str(threads), "-c", str(ctx), "-b", str(ctx), "-ub", str(PROMPT_LEN)]
-    text = _run([exe, *args, "-npp", str(PROMPT_LEN), "-ntg", str(GEN_LEN), "-npl", str(BATCH)])
+    text = _run([exe, *args, "-npp", str(PROMPT_LEN), "-ntg", str(GEN_LEN), "-npl", str(batch)])
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 8 and cells[0] == str(PROMPT_LEN) and cells[2] == str(BATCH):
+        if len(cells) >= 8 and cells[0] == str(PROMPT_LEN) and cells[2] == str(batch):
             return float(cells[7])  # PP | TG | B | N_KV | T_PP | S_PP | T_TG | S_TG | ...
     raise RuntimeError(f"no result row in llama-batched-bench output:\n{text}")
 
@@ -226,22 +226,22 @@ def _run(cmd: list[str]) -> str:
 # --------------------------------------------------------------------------------------- kvflow
 
 
-def kvflow_engine(checkpoint: Path, args: dict[str, Any]) -> LLM:
+def kvflow_engine(checkpoint: Path, args: dict[str, Any], batch: int) -> LLM:
     # The whole batch's prompts prefill in one step, as llama-batched-bench processes them.
     return LLM(
         str(checkpoint),
         dtype="bfloat16",
         max_model_len=PROMPT_LEN + GEN_LEN + 8,
-        max_num_batched_tokens=BATCH * PROMPT_LEN,
+        max_num_batched_tokens=batch * PROMPT_LEN,
         enable_prefix_caching=False,
         **args,
     )
 
 
-def kvflow_bench(llm: LLM, seed: int) -> dict[str, float]:
+def kvflow_bench(llm: LLM, seed: int, batch_size: int) -> dict[str, float]:
     rng = random.Random(seed)
     vocab = QWEN25_05B["vocab_size"]
-    prompts = [[rng.randrange(vocab) for _ in range(PROMPT_LEN)] for _ in range(BATCH + 2)]
+    prompts = [[rng.randrange(vocab) for _ in range(PROMPT_LEN)] for _ in range(batch_size + 2)]
     one = SamplingParams(temperature=0.0, max_tokens=1)
     prefill = llm.generate([prompts[0]], one)[0].metrics
     assert prefill.prefill_time is not None
@@ -254,7 +254,7 @@ def kvflow_bench(llm: LLM, seed: int) -> dict[str, float]:
     return {
         "prefill": PROMPT_LEN / prefill.prefill_time,
         "decode@512": (len(single.token_times) - 1) / single.decode_time,
-        "decode x8": sum(len(m.token_times) - 1 for m in batch) / span,
+        "decode xB": sum(len(m.token_times) - 1 for m in batch) / span,
         **bandwidth,
     }
 
@@ -278,13 +278,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pairs", default="bf16,int8,int4")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--batch", type=int, default=BATCH, help="sequences of the batched decode run")
     args = ap.parse_args()
     pairs = [PAIRS[p] for p in args.pairs.split(",")]
     checkpoint = build_checkpoint(torch.bfloat16)
     llama = build_llamacpp()
     ggufs = {p.name: convert(checkpoint, llama, p.gguf_type) for p in pairs}
     llama = runnable_llamacpp(llama, convert(checkpoint, llama, "q8_0"), args.threads)
-    engines = {p.name: kvflow_engine(checkpoint, p.kvflow_args) for p in pairs}
+    engines = {p.name: kvflow_engine(checkpoint, p.kvflow_args, args.batch) for p in pairs}
     for llm in engines.values():  # warm-up: oneDNN primitives, first-touch of the pools
         llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))
     ratios: dict[tuple[str, str], list[float]] = {}
@@ -292,9 +293,9 @@ def main() -> None:
     for r in range(args.rounds):
         print(f"\nround {r + 1}", flush=True)
         for pair in pairs:
-            ours = kvflow_bench(engines[pair.name], seed=r)
+            ours = kvflow_bench(engines[pair.name], seed=r, batch_size=args.batch)
             theirs = llama_bench(llama, ggufs[pair.name], args.threads)
-            theirs["decode x8"] = llama_batched(llama, ggufs[pair.name], args.threads)
+            theirs["decode xB"] = llama_batched(llama, ggufs[pair.name], args.threads, args.batch)
             roof = {"kvflow": kvflow_weight_bytes(engines[pair.name]), "llama.cpp": theirs["bytes"]}
             probes = []
             for engine, result in (("kvflow", ours), ("llama.cpp", theirs)):
@@ -306,16 +307,18 @@ def main() -> None:
                 mark = "" if steady else "~"
                 probes.append(f"{engine} {before:.1f}/{after:.1f} GB/s -> {share * 100:.0f}%{mark}")
             cells = []
-            for metric in ("prefill", "decode@512", "decode x8"):
+            for metric in ("prefill", "decode@512", "decode xB"):
                 ratio = ours[metric] / theirs[metric]
                 ratios.setdefault((pair.name, metric), []).append(ratio)
-                cells.append(f"{metric} {ours[metric]:.1f}/{theirs[metric]:.1f} = {ratio:.2f}x")
+                label = metric.replace("xB", f"x{args.batch}")
+                cells.append(f"{label} {ours[metric]:.1f}/{theirs[metric]:.1f} = {ratio:.2f}x")
             print(f"  {pair.name:<22} " + " | ".join(cells), flush=True)
             print(f"  {'':<22} decode@512 between probes: {', '.join(probes)}", flush=True)
     print(f"\nkvflow / llama.cpp over {args.rounds} rounds, median [min-max] ({args.threads} threads):")
     for pair in pairs:
-        cells = [_summary(ratios[(pair.name, m)], "x") for m in ("prefill", "decode@512", "decode x8")]
-        print(f"  {pair.name:<22} prefill {cells[0]} | decode@512 {cells[1]} | decode x8 {cells[2]}")
+        cells = [_summary(ratios[(pair.name, m)], "x") for m in ("prefill", "decode@512", "decode xB")]
+        batched = f"decode x{args.batch}"
+        print(f"  {pair.name:<22} prefill {cells[0]} | decode@512 {cells[1]} | {batched} {cells[2]}")
         share_cells = []
         for e in ("kvflow", "llama.cpp"):
             runs = shares[(pair.name, e)]
