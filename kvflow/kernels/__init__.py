@@ -5,7 +5,8 @@
 - `paged_decode_attention_bf16()` / `paged_decode_attention_quantized()`: decode attention read in
   place from the paged KV pool, bf16 or int8 / fp8_e4m3 / int4 (paged_decode_attention.cpp);
 - `prefill_attention_bf16()`: causal attention of a prefill chunk over a bf16 pool, flash style
-  (prefill_attention.cpp);
+  (prefill_attention.cpp); the attention kernels take optional per-head sink logits (gpt-oss;
+  attention_sinks.h);
 - `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs on 16-row tiles with VNNI
   for decode and row-block dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
 - `argmax_rows()`: greedy sampling's argmax over the vocabulary (argmax.cpp);
@@ -33,7 +34,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import torch
 
@@ -45,26 +46,69 @@ logger = logging.getLogger(__name__)
 SkinnyLinear = Callable[[torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
 # W [N, K] bf16 -> its 16-row tiles (layout in gemv_bf16.cpp)
 TileBf16Weight = Callable[[torch.Tensor], torch.Tensor]
-# (q [B, Hq, D], key_cache [S, Hkv, D], value_cache, slots [B, L], seq_lens [B], scale) -> [B, Hq, D]
-PagedDecodeAttention = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
-]
-# (q [n, Hq, D], key_cache [S, Hkv, D], value_cache, slots [L], scale) -> [n, Hq, D]; query i is
-# position L - n + i and attends the first L - n + i + 1 keys of `slots`
-PrefillAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+# The attention kernels' `sinks`: [Hq] float32 sink logits, one per query head (gpt-oss: the
+# softmax's denominator gets exp(sinks[h] - max), with no value), or None for the plain softmax
+# (bit for bit the result without the argument). Keyword names as bound in bindings.cpp.
+class PagedDecodeAttention(Protocol):
+    """(q [B, Hq, D] bf16, key_cache [S, Hkv, D] bf16, value_cache, slots [B, L] int64, seq_lens [B]
+    int64, scale, sinks) -> [B, Hq, D] bf16: row b attends the keys at slots[b, :seq_lens[b]]."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class PrefillAttention(Protocol):
+    """(q [n, Hq, D] bf16, key_cache [S, Hkv, D] bf16, value_cache, slots [L] int64, scale, sinks)
+    -> [n, Hq, D] bf16; query i is position L - n + i and attends the first L - n + i + 1 keys of
+    `slots`."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        slots: torch.Tensor,
+        scale: float,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
+class PagedDecodeAttentionQuantized(Protocol):
+    """PagedDecodeAttention over a quantized pool (kvflow/attention/kv_layer.py QuantizedPools):
+    kind "int8" | "fp8_e4m3" | "int4"; k_zero / v_zero are read for int4 only."""
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_data: torch.Tensor,
+        k_scale: torch.Tensor,
+        k_zero: torch.Tensor,
+        v_data: torch.Tensor,
+        v_scale: torch.Tensor,
+        v_zero: torch.Tensor,
+        slots: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        kind: str,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+
 # (x [M, K] bf16, tiles [N_pad / 16, K_pad / 4, 16, 4] uint8, scales [N] fp32, bias) -> [M, N] bf16
 # (layout in gemv_int8.cpp)
 SkinnyLinearInt8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
 # (tiles, scales [N] fp32, K, n_begin (a multiple of 16), n_end) -> [n_end - n_begin, K] bf16
 DequantizeInt8Rows = Callable[[torch.Tensor, torch.Tensor, int, int, int], torch.Tensor]
-# (q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, slots, seq_lens, scale, kind) -> [B, Hq, D]
-PagedDecodeAttentionQuantized = Callable[
-    [
-        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-        torch.Tensor, torch.Tensor, float, str,
-    ],
-    torch.Tensor,
-]  # fmt: skip
 # (x [M, K] bf16, packed 16-row tiles [N_pad / 16, 8K] uint8, scales [N_pad / 16, K / g, 16] bf16,
 #  mins, g, N, bias) -> [M, N] bf16 (layout in gemv_int4.cpp)
 SkinnyLinearInt4 = Callable[

@@ -6,7 +6,7 @@
 
 torch::Tensor empty_huge_pages(int64_t nbytes);
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor slots, double scale);
+                                     torch::Tensor slots, double scale, c10::optional<torch::Tensor> sinks);
 
 namespace py = pybind11;
 using kvflow::NativeDecoder;
@@ -149,12 +149,18 @@ void bind_decode_forward(py::module& m) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tile_bf16_weight", &tile_bf16_weight, "W [N, K] bf16 -> 16-row tiles [N_pad / 16, K / 2, 16, 2]");
   m.def("skinny_linear_bf16", &skinny_linear_bf16, "y = x @ W^T (+ b) for few rows x, bf16 16-row tiles");
+  // The attention kernels take optional sink logits [Hq] fp32 last (attention_sinks.h); None: none.
   m.def("paged_decode_attention_bf16", &paged_decode_attention_bf16,
-        "single-query attention over the paged bf16 KV pool, GQA-aware");
+        "single-query attention over the paged bf16 KV pool, GQA-aware", py::arg("q"), py::arg("key_cache"),
+        py::arg("value_cache"), py::arg("slots"), py::arg("seq_lens"), py::arg("scale"), py::arg("sinks") = py::none());
   m.def("paged_decode_attention_quantized", &paged_decode_attention_quantized,
-        "single-query attention over a paged int8 / fp8_e4m3 / int4 KV pool, dequantized as read");
+        "single-query attention over a paged int8 / fp8_e4m3 / int4 KV pool, dequantized as read", py::arg("q"),
+        py::arg("k_data"), py::arg("k_scale"), py::arg("k_zero"), py::arg("v_data"), py::arg("v_scale"),
+        py::arg("v_zero"), py::arg("slots"), py::arg("seq_lens"), py::arg("scale"), py::arg("kind"),
+        py::arg("sinks") = py::none());
   m.def("prefill_attention_bf16", &prefill_attention_bf16,
-        "causal attention of a prefill chunk over its keys in the paged bf16 KV pool (flash style)");
+        "causal attention of a prefill chunk over its keys in the paged bf16 KV pool (flash style)", py::arg("q"),
+        py::arg("key_cache"), py::arg("value_cache"), py::arg("slots"), py::arg("scale"), py::arg("sinks") = py::none());
   m.def("skinny_linear_int8", &skinny_linear_int8, "y = x @ (q * s)^T (+ b) for few rows x, int8 16-row tiles");
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
   m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16 (n_begin % 16 == 0)");

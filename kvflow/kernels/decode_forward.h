@@ -32,12 +32,15 @@ torch::Tensor dequantize_int4_rows(torch::Tensor packed, torch::Tensor scales, t
                                    int64_t group_size, int64_t out_features, int64_t n_begin, int64_t n_end);
 torch::Tensor dequantize_int8_rows(torch::Tensor tiles, torch::Tensor scales, int64_t in_features, int64_t n_begin,
                                    int64_t n_end);
+// sinks: [Hq] fp32 sink logits (attention_sinks.h); the native decode forward passes none.
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                          torch::Tensor slots, torch::Tensor seq_lens, double scale);
+                                          torch::Tensor slots, torch::Tensor seq_lens, double scale,
+                                          c10::optional<torch::Tensor> sinks = c10::nullopt);
 torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale,
                                                torch::Tensor k_zero, torch::Tensor v_data, torch::Tensor v_scale,
                                                torch::Tensor v_zero, torch::Tensor slots, torch::Tensor seq_lens,
-                                               double scale, const std::string& kind);
+                                               double scale, const std::string& kind,
+                                               c10::optional<torch::Tensor> sinks = c10::nullopt);
 
 namespace kvflow {
 

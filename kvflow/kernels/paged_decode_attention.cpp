@@ -10,8 +10,11 @@
 //
 // For sequence b, KV head h, the G = Hq / Hkv query heads sharing it (GQA without repeating K/V):
 //   s[g, l] = scale * <q[b, h*G + g], K[slot(b, l), h]>          l < seq_len[b]
-//   p[g, l] = exp(s[g, l] - max_l s[g, :]) / sum_l exp(...)       (two-pass softmax, fp32)
+//   p[g, l] = exp(s[g, l] - m[g]) / (sum_l exp(s[g, l] - m[g]) + exp(sink[h*G + g] - m[g]))
+//             m[g] = max(max_l s[g, :], sink[h*G + g])            (two-pass softmax, fp32)
 //   out[b, h*G + g] = sum_l p[g, l] * V[slot(b, l), h]
+// The sink logits (gpt-oss; attention_sinks.h) are optional: without them (-inf) the softmax is
+// the plain one, bit for bit.
 // All arithmetic is fp32; q and the output are bf16 (the output rounded to nearest even). A
 // quantized key or value row is dequantized in registers as it is read (x = q * s [+ z]), so the
 // kernel streams the pool's 1 or 0.5 bytes per element instead of gathering a dequantized copy.
@@ -21,6 +24,7 @@
 #include "simd.h"
 
 #include "attention_simd.h"
+#include "attention_sinks.h"
 #include "bf16_utils.h"
 #include "row_dispatch.h"
 
@@ -34,18 +38,22 @@
 namespace {
 
 using kvflow::exp_lanes;
+using kvflow::kNoSink;
 using kvflow::lanes_left;
 using kvflow::load_bf16_lanes;
+using kvflow::sink_of;
 using kvflow::transpose16;
 
 constexpr int64_t kLanes = 16;  // fp32 lanes per 512-bit register
 
-// Softmax of s[0..L) in place; returns 1 / sum so the caller can normalise the output once.
-inline float softmax_unnormalised(float* s, int64_t L) {
+// Softmax of s[0..L) in place, its denominator including exp(sink - max) (kNoSink: none, and then
+// the same bits as without); returns 1 / sum so the caller can normalise the output once.
+inline float softmax_unnormalised(float* s, int64_t L, float sink) {
   __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t l = 0; l < L; l += kLanes)
     vmax = _mm512_mask_max_ps(vmax, lanes_left(L - l), vmax, _mm512_maskz_loadu_ps(lanes_left(L - l), s + l));
-  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  const float peak = std::max(_mm512_reduce_max_ps(vmax), sink);
+  const __m512 m = _mm512_set1_ps(peak);
   __m512 vsum = _mm512_setzero_ps();
   for (int64_t l = 0; l < L; l += kLanes) {
     const __mmask16 mask = lanes_left(L - l);
@@ -53,7 +61,8 @@ inline float softmax_unnormalised(float* s, int64_t L) {
     _mm512_mask_storeu_ps(s + l, mask, e);
     vsum = _mm512_mask_add_ps(vsum, mask, vsum, e);
   }
-  return 1.0f / _mm512_reduce_add_ps(vsum);
+  const float sum = _mm512_reduce_add_ps(vsum);
+  return 1.0f / (sink == kNoSink ? sum : sum + std::exp(sink - peak));
 }
 
 inline float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
@@ -141,6 +150,7 @@ struct Problem {
   uint16_t* out;           // [B, Hq, D]
   int64_t Hq, Hkv, D, slot_stride;
   float scale;
+  const float* sinks;      // [Hq] sink logits, or nullptr: none
 };
 
 constexpr int64_t kMaxChunks = 16;  // head_dim up to 256 (16 x 16 lanes) keeps a K row in registers
@@ -236,7 +246,7 @@ void attend_one(const Problem<Rows>& P, int64_t b, int64_t h, std::vector<float>
     }
   compute_scores(P, slots, h, G, L, qf, scores, partials);
   float inv_sum[64];
-  for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalised(scores + g * L, L);
+  for (int64_t g = 0; g < G; ++g) inv_sum[g] = softmax_unnormalised(scores + g * L, L, sink_of(P.sinks, h * G + g));
   accumulate_values(P, slots, h, G, L, scores, acc);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d)
@@ -306,6 +316,7 @@ struct Bf16Attention {
   uint16_t* out;
   int64_t Hq, Hkv, D, slot_stride;
   float scale;
+  const float* sinks;  // [Hq] sink logits, or nullptr: none
   kvflow::TransposeStages stages;
 
   const uint16_t* key_row(int64_t slot, int64_t h) const { return k + (slot * Hkv + h) * D; }
@@ -521,7 +532,8 @@ struct Bf16Attention {
       score_heads(sl, h, qd + v0, std::min(kMaxHeadsPerPass, VH - v0), L_max, L_max, scores + v0 * L_max,
                   far_prefetch && v0 == 0);
     float inv_sum[kMaxGroupHeads];
-    for (int64_t v = 0; v < VH; ++v) inv_sum[v] = softmax_unnormalised(scores + v * L_max, ends[v]);
+    for (int64_t v = 0; v < VH; ++v)
+      inv_sum[v] = softmax_unnormalised(scores + v * L_max, ends[v], sink_of(sinks, h * G + v % G));
     for (int64_t blk0 = 0; blk0 < blocks32; blk0 += kValueBlocks) {
       const int64_t NB = std::min<int64_t>(kValueBlocks, blocks32 - blk0);
       for (int64_t v0 = 0; v0 < VH; v0 += kMaxValueHeads) {
@@ -595,20 +607,23 @@ void check_common(const torch::Tensor& q, const torch::Tensor& slots, const torc
 }
 
 template <typename Rows>
-torch::Tensor launch(torch::Tensor q, Rows k, Rows v, torch::Tensor slots, torch::Tensor seq_lens, double scale) {
+torch::Tensor launch(torch::Tensor q, Rows k, Rows v, torch::Tensor slots, torch::Tensor seq_lens, double scale,
+                     const float* sinks) {
   auto out = torch::empty_like(q);
   const Problem<Rows> P{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), k, v,
                         slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                        q.size(1), k.Hkv, q.size(2), slots.stride(0), static_cast<float>(scale)};
+                        q.size(1), k.Hkv, q.size(2), slots.stride(0), static_cast<float>(scale), sinks};
   run_all(P, q.size(0));
   return out;
 }
 
 }  // namespace
 
+// sinks: [Hq] fp32 sink logits (attention_sinks.h), or none.
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                          torch::Tensor slots, torch::Tensor seq_lens, double scale) {
+                                          torch::Tensor slots, torch::Tensor seq_lens, double scale,
+                                          c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(key_cache.dtype() == torch::kBFloat16 && value_cache.dtype() == torch::kBFloat16, "bf16 k/v expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV pools must be contiguous");
   q = q.contiguous();
@@ -618,15 +633,17 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
   const int64_t Hkv = key_cache.size(1), D = q.size(2);
   check_common(q, slots, seq_lens, Hkv);
   TORCH_CHECK(key_cache.size(2) == D, "head_dim mismatch");
+  torch::Tensor sinks_kept;
+  const float* sp = kvflow::sink_logits(sinks, q.size(1), sinks_kept);
   const auto* kp = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>());
   if (D % 2 != 0)  // the keys-along-lanes path reads bf16 pairs
-    return launch(q, Bf16Rows{kp, Hkv, D}, Bf16Rows{vp, Hkv, D}, slots, seq_lens, scale);
+    return launch(q, Bf16Rows{kp, Hkv, D}, Bf16Rows{vp, Hkv, D}, slots, seq_lens, scale, sp);
   auto out = torch::empty_like(q);
   const Bf16Attention A{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kp, vp,
                         slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                        q.size(1), Hkv, D, slots.stride(0), static_cast<float>(scale)};
+                        q.size(1), Hkv, D, slots.stride(0), static_cast<float>(scale), sp};
   const int64_t G = q.size(1) / Hkv;
   const std::vector<RowGroup> groups = row_groups(A.slots, A.slot_stride, A.seq_lens, q.size(0),
                                                   std::max<int64_t>(1, kGroupHeadsTarget / G));
@@ -647,11 +664,13 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
 }
 
 // kind: "int8" | "fp8_e4m3" | "int4". k_data/v_data: [S, Hkv, D] (int4: [S, Hkv, D / 2] uint8);
-// scales and zeros [S, Hkv] fp16 (zeros only for int4; pass the scales otherwise, unused).
+// scales and zeros [S, Hkv] fp16 (zeros only for int4; pass the scales otherwise, unused). sinks:
+// [Hq] fp32 sink logits (attention_sinks.h), or none.
 torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale,
                                                torch::Tensor k_zero, torch::Tensor v_data, torch::Tensor v_scale,
                                                torch::Tensor v_zero, torch::Tensor slots, torch::Tensor seq_lens,
-                                               double scale, const std::string& kind) {
+                                               double scale, const std::string& kind,
+                                               c10::optional<torch::Tensor> sinks) {
   for (const auto* t : {&k_data, &k_scale, &k_zero, &v_data, &v_scale, &v_zero})
     TORCH_CHECK(t->is_contiguous(), "KV pools must be contiguous");
   TORCH_CHECK(k_scale.dtype() == torch::kFloat16 && v_scale.dtype() == torch::kFloat16, "fp16 scales expected");
@@ -661,17 +680,19 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   seq_lens = seq_lens.contiguous();
   const int64_t Hkv = k_data.size(1), D = q.size(2);
   check_common(q, slots, seq_lens, Hkv);
+  torch::Tensor sinks_kept;
+  const float* sp = kvflow::sink_logits(sinks, q.size(1), sinks_kept);
   const auto* ks = reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>());
   const auto* vs = reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>());
   if (kind == "int8") {
     TORCH_CHECK(k_data.dtype() == torch::kInt8 && k_data.size(2) == D, "int8 [S, Hkv, D] pools expected");
     return launch(q, Int8Rows{k_data.data_ptr<int8_t>(), ks, Hkv, D}, Int8Rows{v_data.data_ptr<int8_t>(), vs, Hkv, D},
-                  slots, seq_lens, scale);
+                  slots, seq_lens, scale, sp);
   }
   if (kind == "fp8_e4m3") {
     TORCH_CHECK(k_data.dtype() == torch::kUInt8 && k_data.size(2) == D, "fp8 bytes [S, Hkv, D] expected");
     return launch(q, Fp8Rows{k_data.data_ptr<uint8_t>(), ks, Hkv, D}, Fp8Rows{v_data.data_ptr<uint8_t>(), vs, Hkv, D},
-                  slots, seq_lens, scale);
+                  slots, seq_lens, scale, sp);
   }
   TORCH_CHECK(kind == "int4", "unknown KV format ", kind);
   TORCH_CHECK(k_data.dtype() == torch::kUInt8 && D % 2 == 0 && k_data.size(2) == D / 2, "int4 [S, Hkv, D/2] expected");
@@ -679,5 +700,5 @@ torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_
   const auto* kz = reinterpret_cast<const uint16_t*>(k_zero.data_ptr<at::Half>());
   const auto* vz = reinterpret_cast<const uint16_t*>(v_zero.data_ptr<at::Half>());
   return launch(q, Int4Rows{k_data.data_ptr<uint8_t>(), ks, kz, Hkv, D},
-                Int4Rows{v_data.data_ptr<uint8_t>(), vs, vz, Hkv, D}, slots, seq_lens, scale);
+                Int4Rows{v_data.data_ptr<uint8_t>(), vs, vz, Hkv, D}, slots, seq_lens, scale, sp);
 }

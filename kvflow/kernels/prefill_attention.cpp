@@ -18,6 +18,8 @@
 //        l = l * alpha + rowsum P,  O = O * alpha + P V    4 query vectors x 64 dims per micro-kernel
 //      and O / l is the output. Both products are vdpbf16ps chains with 16 independent
 //      accumulators over operands in L1/L2.
+//   3. A sink logit s (gpt-oss, optional; attention_sinks.h) is the start value of the online
+//      softmax: m = s, l = exp(s - s) = 1, O = 0 (it has no value). Without sinks m = -inf, l = 0.
 // Numerics: scores, maxima, sums and O are fp32; P is rounded to bf16 for the product with V (as
 // torch's CPU flash attention does for bf16 inputs): ~2^-9 relative per weight, averaged over the
 // keys. The output is rounded to bf16 once.
@@ -27,6 +29,7 @@
 #include "simd.h"
 
 #include "attention_simd.h"
+#include "attention_sinks.h"
 #include "bf16_utils.h"
 
 #include <algorithm>
@@ -74,6 +77,7 @@ struct Chunk {
   int64_t Dw, Dv, L_pad;
   uint32_t* kt;  // [Hkv][L_pad / 16][Dw][16]
   uint32_t* vp;  // [Hkv][L_pad / 2][Dv]
+  const float* sinks;  // [Hq] sink logits, or nullptr: none
 
   uint32_t* kt_head(int64_t h) const { return kt + h * L_pad * Dw; }
   uint32_t* vp_head(int64_t h) const { return vp + h * (L_pad / 2) * Dv; }
@@ -177,6 +181,10 @@ void attend_tile(const Chunk& c, int64_t h, int64_t t0, int64_t t1, TileScratch&
     const bool real = i < V;
     w.qrow[i] = real ? reinterpret_cast<const uint32_t*>(c.q + (t * c.Hq + h * G + g) * c.D) : w.zero_row.data();
     w.limit[i] = real ? c.L - c.n + t + 1 : 0;  // keys [0, limit) visible
+    if (real && c.sinks != nullptr) {  // the sink as the softmax's start: max s, sum exp(s - s)
+      w.m[i] = c.sinks[h * G + g];
+      w.l[i] = w.m[i] == kNegInf ? 0.0f : 1.0f;
+    }
   }
   const int64_t keys_needed = c.L - c.n + t1;  // the tile's last token sees this many
   const uint32_t* kt = c.kt_head(h);
@@ -254,8 +262,9 @@ void attend_tile(const Chunk& c, int64_t h, int64_t t0, int64_t t1, TileScratch&
 
 // q [n, Hq, D] bf16 (the chunk's queries, the last n of its L positions), key_cache / value_cache
 // [S, Hkv, D] bf16 pools holding the chunk's keys at slots [L] (position order) -> [n, Hq, D] bf16.
+// sinks: [Hq] fp32 sink logits (attention_sinks.h), or none.
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor slots, double scale) {
+                                     torch::Tensor slots, double scale, c10::optional<torch::Tensor> sinks) {
   TORCH_CHECK(q.dtype() == torch::kBFloat16 && key_cache.dtype() == torch::kBFloat16 &&
                   value_cache.dtype() == torch::kBFloat16,
               "bf16 queries and pools expected");
@@ -268,6 +277,8 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, t
   TORCH_CHECK(D % 2 == 0, "head_dim must be even (keys are read as bf16 pairs)");
   TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= kTileVectorsTarget, "at most 64 query heads per KV head");
   TORCH_CHECK(n <= L, "more queries than keys");
+  torch::Tensor sinks_kept;
+  const float* sp = kvflow::sink_logits(sinks, Hq, sinks_kept);
   auto out = torch::empty_like(q);
   if (n == 0) return out;
   const int64_t Dw = D / 2, Dv = round_up(D, kLanes), L_pad = round_up(L, kKeyTile);
@@ -280,7 +291,7 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, t
                 reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
                 n, L, Hq, Hkv, D, static_cast<float>(scale), Dw, Dv, L_pad,
                 reinterpret_cast<uint32_t*>(kt.data_ptr<int32_t>()),
-                reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>())};
+                reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>()), sp};
   const int64_t blocks = L_pad / kKeyBlock;
   at::parallel_for(0, Hkv * blocks, 1, [&](int64_t begin, int64_t end) {
     const kvflow::TransposeStages stages;
