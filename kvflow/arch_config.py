@@ -20,6 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvflow.arch_kinds import (
+    FULL,
+    GPT_OSS_SWIGLU_ALPHA,
+    SLIDING,
+    LinearAttentionConfig,
+    layer_types,
+    linear_attention_config,
+    refuse_gemma3_variants,
+)
 from kvflow.errors import ModelLoadError
 
 DENSE_ARCHITECTURES = (
@@ -32,7 +41,10 @@ DENSE_ARCHITECTURES = (
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Multi-head latent attention + DeepSeekMoE (kvflow/models/deepseek_v2.py).
 MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
-SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + MLA_ARCHITECTURES
+# Families that mix layer kinds (kvflow/arch_kinds.py; models in kvflow/models/gpt_oss.py, gemma3.py,
+# qwen3_next.py).
+HYBRID_ARCHITECTURES = ("GptOssForCausalLM", "Gemma3ForCausalLM", "Qwen3NextForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES
 DEFAULT_ROPE_THETA = 10000.0  # the RoPE paper's base, HF's default when a config omits it
 
 
@@ -77,6 +89,12 @@ class MoEConfig:
     shared_intermediate_size: int = 0
     shared_expert_gate: bool = False
     sparse_layers: tuple[bool, ...] = ()  # per layer: MoE (True) or the dense MLP (False)
+    router_bias: bool = False  # gpt-oss: the router's logits carry a bias
+    expert_bias: bool = False  # gpt-oss: every expert projection carries a bias
+    # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, out = (up + 1) * gate * sigmoid(alpha * gate);
+    # None: the plain silu(gate) * up.
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
 
     @property
     def has_score_correction_bias(self) -> bool:
@@ -127,10 +145,32 @@ class ArchConfig:
     torch_dtype: str | None
     moe: MoEConfig | None = None  # mixture-of-experts MLP on the layers `moe.sparse_layers` marks
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek V2/V3) instead of q/k/v heads
+    # Families mixing layer kinds (kvflow/arch_kinds.py). layer_types: each layer's cache kind
+    # (full_attention, sliding_attention with `sliding_window`, linear_attention); () = uniform.
+    layer_types: tuple[str, ...] = ()
+    attention_sinks: bool = False  # gpt-oss: one learned sink logit per query head
+    attention_scale: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    local_rope: RopeConfig | None = None  # the sliding layers' rope where it differs (Gemma 3)
+    linear: LinearAttentionConfig | None = None  # Gated DeltaNet layers' shapes (Qwen3-Next)
+    attn_output_gate: bool = False  # Qwen3-Next: q_proj also gives a per-head gate on the output
+    # RMSNorm weights stored as w and applied as (offset + w) (Gemma, Qwen3-Next: 1.0); the loader
+    # adds the offset once.
+    norm_weight_offset: float = 0.0
+    sandwich_norm: bool = False  # Gemma 3: norms after attention and MLP as well as before
+    embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the model dtype
+    mlp_act: str = "silu"  # or gelu_pytorch_tanh (Gemma)
 
     @property
     def num_queries_per_kv(self) -> int:
         return self.num_attention_heads // self.num_key_value_heads
+
+    @property
+    def cache_layer_kinds(self) -> tuple[str, ...]:
+        """Every layer's KV cache kind (kvflow/kv_cache/kv_cache_config.py LAYER_KINDS)."""
+        if self.layer_types:
+            return self.layer_types
+        kind = "mla" if self.mla is not None else SLIDING if self.sliding_window is not None else FULL
+        return (kind,) * self.num_hidden_layers
 
     @property
     def kv_latent(self) -> tuple[int, int] | None:
@@ -152,17 +192,33 @@ def load_hf_config(model_dir: Path) -> dict[str, Any]:
     return config
 
 
-def _rope_config(cfg: dict[str, Any], head_dim: int, max_pos: int, source: str) -> RopeConfig:
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+def _rope_config(
+    cfg: dict[str, Any],
+    head_dim: int,
+    max_pos: int,
+    source: str,
+    rope: Any = None,
+    theta_key: str = "rope_theta",
+    partial_rotary: bool = False,
+) -> RopeConfig:
+    """`rope`: the rope parameters when they are not the config's top level ones (Gemma 3's per
+    layer type); `theta_key`: the top-level key of the base they fall back to; `partial_rotary`:
+    the architecture rotates only partial_rotary_factor x head_dim dims (Qwen3-Next)."""
+    if rope is None:
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ModelLoadError(f"{source}: rope_scaling / rope_parameters must be an object, got {rope!r}")
     params = dict(rope)
-    theta = params.pop("rope_theta", None) or cfg.get("rope_theta") or DEFAULT_ROPE_THETA
+    theta = params.pop("rope_theta", None) or cfg.get(theta_key) or DEFAULT_ROPE_THETA
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported")
-    return RopeConfig(head_dim, _as_float(theta, "rope_theta", source), max_pos, str(rope_type), params)
+    factor = params.pop("partial_rotary_factor", None) or cfg.get("partial_rotary_factor") or 1.0
+    if factor != 1.0 and not partial_rotary:
+        raise ModelLoadError(f"{source}: partial_rotary_factor != 1 is not supported for this architecture")
+    rotary_dim = int(head_dim * _as_float(factor, "partial_rotary_factor", source))
+    if rotary_dim < 2 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {factor} gives rotary dim {rotary_dim}")
+    return RopeConfig(rotary_dim, _as_float(theta, "rope_theta", source), max_pos, str(rope_type), params)
 
 
 def _sliding_window(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> int | None:
@@ -215,8 +271,9 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         raise ModelLoadError(
             f"{source}: unsupported architecture {archs!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ModelLoadError(f"{source}: hidden_act {cfg['hidden_act']!r} is not supported (silu only)")
+    act = cfg.get("hidden_activation") if arch == "Gemma3ForCausalLM" else cfg.get("hidden_act", "silu")
+    if act != ("gelu_pytorch_tanh" if arch == "Gemma3ForCausalLM" else "silu"):
+        raise ModelLoadError(f"{source}: hidden activation {act!r} is not supported for {arch}")
     hidden = _int(cfg, "hidden_size", source)
     num_heads = _int(cfg, "num_attention_heads", source)
     num_kv_heads = (
@@ -243,6 +300,14 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         is_qwen2 = bool(cfg.get("qkv_bias", True))
     if mla is not None and attention_bias:
         raise ModelLoadError(f"{source}: attention_bias=true is not supported with latent attention")
+    hybrid = (
+        _hybrid_fields(cfg, arch, num_layers, head_dim, max_pos, source)
+        if arch in HYBRID_ARCHITECTURES
+        else {}
+    )
+    rope = hybrid.pop("rope", None) or _rope_config(
+        cfg, head_dim if mla is None else mla.qk_rope_head_dim, max_pos, source
+    )
     return ArchConfig(
         architecture=arch,
         vocab_size=_int(cfg, "vocab_size", source),
@@ -258,18 +323,63 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         qkv_bias=True if is_qwen2 else attention_bias,
         o_bias=False if is_qwen2 else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
-        sliding_window=_sliding_window(cfg, arch, num_layers, source),
-        rope=_rope_config(cfg, head_dim if mla is None else mla.qk_rope_head_dim, max_pos, source),
+        qk_norm=arch
+        in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Qwen3NextForCausalLM"),
+        sliding_window=hybrid.pop("sliding_window")
+        if hybrid
+        else _sliding_window(cfg, arch, num_layers, source),
+        rope=rope,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
         moe=_moe_config(cfg, arch, num_layers, source),
         mla=mla,
+        **hybrid,
     )
+
+
+def _hybrid_fields(
+    cfg: dict[str, Any], arch: str, num_layers: int, head_dim: int, max_pos: int, source: str
+) -> dict[str, Any]:
+    """The ArchConfig fields of the families mixing layer kinds (kvflow/arch_kinds.py)."""
+    types = layer_types(cfg, arch, num_layers, source)
+    window = None
+    if SLIDING in types:
+        window = _int(cfg, "sliding_window", source)
+        if window < 1:
+            raise ModelLoadError(f"{source}: field 'sliding_window' must be positive, got {window}")
+    fields: dict[str, Any] = {"layer_types": types, "sliding_window": window}
+    if arch == "GptOssForCausalLM":
+        fields["attention_sinks"] = True
+    elif arch == "Gemma3ForCausalLM":
+        refuse_gemma3_variants(cfg, source)
+        scalar = _as_float(cfg.get("query_pre_attn_scalar", head_dim), "query_pre_attn_scalar", source)
+        rope = cfg.get("rope_parameters")
+        if isinstance(rope, dict) and SLIDING in rope:  # transformers 5: one entry per layer type
+            global_rope, local_rope = rope.get(FULL), rope.get(SLIDING)
+        else:  # the Hub's: rope_theta + rope_scaling for the global layers, rope_local_base_freq
+            global_rope, local_rope = cfg.get("rope_scaling"), {"rope_theta": cfg.get("rope_local_base_freq")}
+        hidden = _int(cfg, "hidden_size", source)
+        fields.update(
+            attention_scale=scalar**-0.5,
+            rope=_rope_config(cfg, head_dim, max_pos, source, rope=global_rope or {}),
+            local_rope=_rope_config(cfg, head_dim, max_pos, source, rope=local_rope or {}, theta_key="_"),
+            norm_weight_offset=1.0,
+            sandwich_norm=True,
+            embed_scale=hidden**0.5,
+            mlp_act="gelu_pytorch_tanh",
+        )
+    else:  # Qwen3-Next
+        fields.update(
+            rope=_rope_config(cfg, head_dim, max_pos, source, partial_rotary=True),
+            linear=linear_attention_config(cfg, source),
+            attn_output_gate=True,
+            norm_weight_offset=1.0,
+        )
+    return fields
 
 
 def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEConfig | None:
     """The MoE switches of `arch`'s config.json; an unsupported variant names its config key."""
-    if arch not in MOE_ARCHITECTURES + MLA_ARCHITECTURES:
+    if arch not in MOE_ARCHITECTURES + MLA_ARCHITECTURES + ("GptOssForCausalLM", "Qwen3NextForCausalLM"):
         return None
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported for mixture-of-experts models")
@@ -278,7 +388,21 @@ def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) ->
         top_k = _int(cfg, "num_experts_per_tok", source)
         moe = MoEConfig(num_experts, top_k, _int(cfg, "intermediate_size", source), norm_topk_prob=True)
         return _checked_moe(moe, (True,) * num_layers, source)
-    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+    if arch == "GptOssForCausalLM":
+        # Routing: the top-k router logits (with bias), softmaxed among themselves: the same weights as
+        # a softmax over all experts renormalised over the top k (norm_topk_prob).
+        moe = MoEConfig(
+            _int(cfg, "num_local_experts", source),
+            _int(cfg, "num_experts_per_tok", source),
+            _int(cfg, "intermediate_size", source),
+            norm_topk_prob=True,
+            router_bias=True,
+            expert_bias=True,
+            swiglu_limit=_as_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
+            swiglu_alpha=_as_float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA), "swiglu_alpha", source),
+        )
+        return _checked_moe(moe, (True,) * num_layers, source)
+    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         # Hub configs say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts.
         num_experts = _int(cfg, "num_experts" if "num_experts" in cfg else "num_local_experts", source)
         step = _int(cfg, "decoder_sparse_step", source, 1)
@@ -286,7 +410,8 @@ def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) ->
             raise ModelLoadError(f"{source}: field 'decoder_sparse_step' must be positive, got {step}")
         dense = set(cfg.get("mlp_only_layers") or [])
         sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-        shared = _int(cfg, "shared_expert_intermediate_size", source, 0) if "Qwen2" in arch else 0
+        has_shared = arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
+        shared = _int(cfg, "shared_expert_intermediate_size", source, 0) if has_shared else 0
         moe = MoEConfig(
             num_experts,
             _int(cfg, "num_experts_per_tok", source),

@@ -89,6 +89,14 @@ class CacheConfig:
             "fp8_e4m3, int8, int4 (more blocks for the same memory)"
         },
     )
+    linear_state_checkpoint_interval: int | None = field(
+        default=None,
+        metadata={
+            "help": "linear-attention models (Qwen3-Next): tokens between prefix-cache checkpoints of the "
+            "recurrent state, a multiple of block_size; default: the shortest span whose full-attention KV "
+            "outweighs one checkpoint (docs/doctor.md, 'Cache kinds')"
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -98,6 +106,12 @@ class CacheConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ConfigError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KVCacheDType)
+        interval = self.linear_state_checkpoint_interval
+        if interval is not None and (interval < self.block_size or interval % self.block_size):
+            raise ConfigError(
+                f"linear_state_checkpoint_interval must be a positive multiple of block_size "
+                f"({self.block_size}), got {interval}"
+            )
 
 
 @dataclass(frozen=True)

@@ -10,19 +10,38 @@ from kvflow.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
+class StateStep:
+    """One step of one request in one linear-attention cache group (pool block ids; each state is
+    `pages_per_state` of them, in order; kvflow/kv_cache/single_type_manager.py).
+
+    source: the pages the state is read from before the step: a prefix hit's checkpoint on the
+            first step after admission, the running state after that, None for a fresh request
+            (the state starts at zero);
+    state:  the running state's pages, written at the end of the step;
+    checkpoints: (j, pages): also write the state after the step's first j tokens to `pages`."""
+
+    source: list[int] | None
+    state: list[int]
+    checkpoints: list[tuple[int, list[int]]]
+
+
+@dataclass(frozen=True)
 class ScheduledRequest:
     """One request's share of a step: compute KV for `token_ids` at positions
     `num_computed_tokens .. num_computed_tokens + len(token_ids) - 1`.
 
-    `block_ids` is the request's whole block table at the time of the step: position p lives in
-    block `block_ids[p // block_size]`, slot `p % block_size`. Blocks that sliding-window attention
-    released are replaced by the null block id; no attended position ever falls in one.
+    `block_ids[g]` is the request's whole block table in cache group g at the time of the step
+    (kvflow/kv_cache/: one table per group; a single-group model has one): position p lives in block
+    `block_ids[g][p // block_size]`, slot `p % block_size`. Blocks that sliding-window attention
+    released are replaced by the null block id; no attended position ever falls in one. A
+    linear-attention group's table is its running state's pages, and `state_steps` (one per such
+    group, in group order) says where this step reads and writes the state.
     """
 
     request_id: str
     token_ids: list[int]
     num_computed_tokens: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     do_sample: bool  # the chunk reaches the request's last token: sample the next one
     is_decode: bool  # one token: the last sampled one (anything else is prefill, recompute included)
     sampling_params: SamplingParams
@@ -33,6 +52,7 @@ class ScheduledRequest:
     # the runner then returns the accepted drafts plus one token (at least one, at most k + 1).
     num_spec_tokens: int = 0
     spec_draft_probs: Any = None  # [num_spec_tokens, V] draft distributions, or None (see Request)
+    state_steps: tuple[StateStep, ...] = ()
 
     @property
     def num_tokens(self) -> int:

@@ -34,8 +34,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("worker",),  # input batch, model runner
     ("models",),  # architectures and loading
     ("quant",),  # quantized linears and checkpoint formats, swapped in at load
-    # paged attention + KV formats; layers; blocks; sampling; structured output (grammars, masks)
-    ("attention", "layers", "kv_cache", "sample", "structured"),
+    # paged attention + KV formats; layers; sampling; structured output (grammars, masks)
+    ("attention", "layers", "sample", "structured"),
+    ("kv_cache",),  # block bookkeeping and the cache kinds (pure Python): the KV store sizes its pools by it
     ("kernels",),  # native CPU kernels with torch fallbacks
     (  # plain types and torch-free utilities, imported by all
         "errors",
@@ -47,6 +48,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "scheduler_output",
         "outputs",
         "arch_config",
+        "arch_kinds",
         "tokenizer",
         "assets",
         "arg_utils",

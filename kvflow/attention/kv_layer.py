@@ -105,6 +105,11 @@ class PlainKVLayer:
     def tensors(self) -> list[torch.Tensor]:
         return [self.key_cache, self.value_cache]
 
+    @property
+    def data_tensors(self) -> list[torch.Tensor]:
+        """K and V data [num_slots, ...]: where a linear-attention state lays its bytes (state_pool.py)."""
+        return self.tensors
+
 
 class _QuantizedPool:
     """One quantized pool (K or V): data [slots, Hkv, D or D/2], scale [and zero] [slots, Hkv]."""
@@ -190,6 +195,12 @@ class QuantizedKVLayer:
     @property
     def tensors(self) -> list[torch.Tensor]:
         return self.keys.tensors + self.values.tensors
+
+    @property
+    def data_tensors(self) -> list[torch.Tensor]:
+        """K and V data [num_slots, ...] (not the scales): where a linear-attention state lays its
+        bytes (state_pool.py)."""
+        return [self.keys.data, self.values.data]
 
 
 def make_kv_layer(

@@ -28,6 +28,11 @@ class PrefillChunkMetadata:
 
 @dataclass
 class AttentionMetadata:
+    """One attention cache group's view of the step (kvflow/kv_cache/: slots come from that group's
+    block tables, windows from its kind). A hybrid model's step is the first attention group's
+    metadata carrying every group's in `group_metadata` (state groups' as StateMetadata) and each
+    layer's group in `layer_group`: a layer reads `meta.for_layer(i)`."""
+
     positions: torch.Tensor  # [T] int64, position of every flat token
     slot_mapping: torch.Tensor  # [T] int64, where each token's K/V is written
     num_decode_tokens: int  # flat tokens [0, num_decode_tokens) are single-token queries
@@ -35,3 +40,52 @@ class AttentionMetadata:
     decode_attend: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] bool, False on padding
     decode_num_keys: torch.Tensor | None  # [num_decodes] int64: valid (leading) entries of each row
     prefills: list[PrefillChunkMetadata]
+    group_metadata: tuple[AttentionMetadata | StateMetadata, ...] = ()
+    layer_group: tuple[int, ...] = ()
+
+    def for_layer(self, layer: int) -> AttentionMetadata | StateMetadata:
+        """The metadata of layer `layer`'s cache group (this one for a single-group model)."""
+        return self.group_metadata[self.layer_group[layer]] if self.layer_group else self
+
+    def attention_for_layer(self, layer: int) -> AttentionMetadata:
+        meta = self.for_layer(layer)
+        if not isinstance(meta, AttentionMetadata):
+            raise TypeError(f"layer {layer} caches a recurrent state, not K/V")
+        return meta
+
+    def state_for_layer(self, layer: int) -> StateMetadata:
+        meta = self.for_layer(layer)
+        if not isinstance(meta, StateMetadata):
+            raise TypeError(f"layer {layer} caches K/V, not a recurrent state")
+        return meta
+
+
+@dataclass
+class StateRequest:
+    """One request's tokens in the flat batch, for one linear-attention cache group: flat tokens
+    [token_start, token_end), in order (a recurrence: never split into independent rows). Pages are
+    pool block ids (scheduler_output.StateStep): the state is read from `source` (None: zeros),
+    written to `state`, and after the first j tokens also to each checkpoint's pages."""
+
+    token_start: int
+    token_end: int
+    source: list[int] | None
+    state: list[int]
+    checkpoints: list[tuple[int, list[int]]]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.token_end - self.token_start
+
+
+@dataclass
+class StateMetadata:
+    """One linear-attention group's step: every request's state pages, in flat-batch order, and the
+    single-token requests (decodes) gathered for the batched one-step form."""
+
+    requests: list[StateRequest]
+    decode_requests: list[int]  # indices into `requests` of those with exactly one token
+    decode_tokens: torch.Tensor  # [B] int64: their flat token index
+    decode_source: torch.Tensor  # [B, pages] int64: their source pages (row of a fresh request: its state's)
+    decode_fresh: torch.Tensor  # [B] bool: no source (a one-token prompt): the state starts at zero
+    decode_state: torch.Tensor  # [B, pages] int64

@@ -13,12 +13,12 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from kvflow.attention.kv_store import KVStore
-from kvflow.config import EngineConfig
+from kvflow.attention.kv_store import KVStore, kv_cache_config_for
+from kvflow.config import ConfigError, EngineConfig
 from kvflow.engine.model_setup import (
     LoadedModel,
-    kv_pool_bytes_per_token,
     load_checkpoint,
+    log_kv_groups,
     log_kv_pool,
     num_kv_blocks_for,
 )
@@ -64,8 +64,15 @@ class LLMEngine:
         self.arch = loaded.arch
         self.max_model_len = loaded.max_model_len
         self.dtype = loaded.dtype
-        num_blocks = self._size_kv_pool(loaded)
         cache, a = config.cache_config, loaded.arch
+        # The cache groups of this process's share of the model (its rank's KV heads under TP).
+        self.kv_cache_config, state_layout = kv_cache_config_for(loaded.model.config, loaded.dtype, cache)
+        if state_layout is not None and config.speculative_config.enabled:
+            raise ConfigError(
+                f"speculative decoding is not supported for {a.architecture}: its linear-attention "
+                "layers keep a recurrent state, which cannot be rolled back past rejected draft tokens"
+            )
+        num_blocks = self._size_kv_pool(loaded)
         # +1: block 0 is the null block (padding and released sliding-window blocks point to it).
         kv_store = KVStore(
             a.num_hidden_layers,
@@ -76,9 +83,15 @@ class LLMEngine:
             loaded.dtype,
             cache.kv_cache_dtype,
             latent=a.kv_latent,
+            kv_cache_config=self.kv_cache_config,
+            state_layout=state_layout,
         )
         self.scheduler = Scheduler(
-            config.scheduler_config, cache, num_blocks + 1, self.max_model_len, a.sliding_window
+            config.scheduler_config,
+            cache,
+            num_blocks + 1,
+            self.max_model_len,
+            kv_cache_config=self.kv_cache_config,
         )
         self.model_runner = self._make_model_runner(loaded, kv_store)
         self.output_processor = OutputProcessor(self.tokenizer)
@@ -103,16 +116,21 @@ class LLMEngine:
     def _size_kv_pool(self, loaded: LoadedModel) -> int:
         """Usable KV blocks (the null block comes on top) for the configured memory; logs the pool."""
         cache, sched = self.config.cache_config, self.config.scheduler_config
-        bytes_per_token = kv_pool_bytes_per_token(loaded, cache.kv_cache_dtype)
-        num_blocks = num_kv_blocks_for(cache, sched.max_num_seqs, self.max_model_len, bytes_per_token)
+        kv_config = self.kv_cache_config
+        bytes_per_token = kv_config.bytes_per_block // cache.block_size
+        num_blocks = num_kv_blocks_for(cache, sched.max_num_seqs, self.max_model_len, kv_config)
+        model_dtype = dataclasses.replace(cache, kv_cache_dtype="auto")
+        model_dtype_config, _ = kv_cache_config_for(loaded.model.config, loaded.dtype, model_dtype)
         self.kv_pool_summary = log_kv_pool(
             num_blocks,
             cache.block_size,
             bytes_per_token,
             self.max_model_len,
             cache.kv_cache_dtype,
-            kv_pool_bytes_per_token(loaded),
+            model_dtype_config.bytes_per_block // cache.block_size,
+            kv_config.num_blocks_held(self.max_model_len),
         )
+        self.kv_groups_summary = log_kv_groups(kv_config, self.max_model_len)
         if self.parallel is not None:
             heads, all_heads = loaded.model.config.num_key_value_heads, loaded.arch.num_key_value_heads
             per_rank = (

@@ -16,6 +16,7 @@ from kvflow.arch_config import ArchConfig, load_arch_config
 from kvflow.attention.kv_store import kv_bytes_per_token
 from kvflow.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ConfigError, EngineConfig
 from kvflow.errors import ModelLoadError
+from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.loader import load_model
 from kvflow.parallel.executor import TensorParallelDriver
@@ -89,28 +90,45 @@ def log_latent_kv(arch: ArchConfig, dtype: torch.dtype, kv_cache_dtype: str) -> 
     return line
 
 
-def num_kv_blocks_for(cache: CacheConfig, max_num_seqs: int, max_model_len: int, bytes_per_token: int) -> int:
+def num_kv_blocks_for(
+    cache: CacheConfig, max_num_seqs: int, max_model_len: int, kv_cache_config: KVCacheConfig
+) -> int:
     """Usable blocks in the pool (the null block comes on top)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     budget = cache.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES
-    by_memory = budget // (bytes_per_token * cache.block_size)
+    by_memory = budget // kv_cache_config.bytes_per_block
     # More blocks than max_num_seqs full-length requests can hold would never be used.
-    by_demand = max_num_seqs * math.ceil(max_model_len / cache.block_size)
+    by_demand = max_num_seqs * kv_cache_config.num_blocks_peak_prefill(max_model_len, max_model_len)
     blocks = by_memory if cache.kv_cache_memory_bytes is not None else min(by_memory, by_demand)
     if blocks < 1:
         raise ConfigError(
             f"kv_cache_memory_bytes={budget} holds no block of {cache.block_size} tokens "
-            f"({bytes_per_token} bytes/token)"
+            f"({kv_cache_config.bytes_per_block} bytes per block over every layer)"
         )
     return int(blocks)
 
 
-def kv_pool_bytes_per_token(loaded: LoadedModel, kv_cache_dtype: str = "auto") -> int:
-    a = loaded.model.config  # the KV heads this process holds (with tensor parallelism: its rank's)
-    return kv_bytes_per_token(
-        a.num_hidden_layers, a.num_key_value_heads, a.head_dim, loaded.dtype, kv_cache_dtype, a.kv_latent
+def log_kv_groups(kv_cache_config: KVCacheConfig, max_model_len: int) -> str:
+    """Each cache group's bytes for one request at max_model_len, against caching every layer in
+    full (what a model file without cache kinds would hold)."""
+    c = kv_cache_config
+    held = c.bytes_held_by_kind(max_model_len)
+    layers = c.layers_by_kind()
+    parts = []
+    for kind, num_bytes in held.items():
+        groups = sum(1 for g in c.groups if g.spec.kind == kind)
+        parts.append(f"{kind} {layers[kind]} layers in {groups} group(s): {num_bytes / 2**20:.1f} MiB")
+    total = sum(held.values())
+    every_layer_full = math.ceil(max_model_len / c.block_size) * c.page_bytes * sum(layers.values())
+    line = (
+        f"KV cache groups ({c.num_layer_slots} layer slots, {c.bytes_per_block} bytes per block): one "
+        f"request at max_model_len={max_model_len} holds {total / 2**20:.1f} MiB: " + "; ".join(parts)
     )
+    if c.is_hybrid:
+        line += f" (every layer caching every token: {every_layer_full / 2**20:.1f} MiB)"
+    logger.info(line)
+    return line
 
 
 def log_kv_pool(
@@ -120,12 +138,16 @@ def log_kv_pool(
     max_model_len: int,
     kv_cache_dtype: str = "auto",
     model_dtype_bytes_per_token: int | None = None,
+    blocks_per_request: int | None = None,
 ) -> str:
+    """`bytes_per_token`: of a block's tokens in every layer slot; `blocks_per_request`: blocks one
+    request of max_model_len holds over all cache groups (default: one per block_size tokens)."""
     tokens = num_blocks * block_size
+    per_request = blocks_per_request or math.ceil(max_model_len / block_size)
     line = (
         f"KV cache pool: {num_blocks} blocks x {block_size} tokens = {tokens} tokens, "
         f"{bytes_per_token} bytes/token, {tokens * bytes_per_token / 2**20:.1f} MiB; "
-        f"max concurrent requests at max_model_len={max_model_len}: {tokens / max_model_len:.2f}"
+        f"max concurrent requests at max_model_len={max_model_len}: {num_blocks / per_request:.2f}"
     )
     if kv_cache_dtype != "auto" and model_dtype_bytes_per_token:
         gain = model_dtype_bytes_per_token / bytes_per_token

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.errors import InvalidRequestError, KVFlowError, PromptTooLongError
 from kvflow.kv_cache.block_pool import IntegrityError
-from kvflow.kv_cache.manager import KVCacheManager, cdiv
+from kvflow.kv_cache.kv_cache_config import KVCacheConfig
+from kvflow.kv_cache.manager import KVCacheManager
 from kvflow.outputs import ModelRunnerOutput
 from kvflow.request import Request, RequestStatus
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -52,13 +53,20 @@ class Scheduler:
         max_model_len: int,
         sliding_window: int | None = None,
         clock: Callable[[], float] = time.monotonic,
+        kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
+        """`kv_cache_config`: the model's cache groups (kvflow/kv_cache/kv_cache_config.py); without
+        one, every layer is full attention, or of one `sliding_window`."""
         self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
         self.clock = clock
         self.kv_cache_manager = KVCacheManager(
-            num_kv_blocks, cache_config.block_size, cache_config.enable_prefix_caching, sliding_window
+            num_kv_blocks,
+            cache_config.block_size,
+            cache_config.enable_prefix_caching,
+            sliding_window,
+            kv_cache_config,
         )
         self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, no KV blocks
         self.running: list[Request] = []  # RUNNING, in admission order, holding KV blocks
@@ -83,7 +91,9 @@ class Scheduler:
                 f"request {rid!r}: the prompt has {request.num_prompt_tokens} tokens; with at least one "
                 f"output token it does not fit in max_model_len={self.max_model_len}"
             )
-        num_blocks = self._peak_prompt_blocks(request.num_prompt_tokens)
+        num_blocks = self.kv_cache_manager.num_blocks_peak_prefill(
+            request.num_prompt_tokens, self.scheduler_config.max_num_batched_tokens
+        )
         num_usable = self.kv_cache_manager.block_pool.num_usable_blocks
         if num_blocks > num_usable:
             raise InvalidRequestError(
@@ -92,16 +102,6 @@ class Scheduler:
             )
         self.waiting.append(request)
         self.requests[rid] = request
-
-    def _peak_prompt_blocks(self, num_prompt_tokens: int) -> int:
-        """Blocks a prompt holds at once while its prefill is computed. With a sliding window W,
-        a chunk of up to `max_num_batched_tokens` only needs the W - 1 keys before it, plus one
-        block for misalignment; without one, the whole prompt stays resident."""
-        window = self.kv_cache_manager.sliding_window
-        if window is None:
-            return cdiv(num_prompt_tokens, self.block_size)
-        resident = min(num_prompt_tokens, window - 1 + self.scheduler_config.max_num_batched_tokens)
-        return min(cdiv(num_prompt_tokens, self.block_size), cdiv(resident, self.block_size) + 1)
 
     # ------------------------------------------------------------------------------------ schedule
 
@@ -192,13 +192,14 @@ class Scheduler:
                 continue
             # Waiting requests hold no blocks (num_computed_tokens == 0): look up the prefix cache,
             # unless the request wants prompt logprobs (each prompt position must be computed).
-            computed_blocks, num_hit_tokens = (
+            hit = (
                 manager.get_computed_blocks(request)
                 if request.sampling_params.prompt_logprobs is None
-                else ([], 0)
+                else None
             )
+            num_hit_tokens = hit.num_tokens if hit is not None else 0
             num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not manager.allocate_slots(request, num_new, computed_blocks):
+            if not manager.allocate_slots(request, num_new, hit):
                 if self.running:
                     break  # FCFS: wait for running requests to free blocks
                 # Even an empty pool cannot hold this chunk (its earlier outputs outgrew the pool).
@@ -232,7 +233,8 @@ class Scheduler:
             request_id=request.request_id,
             token_ids=request.all_token_ids[start:end] + spec,
             num_computed_tokens=start,
-            block_ids=self.kv_cache_manager.block_table(request.request_id),
+            block_ids=self.kv_cache_manager.block_tables(request.request_id),
+            state_steps=self.kv_cache_manager.state_steps(request.request_id),
             do_sample=end == request.num_tokens,
             is_decode=is_decode,
             sampling_params=request.sampling_params,
@@ -366,7 +368,7 @@ class Scheduler:
                 or self.requests.get(request.request_id) is not request
             ):
                 raise IntegrityError(f"{request} is in the running list")
-            if len(manager.block_table(request.request_id)) * self.block_size < request.num_computed_tokens:
+            if not manager.covers(request):
                 raise IntegrityError(f"{request}: blocks do not cover its computed tokens")
         for request in self.waiting:
             if (

@@ -24,11 +24,15 @@ class BlockMap:
     owner[i] >= 0 indexes `owner_groups`: the request ids holding that block, in the order of the
     request tables. A group of two or more requests is a shared prefix block (ref_cnt == len(group)).
     `cached_in_use[i]` is True for a held block that is also in the prefix-cache index (another
-    request with the same prefix would hit it)."""
+    request with the same prefix would hit it). `cache_group[i]` is the cache group (kv_cache_config:
+    full attention, a sliding window, a linear-attention state...) whose tables hold the block, -1 for
+    a free block; `cache_group_kinds[g]` names group g's kind."""
 
     owner: list[int]
     owner_groups: list[list[str]]
     cached_in_use: list[bool]
+    cache_group: list[int]
+    cache_group_kinds: list[str]
 
     @property
     def num_blocks(self) -> int:
@@ -56,14 +60,17 @@ def snapshot_block_map(manager: KVCacheManager) -> BlockMap:
     """The pool as it is now (see the module docstring for when to call it)."""
     pool = manager.block_pool
     holders: dict[int, list[str]] = {}
-    for request_id, blocks in manager.req_to_blocks.items():
-        for block in blocks:
-            if not block.is_null:
+    block_group: dict[int, int] = {}
+    for g, group in enumerate(manager.groups):
+        for request_id in group.req_to_blocks:
+            for block in group.held_blocks(request_id):
                 holders.setdefault(block.block_id, []).append(request_id)
+                block_group[block.block_id] = g
     group_index: dict[tuple[str, ...], int] = {}
     groups: list[list[str]] = []
     owner: list[int] = []
     cached_in_use: list[bool] = []
+    cache_group = [block_group.get(block.block_id, -1) for block in pool.blocks[1:]]
     for block in pool.blocks[1:]:
         ids = holders.get(block.block_id)
         if ids is None:
@@ -77,4 +84,5 @@ def snapshot_block_map(manager: KVCacheManager) -> BlockMap:
             groups.append(list(ids))
         owner.append(code)
         cached_in_use.append(block.block_hash is not None)
-    return BlockMap(owner, groups, cached_in_use)
+    kinds = [group.spec.kind for group in manager.kv_cache_config.groups]
+    return BlockMap(owner, groups, cached_in_use, cache_group, kinds)

@@ -19,30 +19,49 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.arch_config import MoEConfig
-from kvflow.layers.activation import silu_and_mul
+from kvflow.layers.activation import clamped_swiglu, silu_and_mul
 from kvflow.layers.linear import Linear
 from kvflow.layers.moe_routing import select_experts
 
 
 class ExpertMLP(nn.Module):
-    """One SwiGLU expert: gate and up merged into one projection, then down."""
+    """One SwiGLU expert: gate and up merged into one projection, then down. gpt-oss's experts carry
+    biases and clamp their SwiGLU (`swiglu_limit`, activation.clamped_swiglu)."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        bias: bool = False,
+        swiglu_limit: float | None = None,
+        swiglu_alpha: float = 1.0,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, False, dtype)
-        self.down_proj = Linear(intermediate_size, hidden_size, False, dtype)
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
+        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        if self.swiglu_limit is None:
+            return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(clamped_swiglu(gate_up, self.swiglu_limit, self.swiglu_alpha))
 
 
 class RouterWeight(nn.Module):
     """A router's (or shared-expert gate's) weight [out, hidden], float32 and never quantized."""
 
-    def __init__(self, hidden_size: int, num_outputs: int, correction_bias: bool = False) -> None:
+    def __init__(
+        self, hidden_size: int, num_outputs: int, correction_bias: bool = False, bias: bool = False
+    ) -> None:
         super().__init__()
         self.weight = nn.Parameter(
             torch.empty(num_outputs, hidden_size, dtype=torch.float32), requires_grad=False
+        )
+        # gpt-oss's router adds a bias to its logits.
+        self.bias: nn.Parameter | None = (
+            nn.Parameter(torch.zeros(num_outputs, dtype=torch.float32), requires_grad=False) if bias else None
         )
         # DeepSeek-V3's per-expert bias on the choice scores (noaux_tc load balancing).
         self.e_score_correction_bias: nn.Parameter | None = (
@@ -52,16 +71,24 @@ class RouterWeight(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, out] float32
-        return F.linear(x.float(), self.weight)
+        return F.linear(x.float(), self.weight, self.bias)
 
 
 class SparseMoE(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype) -> None:
         super().__init__()
         self.moe = moe
-        self.gate = RouterWeight(hidden_size, moe.num_experts, moe.has_score_correction_bias)
+        self.gate = RouterWeight(hidden_size, moe.num_experts, moe.has_score_correction_bias, moe.router_bias)
         self.experts = nn.ModuleList(
-            ExpertMLP(hidden_size, moe.expert_intermediate_size, dtype) for _ in range(moe.num_experts)
+            ExpertMLP(
+                hidden_size,
+                moe.expert_intermediate_size,
+                dtype,
+                moe.expert_bias,
+                moe.swiglu_limit,
+                moe.swiglu_alpha,
+            )
+            for _ in range(moe.num_experts)
         )
         shared = moe.shared_intermediate_size
         self.shared_expert = ExpertMLP(hidden_size, shared, dtype) if shared else None

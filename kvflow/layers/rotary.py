@@ -135,3 +135,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -
     sin_signed; (-a) * b == a * (-b) exactly in IEEE arithmetic, so results are bit-identical.
     """
     return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, D] with only the first Dr = cos.shape[-1] dims rotated (Qwen3-Next: Dr = D / 4),
+    the rest passed through, as transformers' apply_rotary_pos_emb does for a partial rotary."""
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return apply_rotary(x, cos, sin_signed)
+    return torch.cat((apply_rotary(x[..., :rotary_dim], cos, sin_signed), x[..., rotary_dim:]), dim=-1)

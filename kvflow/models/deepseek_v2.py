@@ -146,10 +146,6 @@ class DeepseekV2ForCausalLM(LlamaFamilyForCausalLM):
             if isinstance(module, MLAAttention):
                 module.absorb = absorb
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore) -> torch.Tensor:
-        """input_ids [T] -> final hidden states [T, hidden] (normed), over the store's latent layers."""
-        hidden = self.embed_tokens(input_ids)
-        cos_sin = self.rotary_emb.cos_sin(meta.positions, self.dtype)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, kv_store.latent_layer(i), meta)
-        return self.norm(hidden)
+    def layer_cache(self, kv_store: KVStore, index: int) -> LatentKVLayer:
+        """Every layer reads and writes the store's latent pools."""
+        return kv_store.latent_layer(index)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from kvflow.arch_config import ArchConfig
+from kvflow.arch_kinds import SLIDING
 from kvflow.attention.kv_layer import KVLayer
 from kvflow.attention.kv_store import KVStore
 from kvflow.attention.latent_kv_layer import LatentKVLayer
@@ -40,6 +41,13 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, cfg.o_bias, dtype)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype) if cfg.qk_norm else None
+        # gpt-oss: a learned sink logit per query head, float32 (the softmax's extra term).
+        self.sinks: nn.Parameter | None = (
+            nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32), requires_grad=False)
+            if cfg.attention_sinks
+            else None
+        )
+        self.scale = cfg.attention_scale  # Gemma 3: query_pre_attn_scalar ** -0.5; None: head_dim ** -0.5
 
     def forward(
         self,
@@ -59,7 +67,7 @@ class Attention(nn.Module):
         cos, sin = cos_sin
         qk = apply_rotary(qk, cos, sin)  # q and k rotated in one pass: [T, Hq+Hkv, D]
         q, k = qk[:, :hq], qk[:, hq:]
-        out = paged_attention(q, k, v, kv_cache, meta)  # [T, Hq, D]
+        out = paged_attention(q, k, v, kv_cache, meta, scale=self.scale, sinks=self.sinks)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -114,6 +122,8 @@ class LlamaFamilyForCausalLM(nn.Module):
         # so that the head can be packed for the fast GEMM path independently of the lookup table.
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, False, dtype)
         self.rotary_emb = RotaryEmbedding(cfg.rope, max_positions)
+        # Gemma 3's sliding layers rotate with their own base (ArchConfig.local_rope).
+        self.local_rotary_emb = RotaryEmbedding(cfg.local_rope, max_positions) if cfg.local_rope else None
         # The native decode forward and the KV store it is bound to (kvflow/models/native_decoder.py).
         self._native_decoder: Any = None
         self._native_kv_store: KVStore | None = None
@@ -133,14 +143,37 @@ class LlamaFamilyForCausalLM(nn.Module):
         self._native_head = build_native_head(self)
         return self._native_decoder is not None
 
+    def reset_rotary(self, max_positions: int) -> None:
+        """Recompute the rope tables (the loader builds the model on the meta device, buffers too)."""
+        cfg = self.config
+        self.rotary_emb = RotaryEmbedding(cfg.rope, max_positions)
+        self.local_rotary_emb = RotaryEmbedding(cfg.local_rope, max_positions) if cfg.local_rope else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """input_ids [T] -> [T, hidden]; Gemma scales the rows by sqrt(hidden), in the model dtype."""
+        hidden = self.embed_tokens(input_ids)
+        scale = self.config.embed_scale
+        return hidden if scale is None else hidden * torch.tensor(scale, dtype=hidden.dtype)
+
+    def layer_cache(self, kv_store: KVStore, index: int) -> Any:
+        """What layer `index` reads and writes in the store: its K/V pools (a latent or a
+        linear-attention state in the families that have them)."""
+        return kv_store.layer(index)
+
     def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata, kv_store: KVStore) -> torch.Tensor:
-        """input_ids [T] -> final hidden states [T, hidden] (normed)."""
+        """input_ids [T] -> final hidden states [T, hidden] (normed). Each layer gets its cache group's
+        metadata (meta.for_layer) and, if it slides with a rope of its own, that rope."""
         if self._runs_natively(meta, kv_store):
             return self._native_decoder.forward(*self._native_inputs(input_ids, meta))
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.embed(input_ids)
         cos_sin = self.rotary_emb.cos_sin(meta.positions, self.dtype)
+        local = cos_sin
+        if self.local_rotary_emb is not None:
+            local = self.local_rotary_emb.cos_sin(meta.positions, self.dtype)
+        kinds = self.config.cache_layer_kinds
         for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, cos_sin, kv_store.layer(i), meta)
+            rope = local if kinds[i] == SLIDING else cos_sin
+            hidden = layer(hidden, rope, self.layer_cache(kv_store, i), meta.for_layer(i))
         return self.norm(hidden)
 
     def _runs_natively(self, meta: AttentionMetadata, kv_store: KVStore) -> bool:

@@ -21,7 +21,6 @@ from kvflow.arch_config import ArchConfig, load_hf_config
 from kvflow.config import QuantConfig
 from kvflow.errors import ModelLoadError
 from kvflow.layers.linear import Linear
-from kvflow.layers.rotary import RotaryEmbedding
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.registry import MODEL_REGISTRY
 from kvflow.quant.apply import quantize_model
@@ -155,7 +154,7 @@ def load_model(
     with torch.device("meta"):
         model = MODEL_REGISTRY[cfg.architecture](cfg if shard is None else shard.arch, dtype, max_positions)
     model.to_empty(device="cpu")
-    model.rotary_emb = RotaryEmbedding(cfg.rope, max_positions)  # buffers were meta: recompute
+    model.reset_rotary(max_positions)  # buffers were meta: recompute
     reader: TensorReader = _ShardReader(files) if shard is None else shard.reader(files)
     used: set[str] = set()
     available = set(files)
@@ -164,7 +163,11 @@ def load_model(
     with torch.no_grad():
         # Families with their own checkpoint names (experts, routers) map those themselves.
         family_sources = getattr(model, "checkpoint_sources", None)
+        # Families whose checkpoint tensors need more than a concatenation (gpt-oss's fused experts).
+        family_load = getattr(model, "load_param", None)
         for name, param in model.named_parameters():
+            if family_load is not None and family_load(name, param, reader, used):
+                continue
             sources = (family_sources and family_sources(name)) or _sources(name, cfg, available)
             bases = [s.removesuffix(".weight") for s in sources]
             if checkpoint_quant is not None and all(
@@ -199,6 +202,9 @@ def load_model(
     if unused:
         logger.warning("ignoring %d checkpoint tensors kvflow does not use, e.g. %s", len(unused), unused[:3])
     model.eval()
+    after_load = getattr(model, "after_load", None)
+    if after_load is not None:  # e.g. RMSNorm weights stored as w, applied as (1 + w)
+        after_load()
     if shard is not None:
         shard.on_loaded(model)
     if quant is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvflow.config import KVCacheDType
 from kvflow.sampling_params import SamplingParams
-from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput, StateStep
 
 # What a worker does not read but ScheduledRequest requires.
 _WORKER_PARAMS = SamplingParams()
@@ -39,8 +39,9 @@ class KVSpec:
     kv_cache_dtype: KVCacheDType
 
 
-# (request_id, token_ids, num_computed_tokens, block_ids, do_sample, is_decode, num_spec_tokens)
-_Row = tuple[str, list[int], int, list[int], bool, bool, int]
+# (request_id, token_ids, num_computed_tokens, block_ids (one table per cache group), do_sample,
+#  is_decode, num_spec_tokens, state_steps)
+_Row = tuple[str, list[int], int, list[list[int]], bool, bool, int, tuple[StateStep, ...]]
 
 
 def encode_step(output: SchedulerOutput) -> bytes:
@@ -53,6 +54,7 @@ def encode_step(output: SchedulerOutput) -> bytes:
             s.do_sample,
             s.is_decode,
             s.num_spec_tokens,
+            s.state_steps,
         )
         for s in output.scheduled
     ]
@@ -73,8 +75,9 @@ def decode_step(payload: bytes) -> SchedulerOutput:
             prompt_token_ids=[],
             output_token_ids=[],
             num_spec_tokens=num_spec,
+            state_steps=state_steps,
         )
-        for rid, token_ids, computed, block_ids, do_sample, is_decode, num_spec in rows
+        for rid, token_ids, computed, block_ids, do_sample, is_decode, num_spec, state_steps in rows
     ]
     return SchedulerOutput(scheduled, num_batched_tokens)
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from kvflow.arch_config import load_arch_config
-from kvflow.attention.kv_store import KVStore
+from kvflow.attention.kv_store import KVStore, kv_cache_config_for
 from kvflow.config import EngineConfig
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.parallel.errors import WorkerDiedError
@@ -99,6 +99,7 @@ def _serve(config: EngineConfig, ctx: ParallelContext, conn: Connection) -> None
     kv = conn.recv()
     assert isinstance(kv, KVSpec)
     a = model.config  # per-rank shapes: this rank's KV heads only
+    kv_cache_config, state_layout = kv_cache_config_for(a, dtype, config.cache_config)
     kv_store = KVStore(
         a.num_hidden_layers,
         kv.num_blocks,
@@ -107,6 +108,9 @@ def _serve(config: EngineConfig, ctx: ParallelContext, conn: Connection) -> None
         a.head_dim,
         dtype,
         kv.kv_cache_dtype,
+        latent=a.kv_latent,
+        kv_cache_config=kv_cache_config,
+        state_layout=state_layout,
     )
     logger.info(
         "KV pool of this rank: %.1f MiB (%d KV heads per layer)",

@@ -104,6 +104,10 @@ def engine_info(engine: LLMEngine) -> dict[str, str]:
         "enable_prefix_caching": str(cache.enable_prefix_caching).lower(),
         "num_kv_blocks": str(engine.num_kv_blocks),
         "kv_bytes_per_token": str(engine.kv_bytes_per_token),
+        # Cache kinds (kvflow/kv_cache/): "kind:layers" per kind, e.g. sliding_attention:12,full_attention:12;
+        # a block's bytes over every layer slot.
+        "kv_cache_kinds": ",".join(f"{k}:{n}" for k, n in engine.kv_cache_config.layers_by_kind().items()),
+        "kv_bytes_per_block": str(engine.kv_cache_config.bytes_per_block),
         "kv_cache_dtype": dtype if cache.kv_cache_dtype == "auto" else cache.kv_cache_dtype,
         "dtype": dtype,
         "max_num_seqs": str(sched.max_num_seqs),
@@ -138,6 +142,8 @@ def run_server(
     base = f"http://{config.host}:{config.port}"
     print(f"[kvflow serve] {ctx.served_model_name} at {base}/v1 (metrics: {base}/metrics)", file=sys.stderr)
     print(f"[kvflow serve] {ctx.engine.engine.kv_pool_summary}", file=sys.stderr)
+    if ctx.engine.engine.kv_cache_config.is_hybrid:
+        print(f"[kvflow serve] {ctx.engine.engine.kv_groups_summary}", file=sys.stderr)
     if ctx.dashboard is not None:
         print(f"[kvflow serve] live dashboard: {base}/dashboard", file=sys.stderr)
     # uvicorn handles SIGINT/SIGTERM while it runs (graceful drain), then re-raises the signal into the

@@ -170,7 +170,7 @@ class DraftModelProposer:
                 request_id=request.request_id,
                 token_ids=tokens,
                 num_computed_tokens=len(state.fed),
-                block_ids=state.blocks,
+                block_ids=[state.blocks],
                 do_sample=True,
                 is_decode=len(tokens) == 1,
                 sampling_params=request.sampling_params,

@@ -43,6 +43,12 @@ def build_proposer(
             f"from the model's ({tokenizer.vocab_size}): its guesses would be other tokens"
         )
     arch = parse_arch_config(load_hf_config(draft_dir))
+    kinds = sorted(set(arch.cache_layer_kinds))
+    if len(kinds) > 1:
+        raise ModelLoadError(
+            f"the draft model {draft_dir} mixes cache kinds ({', '.join(kinds)}): a draft model must "
+            "have one kind of attention on every layer"
+        )
     if arch.max_position_embeddings < max_model_len:
         raise ModelLoadError(
             f"the draft model's max_position_embeddings {arch.max_position_embeddings} is below "

@@ -13,13 +13,16 @@ query never needs keys before q - W + 1 and blocks released by the KV manager ar
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata
+from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata, StateMetadata, StateRequest
+from kvflow.kv_cache.kv_cache_config import KVCacheConfig
+from kvflow.kv_cache.specs import LinearAttentionSpec, SlidingWindowSpec
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 
 # Chunks up to this many tokens are attended as single-token query rows (module docstring): a
@@ -74,7 +77,7 @@ def build_decode_rows(scheduler_output: SchedulerOutput, all_query_rows: bool = 
         start, n = req.num_computed_tokens, req.num_tokens
         token_ids += req.token_ids
         positions += range(start, start + n)
-        block_tables += [req.block_ids] * n
+        block_tables += [req.block_ids[0]] * n
         if req.do_sample:  # the last position; with drafts, the k + 1 positions that verify them
             logits_indices += range(len(token_ids) - 1 - req.num_spec_tokens, len(token_ids))
     return DecodeRows(
@@ -148,7 +151,7 @@ def _causal_decode_metadata(
 
 
 def _prefill_metadata(
-    req: ScheduledRequest, token_start: int, block_size: int, sliding_window: int | None
+    req: ScheduledRequest, block_ids: list[int], token_start: int, block_size: int, sliding_window: int | None
 ) -> PrefillChunkMetadata:
     start, n = req.num_computed_tokens, req.num_tokens
     token_end = token_start + n
@@ -164,48 +167,43 @@ def _prefill_metadata(
     leading = sliding_window is None or start + n <= sliding_window  # no key leaves any window
     kv_slots = None  # no cached context: attend to the chunk's own fresh K/V under the window mask
     if start > 0:
-        kv_slots = torch.tensor(_slots(req.block_ids, first_key, start + n, block_size), dtype=torch.int64)
+        kv_slots = torch.tensor(_slots(block_ids, first_key, start + n, block_size), dtype=torch.int64)
     return PrefillChunkMetadata(token_start, token_end, kv_slots, attend, leading_keys=leading)
 
 
-def build_input_batch(
-    scheduler_output: SchedulerOutput,
-    block_size: int,
-    sliding_window: int | None,
-    all_query_rows: bool = False,
-) -> InputBatch:
-    """`all_query_rows` (batch-invariant mode): every token a query row, prefill chunks included, so
-    that a token's attention never depends on how its prompt was chunked or what shared the step
-    (one row's keys and summation order are the same in any batch)."""
-    row_limit = sys.maxsize if all_query_rows else MAX_QUERY_ROWS_PER_CHUNK
-    as_rows = [r for r in scheduler_output.scheduled if r.num_tokens <= row_limit]
-    chunks = [r for r in scheduler_output.scheduled if r.num_tokens > row_limit]
-    ordered = as_rows + chunks
+@dataclass(frozen=True)
+class _FlatBatch:
+    """The step's requests in flat-batch order and what every cache group shares of it."""
+
+    ordered: list[ScheduledRequest]
+    as_rows: list[ScheduledRequest]  # the leading requests whose every token is a query row
+    token_starts: list[int]  # flat index of each ordered request's first token
+    positions: torch.Tensor  # [T] int64
+    row_limit: int
+
+
+def _attention_metadata(
+    batch: _FlatBatch, group: int, block_size: int, window: int | None
+) -> AttentionMetadata:
+    """One attention group's slots, decode rows and prefill chunks (its tables, its window)."""
     query_rows = [
-        _QueryRow(r.block_ids, p)
-        for r in as_rows
+        _QueryRow(r.block_ids[group], p)
+        for r in batch.as_rows
         for p in range(r.num_computed_tokens, r.num_computed_tokens + r.num_tokens)
     ]
-    input_ids: list[int] = []
-    positions: list[int] = []
     slot_mapping: list[int] = []
-    logits_indices: list[int] = []
     prefills: list[PrefillChunkMetadata] = []
-    for req in ordered:
-        token_start = len(input_ids)
-        start, end = req.num_computed_tokens, req.num_computed_tokens + req.num_tokens
-        input_ids.extend(req.token_ids)
-        positions.extend(range(start, end))
-        slot_mapping.extend(_slots(req.block_ids, start, end, block_size))
-        if req.num_tokens > row_limit:
-            prefills.append(_prefill_metadata(req, token_start, block_size, sliding_window))
-        if req.do_sample:  # the last position; with drafts, the k + 1 positions that verify them
-            logits_indices.extend(range(len(input_ids) - 1 - req.num_spec_tokens, len(input_ids)))
+    for req, token_start in zip(batch.ordered, batch.token_starts, strict=True):
+        table = req.block_ids[group]
+        start = req.num_computed_tokens
+        slot_mapping.extend(_slots(table, start, start + req.num_tokens, block_size))
+        if req.num_tokens > batch.row_limit:
+            prefills.append(_prefill_metadata(req, table, token_start, block_size, window))
     decode_slots, decode_attend, decode_num_keys = (
-        _decode_metadata(query_rows, block_size, sliding_window) if query_rows else (None, None, None)
+        _decode_metadata(query_rows, block_size, window) if query_rows else (None, None, None)
     )
-    meta = AttentionMetadata(
-        positions=torch.tensor(positions, dtype=torch.int64),
+    return AttentionMetadata(
+        positions=batch.positions,
         slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64),
         num_decode_tokens=len(query_rows),
         decode_kv_slots=decode_slots,
@@ -213,6 +211,62 @@ def build_input_batch(
         decode_num_keys=decode_num_keys,
         prefills=prefills,
     )
+
+
+def _state_metadata(batch: _FlatBatch, state_group: int) -> StateMetadata:
+    """The `state_group`-th linear-attention group's pages of every request (ScheduledRequest.state_steps)."""
+    requests = []
+    for req, token_start in zip(batch.ordered, batch.token_starts, strict=True):
+        step = req.state_steps[state_group]
+        end = token_start + req.num_tokens
+        requests.append(StateRequest(token_start, end, step.source, step.state, step.checkpoints))
+    decodes = [i for i, r in enumerate(requests) if r.num_tokens == 1]
+    rows = [requests[i] for i in decodes]
+    return StateMetadata(
+        requests=requests,
+        decode_requests=decodes,
+        decode_tokens=torch.tensor([r.token_start for r in rows], dtype=torch.int64),
+        decode_source=torch.tensor([r.source or r.state for r in rows], dtype=torch.int64),
+        decode_fresh=torch.tensor([r.source is None for r in rows], dtype=torch.bool),
+        decode_state=torch.tensor([r.state for r in rows], dtype=torch.int64),
+    )
+
+
+def build_input_batch(
+    scheduler_output: SchedulerOutput,
+    block_size: int,
+    sliding_window: int | None,
+    all_query_rows: bool = False,
+    kv_cache_config: KVCacheConfig | None = None,
+) -> InputBatch:
+    """`all_query_rows` (batch-invariant mode): every token a query row, prefill chunks included, so
+    that a token's attention never depends on how its prompt was chunked or what shared the step
+    (one row's keys and summation order are the same in any batch).
+
+    `kv_cache_config`: a hybrid model's cache groups; each gets its own metadata from its tables
+    (AttentionMetadata.for_layer). Without it, one group with `sliding_window` on every layer."""
+    row_limit = sys.maxsize if all_query_rows else MAX_QUERY_ROWS_PER_CHUNK
+    as_rows = [r for r in scheduler_output.scheduled if r.num_tokens <= row_limit]
+    ordered = as_rows + [r for r in scheduler_output.scheduled if r.num_tokens > row_limit]
+    input_ids: list[int] = []
+    positions: list[int] = []
+    token_starts: list[int] = []
+    logits_indices: list[int] = []
+    for req in ordered:
+        token_starts.append(len(input_ids))
+        start = req.num_computed_tokens
+        input_ids.extend(req.token_ids)
+        positions.extend(range(start, start + req.num_tokens))
+        if req.do_sample:  # the last position; with drafts, the k + 1 positions that verify them
+            logits_indices.extend(range(len(input_ids) - 1 - req.num_spec_tokens, len(input_ids)))
+    batch = _FlatBatch(ordered, as_rows, token_starts, torch.tensor(positions, dtype=torch.int64), row_limit)
+    if kv_cache_config is None or not kv_cache_config.is_hybrid:
+        window = sliding_window
+        if kv_cache_config is not None:
+            window = getattr(kv_cache_config.groups[0].spec, "sliding_window", None)
+        meta = _attention_metadata(batch, 0, block_size, window)
+    else:
+        meta = _hybrid_metadata(batch, block_size, kv_cache_config)
     return InputBatch(
         requests=ordered,
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
@@ -220,6 +274,21 @@ def build_input_batch(
         logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
         sampling_requests=[r for r in ordered if r.do_sample],
     )
+
+
+def _hybrid_metadata(batch: _FlatBatch, block_size: int, kv_cache_config: KVCacheConfig) -> AttentionMetadata:
+    groups: list[AttentionMetadata | StateMetadata] = []
+    num_state_groups = 0
+    for g, group in enumerate(kv_cache_config.groups):
+        spec = group.spec
+        if isinstance(spec, LinearAttentionSpec):
+            groups.append(_state_metadata(batch, num_state_groups))
+            num_state_groups += 1
+        else:
+            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+            groups.append(_attention_metadata(batch, g, block_size, window))
+    first = next(m for m in groups if isinstance(m, AttentionMetadata))
+    return dataclasses.replace(first, group_metadata=tuple(groups), layer_group=kv_cache_config.layer_group)
 
 
 def _block_slots(blocks: torch.Tensor, block_size: int) -> torch.Tensor:

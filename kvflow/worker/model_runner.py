@@ -301,7 +301,11 @@ def forward_step(
         )
         return rows.requests, rows.sampling_requests, hidden, sampled
     batch = build_input_batch(
-        scheduler_output, kv_store.block_size, model.config.sliding_window, all_query_rows=batch_invariant
+        scheduler_output,
+        kv_store.block_size,
+        model.config.sliding_window,
+        all_query_rows=batch_invariant,
+        kv_cache_config=kv_store.kv_cache_config,
     )
     hidden = model(batch.input_ids, batch.attn_metadata, kv_store)  # [T, hidden]
     return batch.requests, batch.sampling_requests, hidden, hidden.index_select(0, batch.logits_indices)

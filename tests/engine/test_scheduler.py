@@ -69,19 +69,19 @@ class FakeRunner:
             assert s.num_tokens > 0
             for j, token_id in enumerate(s.token_ids):
                 position = s.num_computed_tokens + j
-                block_id, slot = self._slot(s.block_ids, position)
+                block_id, slot = self._slot(s.block_ids[0], position)
                 self.kv.setdefault(block_id, {})[slot] = (position, token_id)
         sampled: dict[str, list[int]] = {}
         for s in output.scheduled:  # read phase: attention over each request's blocks
             all_tokens = s.prompt_token_ids + s.output_token_ids
             first, last = s.num_computed_tokens, s.num_computed_tokens + s.num_tokens - 1
             for query in (first, last):
-                context = self._read_context(s.block_ids, query)
+                context = self._read_context(s.block_ids[0], query)
                 start = query - len(context) + 1
                 assert context == [(p, all_tokens[p]) for p in range(start, query + 1)], s.request_id
             if s.do_sample:
                 assert last == len(all_tokens) - 1
-                sampled[s.request_id] = [next_token(self._read_context(s.block_ids, last)[-1][1])]
+                sampled[s.request_id] = [next_token(self._read_context(s.block_ids[0], last)[-1][1])]
         return ModelRunnerOutput(sampled_token_ids=sampled)
 
 

@@ -15,8 +15,8 @@ def make_request(request_id: str, token_ids: list[int]) -> Request:
 
 
 def admit(manager: KVCacheManager, request: Request) -> None:
-    computed, num_hit = manager.get_computed_blocks(request)
-    assert manager.allocate_slots(request, request.num_tokens - num_hit, computed)
+    hit = manager.get_computed_blocks(request)
+    assert manager.allocate_slots(request, request.num_tokens - hit.num_tokens, hit)
     request.num_computed_tokens = request.num_tokens
 
 

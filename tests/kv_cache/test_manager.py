@@ -7,7 +7,7 @@ import pytest
 
 from kvflow.config import ConfigError
 from kvflow.kv_cache.block_pool import IntegrityError
-from kvflow.kv_cache.manager import KVCacheManager
+from kvflow.kv_cache.manager import KVCacheManager, PrefixHit
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
@@ -26,10 +26,10 @@ def refs(manager: KVCacheManager, block_ids: list[int]) -> list[int]:
 
 def admit(manager: KVCacheManager, request: Request) -> bool:
     """What the scheduler does for a waiting request: prefix lookup, then allocate the rest."""
-    computed, num_hit = manager.get_computed_blocks(request)
-    if not manager.allocate_slots(request, request.num_tokens - num_hit, computed):
+    hit = manager.get_computed_blocks(request)
+    if not manager.allocate_slots(request, request.num_tokens - hit.num_tokens, hit):
         return False
-    request.num_computed_tokens = num_hit
+    request.num_computed_tokens = hit.num_tokens
     return True
 
 
@@ -41,7 +41,7 @@ def compute(request: Request) -> None:
 def test_prefix_hit_reuses_exact_blocks_and_shares_ref_counts() -> None:
     manager = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     a = make_request("a", list(range(10)))  # 2 full blocks + 2 tokens
-    assert manager.get_computed_blocks(a) == ([], 0)
+    assert manager.get_computed_blocks(a) == PrefixHit(0, ([],))
     assert admit(manager, a)
     assert manager.block_table("a") == [1, 2, 3]
     # The two full blocks are cached at schedule time; the partial block 3 is not.
@@ -49,8 +49,8 @@ def test_prefix_hit_reuses_exact_blocks_and_shares_ref_counts() -> None:
     compute(a)
 
     b = make_request("b", [*range(8), 100, 101, 102])
-    computed, num_hit = manager.get_computed_blocks(b)
-    assert [blk.block_id for blk in computed] == [1, 2] and num_hit == 8
+    hit = manager.get_computed_blocks(b)
+    assert [blk.block_id for blk in hit.blocks[0]] == [1, 2] and hit.num_tokens == 8
     assert admit(manager, b)
     assert manager.block_table("b") == [1, 2, 4]
     assert refs(manager, [1, 2, 3, 4]) == [2, 2, 1, 1]
@@ -88,9 +88,9 @@ def test_hit_is_capped_to_leave_one_token_to_compute() -> None:
     compute(a)
 
     same = make_request("same", list(range(8)))
-    computed, num_hit = manager.get_computed_blocks(same)
+    hit = manager.get_computed_blocks(same)
     # (8 - 1) // 4 = 1 block: the last token must be computed to get its logits.
-    assert [blk.block_id for blk in computed] == [1] and num_hit == 4
+    assert [blk.block_id for blk in hit.blocks[0]] == [1] and hit.num_tokens == 4
     assert admit(manager, same)
     assert manager.block_table("same") == [1, 3]
     # Block 3 recomputes a's second block: same hash, so the index keeps block 2 and 3 stays uncached.
@@ -98,7 +98,7 @@ def test_hit_is_capped_to_leave_one_token_to_compute() -> None:
     manager.check_integrity()
 
     longer = make_request("longer", list(range(9)))
-    assert manager.get_computed_blocks(longer)[1] == 8
+    assert manager.get_computed_blocks(longer).num_tokens == 8
 
 
 def test_no_prefix_caching_means_no_hits_and_no_stats() -> None:
@@ -106,7 +106,7 @@ def test_no_prefix_caching_means_no_hits_and_no_stats() -> None:
     a = make_request("a", [1, 2, 3, 4, 5])
     assert admit(manager, a)
     compute(a)
-    assert manager.get_computed_blocks(make_request("b", [1, 2, 3, 4, 5])) == ([], 0)
+    assert manager.get_computed_blocks(make_request("b", [1, 2, 3, 4, 5])) == PrefixHit(0, ([],))
     assert manager.prefix_cache_queries == 0 and manager.block_pool.cached_block_hash_to_block == {}
 
 
@@ -161,10 +161,11 @@ def test_sliding_window_released_cached_blocks_stay_in_the_prefix_cache() -> Non
     assert manager.allocate_slots(r, 1)
     assert manager.block_table("r") == [0, 0, 3]
     assert queue_ids(manager)[-2:] == [2, 1]  # cached: to the tail, tail block first
-    # A new request with the same prefix hits the released blocks and attends over them normally.
+    # A new request with the same prefix hits the released blocks it still reads (its first query,
+    # at position 4, reads keys 3..4: block 1), and the window's dead blocks stand as nulls.
     other = make_request("other", [1, 2, 3, 4, 9, 9])
-    computed, num_hit = manager.get_computed_blocks(other)
-    assert [b.block_id for b in computed] == [1, 2] and num_hit == 4
+    hit = manager.get_computed_blocks(other)
+    assert [b.block_id for b in hit.blocks[0]] == [0, 2] and hit.num_tokens == 4
     manager.check_integrity()
 
 
@@ -175,9 +176,9 @@ def test_prefix_hit_inside_the_dead_window_is_not_touched() -> None:
     compute(a)
     manager.free(a)
     b = make_request("b", list(range(9)))
-    computed, num_hit = manager.get_computed_blocks(b)
-    assert num_hit == 8
-    assert manager.allocate_slots(b, 1, computed)
+    hit = manager.get_computed_blocks(b)
+    assert hit.num_tokens == 8
+    assert manager.allocate_slots(b, 1, hit)
     # Computing position 8 reads keys 7..8: hit blocks 0..2 are dead at once, block 3 (6..7) is kept.
     assert manager.block_table("b") == [0, 0, 0, 4, 5]
     assert refs(manager, [1, 2, 3, 4]) == [0, 0, 0, 1]
@@ -196,11 +197,11 @@ def test_allocate_failure_has_no_side_effects() -> None:
 
     # c hits blocks 1, 2 (free) and needs 1 more block: the only free blocks ARE its hits.
     c = make_request("c", [*range(8), 7, 7])
-    computed, num_hit = manager.get_computed_blocks(c)
-    assert [b.block_id for b in computed] == [1, 2]
+    hit = manager.get_computed_blocks(c)
+    assert [b.block_id for b in hit.blocks[0]] == [1, 2]
     before = (queue_ids(manager), refs(manager, list(range(1, 6))), dict(manager.req_to_blocks))
     stats = (manager.prefix_cache_queries, manager.prefix_cache_hits)
-    assert not manager.allocate_slots(c, c.num_tokens - num_hit, computed)
+    assert not manager.allocate_slots(c, c.num_tokens - hit.num_tokens, hit)
     assert (queue_ids(manager), refs(manager, list(range(1, 6))), dict(manager.req_to_blocks)) == before
     assert (manager.prefix_cache_queries, manager.prefix_cache_hits) == stats
     assert c.block_hashes and "c" not in manager.req_to_blocks
@@ -217,7 +218,7 @@ def test_check_integrity_detects_ref_count_mismatch() -> None:
     manager = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     assert admit(manager, make_request("a", [1, 2, 3]))
     manager.req_to_blocks["a"][0].ref_cnt = 2
-    with pytest.raises(IntegrityError, match="held by 1 request"):
+    with pytest.raises(IntegrityError, match="held by 1 tables"):
         manager.check_integrity()
 
 
@@ -230,6 +231,6 @@ def test_invalid_arguments() -> None:
     r = make_request("r", [1, 2, 3, 4, 5])
     assert admit(manager, r)
     with pytest.raises(ValueError, match="first allocation"):
-        manager.allocate_slots(r, 1, manager.req_to_blocks["r"][:1])
+        manager.allocate_slots(r, 1, PrefixHit(2, (manager.req_to_blocks["r"][:1],)))
     manager.free(make_request("unknown", [1]))  # freeing a request without blocks is a no-op
     manager.check_integrity()

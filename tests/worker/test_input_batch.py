@@ -58,7 +58,7 @@ def _scheduled(i: int, blocks: list[int], start: int, n: int) -> ScheduledReques
         request_id=str(i),
         token_ids=list(range(n)),
         num_computed_tokens=start,
-        block_ids=blocks,
+        block_ids=[blocks],
         do_sample=True,
         is_decode=n == 1,
         sampling_params=SamplingParams(),
