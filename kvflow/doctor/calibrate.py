@@ -25,36 +25,61 @@ from dataclasses import dataclass, replace
 
 from kvflow.bench.metrics import percentile
 from kvflow.doctor.evidence import RunEvidence
+from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, simulate
 from kvflow.doctor.step_cost import StepCost
+from kvflow.kv_cache.kv_cache_config import KVCacheConfig
+from kvflow.kv_cache.specs import KVCacheSpec
 
 FIT_ROUNDS = 4
-# What the doctor assumes when a server does not report them (kvflow's defaults).
-DEFAULT_BLOCK_SIZE = 16
+TOKEN_KINDS = ("full_attention", "mla")  # kinds whose blocks hold every token of a request
 
 
 def attention_ratio(model: ModelSpec) -> float:
-    """Attention FLOPs per (query token x key) over linear FLOPs per token."""
-    per_key = model.attention_flops(1, 1)  # one query x one key (latent attention's dims for MLA)
+    """Attention FLOPs per (query token x key) over linear FLOPs per token. Only layers that read
+    keys count (a sliding layer as if its window held the whole context: the step cost has one
+    attention term); a linear-attention layer's fixed cost per token is in the fitted per-token one."""
+    per_key = model.attention_flops_per_key()  # latent attention's dims for MLA
     return per_key / max(2.0 * model.active_layer_params, 1.0)  # MoE: the experts a token runs
 
 
-def sim_settings(settings: EngineSettings) -> SimSettings | None:
-    """The simulator's view of a kvflow server's settings (None when they are not known)."""
+def sim_groups(config: KVCacheConfig) -> tuple[tuple[KVCacheSpec, ...], bool]:
+    """(the groups besides the first full-attention one, whether there is one)."""
+    specs = [g.spec for g in config.groups]
+    token = next((i for i, spec in enumerate(specs) if spec.kind in TOKEN_KINDS), None)
+    return tuple(spec for i, spec in enumerate(specs) if i != token), token is not None
+
+
+def sim_settings(
+    settings: EngineSettings, model: ModelSpec | None = None, kv_dtype: str | None = None
+) -> SimSettings | None:
+    """The simulator's view of a kvflow server's settings (None when they are not known); with the
+    model, its cache groups (kvflow/doctor/kv_kinds.py) at the server's block size and KV dtype."""
     if (
         settings.server != "kvflow"
         or settings.max_num_batched_tokens is None
         or settings.max_num_seqs is None
     ):
         return None
+    block_size = settings.block_size or DEFAULT_BLOCK_SIZE
+    caching = bool(settings.enable_prefix_caching)
+    others: tuple[KVCacheSpec, ...] = ()
+    token_group, step = True, block_size
+    if model is not None:
+        others, token_group = sim_groups(model.kv_cache_config(kv_dtype, block_size, caching))
+        # With caching on: the what-if that turns it on keeps these settings.
+        step = prefix_hit_granularity(model.kv_cache_config(kv_dtype, block_size, True))
     return SimSettings(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         num_kv_blocks=settings.num_kv_blocks,
-        block_size=settings.block_size or DEFAULT_BLOCK_SIZE,
-        enable_prefix_caching=bool(settings.enable_prefix_caching),
+        block_size=block_size,
+        enable_prefix_caching=caching,
+        other_groups=others,
+        token_group=token_group,
+        hit_granularity=step,
     )
 
 
@@ -171,9 +196,11 @@ SIM_METRICS: dict[str, Callable[[SimRun], float]] = {
 }
 
 
-def calibrate(evidence: RunEvidence, settings: EngineSettings, model: ModelSpec) -> Calibration | None:
+def calibrate(
+    evidence: RunEvidence, settings: EngineSettings, model: ModelSpec, kv_dtype: str | None = None
+) -> Calibration | None:
     """Fit the step cost to a kvflow run's step times; None without them (other servers, no /metrics)."""
-    sim = sim_settings(settings)
+    sim = sim_settings(settings, model, kv_dtype)
     steps = evidence.server.get("step_time_ms") or {}
     if sim is None or not steps or not evidence.requests:
         return None

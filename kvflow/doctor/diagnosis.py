@@ -5,18 +5,21 @@ the KV pool), each with where it came from."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from kvflow.doctor.calibrate import Calibration, calibrate
 from kvflow.doctor.evidence import RunEvidence
+from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import EngineSettings
+from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 
+# Servers that allocate KV per token when they do not say otherwise (Diagnosis.block_size).
+TOKEN_GRANULAR_SERVERS = ("llama.cpp", "sglang")
 # Prefix caching counts as effective when it serves at least half of the repeated tokens.
 EFFECTIVE_CACHE_FRACTION = 0.5
-DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Diagnosis:
         """The simulator fitted to this run's step times (kvflow servers with /metrics only)."""
         if not self.measured:
             return None
-        return calibrate(self.run, self.settings, self.model)
+        return calibrate(self.run, self.settings, self.model, self.roofline.kv_dtype)
 
     @property
     def decode_batch(self) -> int:
@@ -57,7 +60,11 @@ class Diagnosis:
 
     @property
     def block_size(self) -> int:
-        return self.settings.block_size or DEFAULT_BLOCK_SIZE
+        """The server's KV allocation unit in tokens: what it reports, else llama.cpp's and SGLang's
+        (KV cells per token; SGLang's default page_size is 1) or kvflow's and vLLM's 16."""
+        if self.settings.block_size:
+            return self.settings.block_size
+        return 1 if self.settings.server in TOKEN_GRANULAR_SERVERS else DEFAULT_BLOCK_SIZE
 
     # ------------------------------------------------------------------------------- prefill
 
@@ -131,8 +138,8 @@ class Diagnosis:
     def roofline_decode_ms(self, weight_dtype: str | None = None, kv_dtype: str | None = None) -> float:
         roof = self.roofline
         if weight_dtype or kv_dtype:
-            roof = Roofline(
-                self.model, roof.hardware, weight_dtype or roof.weight_dtype, kv_dtype or roof.kv_dtype
+            roof = replace(
+                roof, weight_dtype=weight_dtype or roof.weight_dtype, kv_dtype=kv_dtype or roof.kv_dtype
             )
         return 1e3 * roof.decode_step(self.runnable_batch, round(self.run.decode_context)).seconds
 
@@ -154,9 +161,10 @@ class Diagnosis:
         return run.shared_prefix_p50
 
     def cacheable_tokens(self) -> float:
-        """Of the uncached repeated tokens, the whole blocks a prefix cache can serve."""
-        block = self.block_size
-        return block * math.floor(self.uncached_repeat_tokens() / block)
+        """Of the uncached repeated tokens, the whole blocks a prefix cache can serve (with linear
+        attention, whole checkpoint intervals: kvflow/doctor/kv_kinds.py prefix_hit_granularity)."""
+        step = prefix_hit_granularity(self.model.kv_cache_config(self.roofline.kv_dtype, self.block_size))
+        return step * math.floor(self.uncached_repeat_tokens() / step)
 
     def uncached_prompt_tokens(self) -> float:
         """Prompt tokens per request (p50) the server computes once caching does what it can."""
@@ -169,16 +177,25 @@ class Diagnosis:
     def kv_pool_known(self) -> bool:
         return self.settings.kv_pool_tokens is not None
 
+    @cached_property
+    def kv_config(self) -> KVCacheConfig:
+        """The server's cache groups (its KV dtype and block size; kvflow/doctor/kv_kinds.py)."""
+        return self.model.kv_cache_config(self.roofline.kv_dtype, self.block_size)
+
+    def kv_bytes_per_request(self, num_tokens: int) -> int:
+        """Pool bytes one request of `num_tokens` tokens holds: its blocks in every cache group."""
+        return self.kv_config.bytes_held(max(num_tokens, 1))
+
     def kv_pool_bytes(self) -> float:
         tokens = self.settings.kv_pool_tokens
-        if tokens is not None:
-            return tokens * self.model.kv_bytes_per_token(self.roofline.kv_dtype)
+        if tokens is not None:  # blocks (tokens / block size) x a block's bytes in every layer slot
+            return tokens / self.block_size * self.kv_config.bytes_per_block
         return self.roofline.default_kv_pool_bytes()
 
     def max_concurrency(self) -> int:
         """Whole requests of p95 length the pool holds at once."""
         length = max(1, round(self.run.request_len_p95))
-        return math.floor(self.roofline.max_concurrency(self.kv_pool_bytes(), length))
+        return math.floor(self.roofline.max_concurrency(self.kv_pool_bytes(), length, self.block_size))
 
     @property
     def runnable_batch(self) -> int:

@@ -1,21 +1,25 @@
-"""What a model costs, from its config.json alone: parameters, weight bytes, KV bytes per token, FLOPs.
+"""What a model costs, from its config.json alone: parameters, weight bytes, KV bytes, FLOPs.
 
 Counting (formulas in docs/doctor.md):
     embedding        vocab x hidden
     per layer        q: hidden x (q_heads x head_dim), k and v: hidden x (kv_heads x head_dim) each
                      (GQA/MQA: kv_heads < q_heads), o: (q_heads x head_dim) x hidden, biases when the
                      architecture has them, MLP: 3 x hidden x intermediate (gate, up, down), 2 RMSNorms
-                     (+ q/k norms for Qwen3)
+                     (+ q/k norms for Qwen3); other layer kinds (linear attention, gated queries, sinks,
+                     sandwich norms) in kvflow/doctor/attention_params.py
     final norm       hidden
     LM head          vocab x hidden, unless tied to the embedding (then stored once)
-    KV per token     2 (K, V) x layers x kv_heads x head_dim x bytes per element; latent attention
-                     (DeepSeek MLA): layers x (kv_lora_rank + qk_rope_head_dim) x bytes per element
+    KV per token     2 (K, V) x attention layers x kv_heads x head_dim x bytes per element; latent
+                     attention (DeepSeek MLA): layers x (kv_lora_rank + qk_rope_head_dim) x bytes
+    KV per request   the engine's cache groups (kvflow/doctor/kv_kinds.py): full layers grow with L,
+                     sliding-window and linear-attention (state) layers hold a fixed amount
 Mixture-of-experts layers and latent attention are counted in kvflow/doctor/moe_spec.py: a MoE
 model has total parameters (all experts, stored) and active ones (what a token multiplies).
 Matmul FLOPs per token = 2 x (parameters that multiply activations) = 2 x (all but the embedding
 table, which is a gather; with tied embeddings the LM head still multiplies, so it counts; of a
 MoE layer only the router, shared and top_k routed experts). A decode step of B tokens reads the
 experts they touch: E x (1 - (1 - k/E)^B) per MoE layer on average.
+A multimodal config.json (Gemma 3) is sized by its language model (kvflow/doctor/text_config.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvflow.arch_config import ArchConfig, load_hf_config, parse_arch_config
-from kvflow.doctor.moe_spec import MoEParams, expected_experts_touched, mla_attention_params, moe_params
+from kvflow.doctor import kv_kinds
+from kvflow.doctor.attention_params import mixer_params, norm_params
+from kvflow.doctor.moe_spec import MoEParams, expected_experts_touched, moe_params
+from kvflow.doctor.text_config import text_model_config
+from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 
 # Bytes per element of each storage format; int4 adds one 16-bit scale (and for asymmetric
 # quantization one zero point) per group: at group size 128, 0.5 + 4/128 bytes per weight.
@@ -40,6 +48,9 @@ DTYPE_BYTES = {
 INT4_GROUP_SIZE = 128
 GROUP_OVERHEAD_BYTES = 4.0  # bf16 scale + bf16 zero point per group
 INT8_CHANNEL_OVERHEAD = 2.0  # one bf16 scale per output channel (negligible, counted per row)
+# The gated delta rule per token and value head, over its state S [dk, dv]: decay S (1 multiply per
+# value), S^T k (a multiply-add: 2), the rank-1 update k (beta (v - S^T k))^T (2), the output S^T q (2).
+GDN_FLOPS_PER_STATE_VALUE = 7
 
 
 def weight_bytes_per_param(dtype: str) -> float:
@@ -66,17 +77,11 @@ class ModelSpec:
 
     @classmethod
     def from_config(cls, config: dict[str, object], name: str = "model") -> ModelSpec:
-        arch = parse_arch_config(dict(config))
-        h, q, kv, d = arch.hidden_size, arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
-        attn = h * q * d + 2 * h * kv * d + q * d * h
-        if arch.qkv_bias:
-            attn += q * d + 2 * kv * d
-        if arch.o_bias:
-            attn += h
-        if arch.mla is not None:
-            attn = mla_attention_params(arch)
+        config = text_model_config(dict(config))
+        arch = parse_arch_config(config)
+        h = arch.hidden_size
+        mixers = sum(mixer_params(arch, kind) + norm_params(arch, kind) for kind in arch.cache_layer_kinds)
         mlp = 3 * h * arch.intermediate_size + (2 * arch.intermediate_size + h if arch.mlp_bias else 0)
-        norms = 2 * h + (2 * d if arch.qk_norm else 0)
         embedding = arch.vocab_size * h
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
         moe = moe_params(arch) if arch.moe is not None else None
@@ -86,7 +91,7 @@ class ModelSpec:
             name=name,
             arch=arch,
             embedding_params=embedding,
-            layer_params=arch.num_hidden_layers * (attn + norms) + mlps,
+            layer_params=mixers + mlps,
             lm_head_params=0 if arch.tie_word_embeddings else embedding,
             norm_params=h,
             dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
@@ -153,28 +158,85 @@ class ModelSpec:
         return layers * per_param + self.embedding_params * base + self.norm_params * base
 
     def kv_bytes_per_token(self, kv_dtype: str | None = None) -> float:
-        a = self.arch
+        """K/V data bytes one token costs in every attention layer (sliding ones included, while the
+        token is in their window; a linear-attention layer holds no per-token KV), scales left out:
+        the headline figure. What a request holds: kv_bytes_per_request."""
+        a, layers = self.arch, self.num_attention_layers
         if a.mla is not None:  # one latent per token and layer, no per-head K/V
-            return a.num_hidden_layers * a.mla.latent_dim * weight_bytes_per_param(kv_dtype or self.dtype)
+            return layers * a.mla.latent_dim * weight_bytes_per_param(kv_dtype or self.dtype)
         return (
-            2
-            * a.num_hidden_layers
-            * a.num_key_value_heads
-            * a.head_dim
-            * weight_bytes_per_param(kv_dtype or self.dtype)
+            2 * layers * a.num_key_value_heads * a.head_dim * weight_bytes_per_param(kv_dtype or self.dtype)
         )
 
     def kv_tokens_held(self, context_len: int) -> int:
-        """Tokens whose K/V a request of `context_len` tokens keeps: capped at the sliding window."""
+        """Tokens whose K/V a request of `context_len` tokens keeps in a layer of a uniform model:
+        capped at the sliding window (per layer kind: kvflow/doctor/kv_kinds.py keys_read)."""
         window = self.arch.sliding_window
         return min(context_len, window) if window is not None else context_len
 
-    def attention_flops(self, num_tokens: int, context_len: int) -> float:
-        """QK^T and PV for `num_tokens` queries over `context_len` keys: 4 x layers x n x c x q_heads x d
-        (2 FLOPs per multiply-add, two matmuls); the window caps the keys each query sees."""
+    def kv_cache_config(
+        self,
+        kv_dtype: str | None = None,
+        block_size: int = kv_kinds.DEFAULT_BLOCK_SIZE,
+        enable_prefix_caching: bool = True,
+    ) -> KVCacheConfig:
+        """The engine's cache groups for this model (kvflow/kv_cache/kv_cache_config.py)."""
+        return kv_kinds.kv_cache_config(
+            self.arch, kv_dtype or self.dtype, self.dtype, block_size, enable_prefix_caching
+        )
+
+    def kv_bytes_per_request(
+        self, num_tokens: int, kv_dtype: str | None = None, block_size: int = kv_kinds.DEFAULT_BLOCK_SIZE
+    ) -> int:
+        """Pool bytes a request of `num_tokens` tokens holds: its blocks summed over the groups."""
+        return self.kv_cache_config(kv_dtype, block_size).bytes_held(max(num_tokens, 1))
+
+    def kv_bytes_per_request_by_kind(
+        self, num_tokens: int, kv_dtype: str | None = None, block_size: int = kv_kinds.DEFAULT_BLOCK_SIZE
+    ) -> dict[str, int]:
+        return self.kv_cache_config(kv_dtype, block_size).bytes_held_by_kind(max(num_tokens, 1))
+
+    def decode_kv_bytes(self, context_len: int, kv_dtype: str | None = None) -> float:
+        """Cache bytes one sequence's decode step moves (kvflow/doctor/kv_kinds.py, by kind)."""
+        by_kind = kv_kinds.decode_step_kv_bytes_by_kind(
+            self.arch, kv_dtype or self.dtype, self.dtype, context_len
+        )
+        return sum(by_kind.values())
+
+    def prefill_kv_bytes(self, num_tokens: int, context_len: int, kv_dtype: str | None = None) -> float:
+        return kv_kinds.prefill_kv_bytes(
+            self.arch, kv_dtype or self.dtype, self.dtype, num_tokens, context_len
+        )
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers that keep per-token K/V (full, sliding, MLA): all but linear attention's."""
+        return sum(1 for kind in self.arch.cache_layer_kinds if kind != kv_kinds.LINEAR)
+
+    def _flops_per_query_key(self) -> float:
+        """QK^T and PV of one query and one key in one layer: 4 x q_heads x head_dim (2 FLOPs per
+        multiply-add, two matmuls); MLA: 2 x q_heads x (qk + v head dims), K/V expanded per head."""
         a = self.arch
-        keys = self.kv_tokens_held(context_len)
-        if a.mla is not None:  # QK^T over qk_head_dim, PV over v_head_dim (K/V expanded per head)
-            dims = a.mla.qk_head_dim + a.mla.v_head_dim
-            return 2.0 * a.num_hidden_layers * num_tokens * keys * a.num_attention_heads * dims
-        return 4.0 * a.num_hidden_layers * num_tokens * keys * a.num_attention_heads * a.head_dim
+        if a.mla is not None:
+            return 2.0 * a.num_attention_heads * (a.mla.qk_head_dim + a.mla.v_head_dim)
+        return 4.0 * a.num_attention_heads * a.head_dim
+
+    def attention_flops_per_key(self) -> float:
+        """Attention FLOPs one query spends per key of its context, over the layers that read keys."""
+        return self.num_attention_layers * self._flops_per_query_key()
+
+    def attention_flops(self, num_tokens: int, context_len: int) -> float:
+        """`num_tokens` queries over `context_len` keys: every key in full and MLA layers, the window's
+        in sliding layers (kv_kinds.keys_read); a linear-attention layer costs
+        GDN_FLOPS_PER_STATE_VALUE x Hv x dk x dv per token, whatever the context."""
+        a = self.arch
+        flops = 0.0
+        for kind, n in kv_kinds.layers_by_kind(a).items():
+            if kind == kv_kinds.LINEAR and a.linear is not None:
+                lin = a.linear
+                state = lin.num_value_heads * lin.key_head_dim * lin.value_head_dim
+                flops += n * num_tokens * GDN_FLOPS_PER_STATE_VALUE * state
+            else:
+                keys = kv_kinds.keys_read(a, kind, context_len)
+                flops += n * num_tokens * keys * self._flops_per_query_key()
+        return flops

@@ -1,9 +1,11 @@
 """Parameter counts of mixture-of-experts layers and latent attention, from config.json alone.
 
-MoE layer        router E x hidden (+ E correction biases, DeepSeek-V3), E routed experts of
-                 3 x hidden x expert_intermediate each, shared experts 3 x hidden x shared_intermediate
-                 (+ a 1 x hidden gate, Qwen2-MoE); a token multiplies the router, the shared
-                 experts and top_k routed experts ("active" parameters)
+MoE layer        router E x hidden (+ E correction biases, DeepSeek-V3; + E logit biases, gpt-oss),
+                 E routed experts of 3 x hidden x expert_intermediate each (gpt-oss: gate_up
+                 [2I, hidden] and down [hidden, I], + their biases 2I + hidden), shared experts
+                 3 x hidden x shared_intermediate (+ a 1 x hidden gate, Qwen2-MoE and Qwen3-Next);
+                 a token multiplies the router, the shared experts and top_k routed experts
+                 ("active" parameters)
 MLA attention    q: hidden x H x (dn + dr), or hidden x q_lora + q_lora (norm) + q_lora x H x (dn + dr);
                  kv_a: hidden x (C + dr), its norm C, kv_b: C x H x (dn + dv), o: H x dv x hidden
 experts touched  B tokens each picking top_k of E experts, uniformly and independently: an expert
@@ -50,12 +52,13 @@ def moe_params(arch: ArchConfig) -> MoEParams:
     moe = arch.moe
     assert moe is not None
     h = arch.hidden_size
-    router = moe.num_experts * h + (moe.num_experts if moe.has_score_correction_bias else 0)
+    e, i = moe.num_experts, moe.expert_intermediate_size
+    router = e * h + (e if moe.has_score_correction_bias else 0) + (e if moe.router_bias else 0)
     router += h if moe.shared_expert_gate else 0
     return MoEParams(
         router=router,
         shared=3 * h * moe.shared_intermediate_size,
-        per_expert=3 * h * moe.expert_intermediate_size,
+        per_expert=3 * h * i + (2 * i + h if moe.expert_bias else 0),
         num_experts=moe.num_experts,
         top_k=moe.top_k,
     )

@@ -9,6 +9,7 @@ from typing import Any
 
 from kvflow.assets import shared_css
 from kvflow.doctor.findings import Diagnosis, Finding, rank_causes
+from kvflow.doctor.kv_by_kind import kv_section, split_phrase
 
 SEVERITY_MARK = {"ok": "ok", "info": "info", "warning": "WARNING"}
 
@@ -19,6 +20,7 @@ def doctor_json(d: Diagnosis, findings: list[Finding]) -> dict[str, Any]:
         "model": _model_json(d),
         "hardware": _hardware_json(d),
         "memory": _memory_json(d),
+        "kv": _kv_json(d),
         "roofline": _roofline_json(d),
         "measured": _measured_json(d),
         "settings": asdict(d.settings),
@@ -70,6 +72,13 @@ def _memory_json(d: Diagnosis) -> dict[str, Any]:
     }
 
 
+def _kv_json(d: Diagnosis) -> dict[str, Any]:
+    """The KV a request of p95 length holds, by cache kind (kvflow/doctor/kv_by_kind.py); `summary`:
+    the same in words for a model with sliding-window or linear-attention layers, else null."""
+    length = max(1, round(d.run.request_len_p95))
+    return {**kv_section(d, length), "summary": split_phrase(d, length) or None}
+
+
 def _roofline_json(d: Diagnosis) -> dict[str, Any]:
     """The roofline at the median prompt (prefill) and at the observed batch and context (decode)."""
     roof, run = d.roofline, d.run
@@ -102,6 +111,8 @@ def _measured_json(d: Diagnosis) -> dict[str, Any]:
 
 
 def _num(value: Any) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_num(v)}" for k, v in value.items()) + "}"
     if isinstance(value, float):
         return f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
     return str(value)
@@ -132,6 +143,9 @@ def text_report(doc: dict[str, Any]) -> str:
         f"  memory: KV pool {mem['kv_pool_bytes'] / 1e9:.3g} GB{estimate} holds {mem['max_concurrency']:,} "
         f"requests of {mem['request_len_p95']:,.0f} tokens"
     )
+    kv = doc.get("kv") or {}
+    if kv.get("summary"):
+        lines.append(f"  KV by cache kind: {kv['summary']}")
     if doc["causes"]:
         lines.append("\ncauses, most latency first:")
         for i, c in enumerate(doc["causes"], 1):

@@ -2,12 +2,18 @@
 
 prefill(n new tokens, context c) = max(FLOPs / peak FLOP/s, bytes / bandwidth)
     FLOPs = 2 x layer params x n + 2 x LM-head params (logits of the last position only, as
-            vLLM and kvflow compute them) + 4 x layers x n x c x q_heads x head_dim (attention)
-    bytes = weight bytes + n x KV bytes per token (written) + c x KV bytes per token (read)
+            vLLM and kvflow compute them) + attention: 4 x n x keys x q_heads x head_dim per layer,
+            keys = c (full), min(c, window) (sliding), none for linear attention (a fixed cost
+            per token: ModelSpec.attention_flops)
+    bytes = weight bytes + n tokens' K/V written per attention layer + the keys read (c per full
+            layer, min(c, window) per sliding one) + linear-attention states read and written
 decode step(batch b, context c) = max(FLOPs / peak, bytes / bandwidth)
-    FLOPs = 2 x (layer + LM-head params) x b + 4 x layers x b x c x q_heads x head_dim
-    bytes = weight bytes read per step + b x min(c, window) x KV bytes per token
-max concurrency at length L = KV pool bytes / (min(L, window) x KV bytes per token)
+    FLOPs = 2 x (layer + LM-head params) x b + attention of b queries over c
+    bytes = weight bytes read per step + b x cache bytes a sequence's step moves (by kind,
+            kvflow/doctor/kv_kinds.py: L tokens per full layer, the window per sliding one, 2 x the
+            state per linear-attention one)
+max concurrency at length L = KV pool bytes / KV bytes a request of L tokens holds (its blocks in
+    every cache group: kvflow/doctor/kv_kinds.py)
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvflow.doctor.hardware import Hardware
+from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE
 from kvflow.doctor.model_spec import ModelSpec
 
 # Accelerators cannot give all their memory to weights + KV (activations, CUDA graphs, allocator
@@ -58,9 +65,8 @@ class Roofline:
             + 2.0 * m.embedding_params
             + m.attention_flops(num_tokens, c)
         )
-        kv = m.kv_bytes_per_token(self.kv_dtype)
         weights = m.decode_weight_bytes(self.weight_dtype, num_tokens)  # MoE: the experts touched
-        nbytes = weights + (num_tokens + m.kv_tokens_held(c)) * kv
+        nbytes = weights + m.prefill_kv_bytes(num_tokens, c, self.kv_dtype)
         return self._time(flops, nbytes)
 
     def prefill_ms_per_token(self, num_tokens: int = 512) -> float:
@@ -75,7 +81,7 @@ class Roofline:
 
     def decode_bytes(self, batch: int, context_len: int) -> float:
         m = self.model  # a MoE step reads the experts its `batch` tokens touch
-        kv_bytes = batch * m.kv_tokens_held(context_len) * m.kv_bytes_per_token(self.kv_dtype)
+        kv_bytes = batch * m.decode_kv_bytes(context_len, self.kv_dtype)
         return m.decode_weight_bytes(self.weight_dtype, batch) + kv_bytes
 
     def _time(self, flops: float, nbytes: float) -> PhaseTime:
@@ -93,8 +99,9 @@ class Roofline:
         )
         return max(0.0, usable - self.model.weight_bytes(self.weight_dtype))
 
-    def max_concurrency(self, kv_pool_bytes: float, request_len: int) -> float:
-        per_request = self.model.kv_tokens_held(max(request_len, 1)) * self.model.kv_bytes_per_token(
-            self.kv_dtype
-        )
-        return kv_pool_bytes / per_request
+    def max_concurrency(
+        self, kv_pool_bytes: float, request_len: int, block_size: int = DEFAULT_BLOCK_SIZE
+    ) -> float:
+        """Requests of `request_len` tokens the pool holds: its bytes over what one request's blocks
+        take in every cache group (the allocator's count, kvflow/kv_cache/kv_cache_config.py)."""
+        return kv_pool_bytes / self.model.kv_bytes_per_request(request_len, self.kv_dtype, block_size)

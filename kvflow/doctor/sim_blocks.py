@@ -6,6 +6,12 @@ end of the free queue (blocks without a full block's tokens to the front, to be 
 new blocks come from the front. So a preempted request finds its head blocks again when it is
 re-admitted soon enough, and recomputes only the rest: without this, a simulated preemption storm
 recomputes several times more than kvflow does.
+
+Cache kinds (kvflow/kv_cache/kv_cache_config.py): a model's first full-attention group is the token
+table above; every other group (a sliding window, a linear-attention state, more full-attention
+layers) takes the blocks `other_group_blocks` says from the same free queue, and serves no prefix
+hit here (the engine keeps them cached too; a hybrid's preempted request recomputes a little more in
+the simulator than in kvflow).
 """
 
 from __future__ import annotations
@@ -14,7 +20,23 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvflow.kv_cache.specs import KVCacheSpec, LinearAttentionSpec, SlidingWindowSpec, cdiv
+
 BlockKey = tuple[int, int]  # (request index, block index): the tokens a full block holds
+
+
+def other_group_blocks(spec: KVCacheSpec, num_computed: int, num_tokens: int) -> int:
+    """Blocks a request holds in a group of `spec` while a step computes its tokens num_computed ..
+    num_tokens - 1, as kvflow/kv_cache/single_type_manager.py allocates them: a sliding window
+    frees (at the allocation) the blocks no query from num_computed on reads; a state holds its
+    pages, plus those of the checkpoints this step writes (freed at the next allocation)."""
+    if isinstance(spec, SlidingWindowSpec):
+        total = cdiv(num_tokens, spec.block_size)
+        return total - min(total, spec.num_releasable(num_computed))
+    if isinstance(spec, LinearAttentionSpec):
+        checkpoints = len(spec.checkpoint_boundaries(num_computed, num_tokens))
+        return spec.pages_per_state * (1 + checkpoints)
+    return cdiv(num_tokens, spec.block_size)
 
 
 class SimBlockPool:
@@ -28,6 +50,7 @@ class SimBlockPool:
         self.cached: dict[BlockKey, int] = {}  # key -> block holding it (in use or free)
         self.keys: dict[int, BlockKey] = {}  # block -> its key
         self.tables: dict[int, list[int]] = {}  # request index -> its blocks, in order
+        self.others: dict[int, list[int]] = {}  # request index -> its blocks in the other groups
         self._next_id = 0 if num_blocks is None else num_blocks  # unlimited pools mint new ids
 
     @property
@@ -59,6 +82,20 @@ class SimBlockPool:
         for _ in range(new_blocks):
             table.append(self._take())
 
+    def resize_others(self, request: int, count: int) -> None:
+        """Hold `count` blocks in the other cache groups: new ones from the free queue, released
+        ones back to its front (holding nothing reusable here)."""
+        held = self.others.setdefault(request, [])
+        while len(held) < count:
+            held.append(self._take())
+        while len(held) > count:
+            self._release_anonymous(held.pop())
+
+    def _release_anonymous(self, block: int) -> None:
+        if not self.unlimited:
+            self.free_queue[block] = None
+            self.free_queue.move_to_end(block, last=False)
+
     def _take(self) -> int:
         if self.unlimited:
             self._next_id += 1
@@ -82,7 +119,9 @@ class SimBlockPool:
                 self.keys[table[i]] = key
 
     def free(self, request: int) -> int:
-        """Release the request's blocks, tail first; returns how many."""
+        """Release the request's blocks, tail first (its other groups' first); returns how many."""
+        for block in reversed(self.others.pop(request, [])):
+            self._release_anonymous(block)
         table = self.tables.pop(request, [])
         for block in reversed(table):
             if self.unlimited:

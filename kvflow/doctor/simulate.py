@@ -16,8 +16,12 @@ of kvflow/engine/scheduler.py, each step costing what kvflow/doctor/step_cost.py
 
 It also says what each long gap was waiting for: a preemption of the request itself, or the prompt
 chunks and recomputes of other requests sharing its step (the attribution the ITL check ranks).
-Not modelled: speculative decoding, sliding windows, HTTP delivery (predictions are differences
-between two simulated runs, applied to the measured numbers, so what both share cancels).
+Cache kinds: a request holds blocks in every cache group of the model (SimSettings.other_groups,
+kvflow/doctor/sim_blocks.py: a sliding window's stay about W / block_size + 1, a state's fixed), and
+a prefix hit is a multiple of `hit_granularity` (a linear-attention model restores its state from a
+checkpoint, taken every checkpoint_interval tokens).
+Not modelled: speculative decoding, HTTP delivery (predictions are differences between two simulated
+runs, applied to the measured numbers, so what both share cancels).
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvflow.doctor.evidence import RequestSample
-from kvflow.doctor.sim_blocks import SimBlockPool
+from kvflow.doctor.sim_blocks import SimBlockPool, other_group_blocks
 from kvflow.doctor.step_cost import StepCost, attention_work
+from kvflow.kv_cache.specs import KVCacheSpec
 
 KINDS = ("decode_only", "mixed", "prefill_only")
 
@@ -41,6 +46,12 @@ class SimSettings:
     num_kv_blocks: int | None  # None: never runs out
     block_size: int
     enable_prefix_caching: bool
+    # The model's cache groups (kvflow/kv_cache/kv_cache_config.py) besides the first full-attention
+    # one, and whether it has one (its blocks are the token table the prefix cache indexes): by
+    # default a single full-attention group, as a dense model's.
+    other_groups: tuple[KVCacheSpec, ...] = ()
+    token_group: bool = True
+    hit_granularity: int | None = None  # a prefix hit is a multiple of this; None: block_size
 
 
 @dataclass
@@ -101,7 +112,8 @@ def _cacheable(sample: RequestSample, settings: SimSettings) -> int:
     if not settings.enable_prefix_caching:
         return 0
     usable = min(sample.shared_prefix_tokens, sample.prompt_tokens - 1)  # one token is always computed
-    return settings.block_size * (max(usable, 0) // settings.block_size)
+    step = settings.hit_granularity or settings.block_size
+    return step * (max(usable, 0) // step)
 
 
 class _Scheduler:
@@ -119,10 +131,25 @@ class _Scheduler:
         return request.hit // self.s.block_size
 
     def blocks_for(self, request: _Request, tokens: int) -> int:
+        if not self.s.token_group:
+            return 0
         return math.ceil(tokens / self.s.block_size) - self.shared_blocks(request)
 
     def table(self, request: _Request) -> int:
         return len(self.pool.tables.get(request.index, ()))
+
+    def other_blocks(self, computed: int, tokens: int) -> int:
+        """Blocks in the other cache groups while a step computes tokens computed .. tokens - 1."""
+        return sum(other_group_blocks(spec, computed, tokens) for spec in self.s.other_groups)
+
+    def other_need(self, request: _Request, computed: int, tokens: int) -> int:
+        return self.other_blocks(computed, tokens) - len(self.pool.others.get(request.index, ()))
+
+    def _hit_blocks(self, num_blocks: int) -> int:
+        """Of `num_blocks` cached leading blocks, those a hit can use: whole hit_granularity spans
+        (a linear-attention state restores from a checkpoint only)."""
+        per_hit = (self.s.hit_granularity or self.s.block_size) // self.s.block_size
+        return num_blocks // per_hit * per_hit
 
     def release(self, request: _Request) -> None:
         self.running.remove(request)
@@ -144,7 +171,9 @@ class _Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            need = self.blocks_for(request, request.computed + n) - self.table(request)
+            end = request.computed + n
+            need = self.blocks_for(request, end) - self.table(request)
+            need += self.other_need(request, request.computed, end)
             while need > self.pool.num_free and request in self.running:
                 if len(self.running) == 1:  # alone and out of blocks: kvflow caps its length
                     self.release(request)
@@ -154,7 +183,8 @@ class _Scheduler:
                 preempted = True
             if request not in self.running:
                 continue
-            self.pool.allocate(request.index, need)
+            self.pool.resize_others(request.index, self.other_blocks(request.computed, end))
+            self.pool.allocate(request.index, self.blocks_for(request, end) - self.table(request))
             scheduled.append((request, n))
             budget -= n
             i += 1
@@ -170,16 +200,19 @@ class _Scheduler:
             own = []
             if request.admitted:
                 own = self.pool.cached_prefix(request.index, shared, request.total - 1)
+                own = own[: self._hit_blocks(shared + len(own)) - shared]
             hit = (shared + len(own)) * self.s.block_size if shared or own else 0
             n = min(request.total - hit, budget)
             new = self.blocks_for(request, hit + n) - len(own)
-            if self.pool.free_needed(new, own) > self.pool.num_free:
+            others = self.other_blocks(hit, hit + n)
+            if self.pool.free_needed(new, own) + others > self.pool.num_free:
                 if self.running:
                     break
                 self.waiting.popleft()  # even an empty pool cannot hold it
                 self.capped.append(request)
                 continue
             self.waiting.popleft()
+            self.pool.resize_others(request.index, others)
             self.pool.allocate(request.index, new, own)
             request.computed, request.admitted = hit, True
             if request.first_scheduled is None:

@@ -4,7 +4,8 @@ kvflow/parallel/ shards the same way, Megatron-style as vLLM):
 per-rank weights = (layer linears with the KV projections) / N + the KV projections a rank holds
                    (when N > KV heads each rank keeps a whole KV head: replicated)
                    + (embedding + LM head) / N + norms (replicated)
-per-rank KV bytes/token = 2 x layers x max(1, kv_heads / N) x head_dim x bytes
+per-rank KV bytes/token = 2 x layers x max(1, kv_heads / N) x head_dim x bytes (a decode step reads
+                   that share of what a sequence's step reads, by cache kind: kvflow/doctor/kv_kinds.py)
 all-reduce bytes per token and rank = (2 x layers + 1) x hidden x activation bytes
                    (o_proj and down_proj of every layer, and the vocab-parallel embedding)
 logits gather per sampled token and rank = ceil(V / N) x activation bytes (to rank 0, which samples)
@@ -116,7 +117,11 @@ def estimate(
     act = DTYPE_BYTES.get(model.dtype, 2.0) if model.dtype not in ("int8", "int4") else 2.0
     all_reduces = 2 * layers + 1
     decode_flops = roofline.decode_flops(batch, context_len) / n
-    decode_bytes = decode_weights_rank + batch * model.kv_tokens_held(context_len) * kv_rank_bytes
+    # Each rank holds its KV heads' share of every attention layer's cache (by kind: kv_kinds.py).
+    kv_share = kv_rank / a.num_key_value_heads
+    decode_bytes = (
+        decode_weights_rank + batch * model.decode_kv_bytes(context_len, roofline.kv_dtype) * kv_share
+    )
     hw = roofline.hardware
     compute, memory = decode_flops / roofline.flops_per_s, decode_bytes / hw.bandwidth_bytes_s
     per_rank = PhaseTime(max(compute, memory), compute, memory, hw.uncertainty)

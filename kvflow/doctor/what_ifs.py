@@ -144,8 +144,9 @@ def budget_what_ifs(d: Diagnosis, factors: tuple[float, ...]) -> list[WhatIf]:
 
 
 def blocks_for(d: Diagnosis, num_requests: int) -> int:
-    """KV blocks for `num_requests` requests of p95 length, with slack, plus kvflow's null block."""
-    per_request = math.ceil(d.run.request_len_p95 / d.block_size)
+    """KV blocks for `num_requests` requests of p95 length, with slack, plus kvflow's null block: a
+    request's blocks in every cache group (a sliding window's and a state's flat in its length)."""
+    per_request = d.kv_config.num_blocks_held(max(1, math.ceil(d.run.request_len_p95)))
     return math.ceil(KV_HEADROOM * num_requests * per_request) + 1
 
 

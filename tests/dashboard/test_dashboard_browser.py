@@ -201,3 +201,38 @@ def test_dashboard_in_a_browser(live: str, browser: Browser, tmp_path: Path) -> 
     assert doctor.status_code == 200 and "kvflow</span> doctor" in doctor.text
     assert not problems, problems
     page.close()
+
+
+def test_block_map_colours_by_cache_group(live: str, browser: Browser) -> None:
+    """A model mixing cache kinds: used blocks take their group's colour (a hue per kind) and the
+    legend names the kinds. The server's bundled model has one group, so the page is handed the
+    block map of a two-group one (the schema of kvflow/server/dashboard/schema.py block_map_object)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    problems: list[str] = []
+    page.on("pageerror", lambda e: problems.append(f"page error: {e}"))
+    page.goto(live + "/dashboard")
+    wait_for("the hello frame", lambda: page_state(page)["frames"] >= 1)
+    page.evaluate(
+        """() => {
+          const S = window.kvflowDashboard, n = S.config.num_blocks;
+          const owner = Array(n).fill(-1), group = Array(n).fill(-1);
+          owner[0] = owner[1] = 0; group[0] = 0; group[1] = 1;  // one request, a block in each group
+          S.kv = {owner, groups: [["r"]], cached_in_use: [], used: 2, cached_free: 0, shared: 0,
+                  cache_group: group, cache_group_kinds: ["sliding_attention", "full_attention"]};
+        }"""
+    )
+    wait_for("the legend of the cache groups", lambda: "sliding window" in page.inner_text("#kv-used-legend"))
+    assert "full attention" in page.inner_text("#kv-used-legend")
+    # The two used blocks' pixels (cells of the block map's layout) differ: two groups, two hues.
+    colours = page.evaluate(
+        """() => {
+          const canvas = document.getElementById('blockmap'), n = window.kvflowDashboard.config.num_blocks;
+          const cell = Math.max(3, Math.min(14, Math.floor(Math.sqrt((canvas.clientWidth * 260) / n))));
+          const dpr = window.devicePixelRatio || 1, ctx = canvas.getContext('2d');
+          const at = (i) => [...ctx.getImageData(Math.floor((i * cell + 1) * dpr), dpr, 1, 1).data];
+          return [at(0), at(1), at(2)];
+        }"""
+    )
+    assert colours[0] != colours[1] and colours[2] not in colours[:2]  # block 2 is free
+    assert not problems, problems
+    page.close()

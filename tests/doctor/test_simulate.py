@@ -11,10 +11,12 @@ from collections import Counter
 import pytest
 
 from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.doctor.calibrate import sim_groups
 from kvflow.doctor.evidence import RequestSample
 from kvflow.doctor.simulate import SimSettings, simulate
 from kvflow.doctor.step_cost import StepCost
 from kvflow.engine.scheduler import Scheduler
+from kvflow.kv_cache.kv_cache_config import KVCacheConfig, build_kv_cache_config
 from kvflow.outputs import ModelRunnerOutput
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
@@ -23,9 +25,13 @@ COST = StepCost(fixed_ms=1.0, per_token_ms=0.02, attention_ratio=0.0)
 
 
 def run_real_scheduler(
-    samples: list[RequestSample], settings: SimSettings, concurrency: int
+    samples: list[RequestSample],
+    settings: SimSettings,
+    concurrency: int,
+    kv_cache_config: KVCacheConfig | None = None,
 ) -> tuple[dict[str, int], int, int]:
-    """(step kinds, preemptions, computed tokens) of kvflow's Scheduler on a closed loop."""
+    """(step kinds, preemptions, computed tokens) of kvflow's Scheduler on a closed loop (with the
+    cache groups of `kv_cache_config`, else one full-attention group)."""
     scheduler = Scheduler(
         SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens),
         CacheConfig(block_size=settings.block_size, enable_prefix_caching=settings.enable_prefix_caching),
@@ -33,6 +39,7 @@ def run_real_scheduler(
         settings.num_kv_blocks
         or sum(s.prompt_tokens + s.output_tokens for s in samples) // settings.block_size + 64,
         max_model_len=1_000_000,
+        kv_cache_config=kv_cache_config,
     )
     rng = random.Random(0)
     requests = [
@@ -85,6 +92,53 @@ def test_the_simulator_schedules_what_kvflow_schedules(seed: int) -> None:
         run.computed_tokens,
     )
     assert simulated == run_real_scheduler(samples, settings, concurrency)
+
+
+# Models mixing cache kinds, as layer kinds (kvflow/kv_cache/kv_cache_config.py): each request holds
+# blocks in every group, a sliding window's and a state's flat in its length.
+MIXED_KINDS = {
+    "sliding+full": ("sliding_attention", "full_attention") * 2,
+    "linear+full": ("linear_attention",) * 3 + ("full_attention",),
+    "sliding only": ("sliding_attention",) * 2,
+}
+TOKEN_BYTES = 64  # any: the pool is counted in blocks
+STATE_PAGES = 3  # a linear-attention state of 3 pages
+
+
+@pytest.mark.parametrize("kinds", MIXED_KINDS)
+@pytest.mark.parametrize("seed", range(8))
+def test_the_simulator_holds_the_blocks_of_every_cache_group(kinds: str, seed: int) -> None:
+    rng = random.Random(seed)
+    samples = [
+        RequestSample(rng.randint(5, 300), rng.randint(1, 60), 0, 0.0, None, None)
+        for _ in range(rng.randint(5, 20))
+    ]
+    config = build_kv_cache_config(
+        MIXED_KINDS[kinds],
+        block_size=16,
+        token_bytes=TOKEN_BYTES,
+        sliding_window=rng.choice([8, 32, 100]),
+        state_bytes=STATE_PAGES * 16 * TOKEN_BYTES,
+        enable_prefix_caching=False,  # with it, the simulator's hits after a preemption are approximate
+    )
+    others, token_group = sim_groups(config)
+    settings = SimSettings(
+        max_num_seqs=rng.choice([1, 2, 4, 64]),
+        max_num_batched_tokens=rng.choice([32, 64, 128, 512]),
+        num_kv_blocks=rng.choice([60, 120, 300]),
+        block_size=16,
+        enable_prefix_caching=False,
+        other_groups=others,
+        token_group=token_group,
+    )
+    concurrency = rng.randint(1, 8)
+    run = simulate(samples, settings, COST, concurrency)
+    simulated = (
+        {k: v.count for k, v in run.kinds.items() if v.count},
+        run.num_preemptions,
+        run.computed_tokens,
+    )
+    assert simulated == run_real_scheduler(samples, settings, concurrency, config)
 
 
 def test_gaps_are_charged_to_what_delayed_them() -> None:

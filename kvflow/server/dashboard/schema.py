@@ -131,7 +131,12 @@ def request_object(
 def block_map_object(block_map: BlockMap) -> dict[str, Any]:
     """`owner[i]` for usable block i + 1: -1 free, -2 free but caching a prefix, k >= 0 held by the
     requests `groups[k]` (two or more: a shared prefix block); `cached_in_use`: indices i of held
-    blocks that are also in the prefix-cache index."""
+    blocks that are also in the prefix-cache index. Cache groups (kvflow/kv_cache/kv_cache_config.py):
+    `cache_group_kinds[g]` is group g's kind (full_attention, sliding_attention, mla,
+    linear_attention); `cache_group[i]` the group whose tables hold block i, -1 for a free block, or
+    null when the model has one group (every held block is group 0: a list per block would only
+    repeat `owner`)."""
+    one_group = len(block_map.cache_group_kinds) <= 1
     return {
         "owner": block_map.owner,
         "groups": block_map.owner_groups,
@@ -139,4 +144,6 @@ def block_map_object(block_map: BlockMap) -> dict[str, Any]:
         "used": block_map.num_used,
         "cached_free": block_map.num_cached_free,
         "shared": block_map.num_shared,
+        "cache_group": None if one_group else block_map.cache_group,
+        "cache_group_kinds": block_map.cache_group_kinds,
     }

@@ -15,6 +15,14 @@
   };
   // Used blocks take their request's colour: dark tones, none of them a state colour above.
   const REQUEST_COLORS = ["#0072b2", "#1b3a6b", "#3d7a5c", "#6b4c9a", "#34495e", "#2f4f4f", "#5b6770", "#7a2e4f"];
+  // A model with several cache groups (kvflow/kv_cache/kv_cache_config.py) colours used blocks by
+  // group instead: a hue per kind, and the groups of one kind in steps of lightness.
+  const KIND_HUES = { full_attention: 210, mla: 230, sliding_attention: 150, linear_attention: 285 };
+  const KIND_WORDS = {
+    full_attention: "full attention", mla: "latent attention (MLA)",
+    sliding_attention: "sliding window", linear_attention: "linear-attention state",
+  };
+  const GROUP_LIGHTNESS = [34, 46, 28, 40, 52]; // % per group of one kind, dark enough for the stripes
   const STEP_SPAN_S = 30; // the server keeps each step of the last 30 s (window.py)
   const LABEL_W = 92; // px left of the time axis (request ids), shared by the Gantt and the steps
   const HIST_BINS = 40;
@@ -270,6 +278,34 @@
     return REQUEST_COLORS[Math.abs(hash) % REQUEST_COLORS.length];
   }
 
+  // Colour of each cache group (hue by kind, lightness by its rank among the groups of that kind).
+  function groupColors(kinds) {
+    const seen = {};
+    return kinds.map((kind) => {
+      const rank = (seen[kind] = (seen[kind] ?? -1) + 1);
+      const hue = KIND_HUES[kind] ?? 30;
+      return `hsl(${hue}, 55%, ${GROUP_LIGHTNESS[rank % GROUP_LIGHTNESS.length]}%)`;
+    });
+  }
+
+  let legendKinds = null;
+  function drawGroupLegend(kinds, colors) {
+    const key = kinds.join(",");
+    if (legendKinds === key) return;
+    legendKinds = key;
+    const el = $("kv-used-legend");
+    if (kinds.length <= 1) {
+      el.innerHTML = '<i style="background:var(--kv-decode)"></i>used (colour per request)';
+      return;
+    }
+    const first = {};
+    kinds.forEach((kind, g) => { if (!(kind in first)) first[kind] = g; });
+    el.innerHTML = "used by cache group:" + Object.keys(first).map((kind) => {
+      const n = kinds.filter((k) => k === kind).length;
+      return `<i style="background:${colors[first[kind]]}"></i>${esc(KIND_WORDS[kind] ?? kind)}` + (n > 1 ? ` (${n} groups)` : "");
+    }).join(" ");
+  }
+
   let blockLayout = null;
   function drawBlockMap() {
     const canvas = $("blockmap");
@@ -282,13 +318,18 @@
     const kv = S.kv;
     const cachedInUse = new Set(kv ? kv.cached_in_use : []);
     const hovered = S.hover ? S.hover.id : null;
+    const kinds = (kv && kv.cache_group_kinds) || [];
+    const colors = groupColors(kinds);
+    const byGroup = kv && kv.cache_group && kinds.length > 1; // else: one group, colour per request
+    drawGroupLegend(kinds, colors);
     for (let i = 0; i < n; i++) {
       const x = (i % cols) * cell, y = Math.floor(i / cols) * cell;
       const code = kv ? kv.owner[i] : -1;
       let fill = C.free;
       if (code === -2) fill = C.cached;
       const group = code >= 0 ? kv.groups[code] : null;
-      if (group) fill = group.length > 1 ? C.shared : requestColor(group[0]);
+      if (group && byGroup) fill = colors[kv.cache_group[i]] ?? C.shared;
+      else if (group) fill = group.length > 1 ? C.shared : requestColor(group[0]);
       ctx.fillStyle = fill; ctx.fillRect(x, y, cell - 1, cell - 1);
       if (group && group.length > 1 && cell >= 5) { // shared: striped, as in the legend
         ctx.fillStyle = "#fff"; ctx.fillRect(x + 1, y + cell - 3, cell - 3, 1);
@@ -442,7 +483,10 @@
     const code = S.kv.owner[i];
     const what = code === -1 ? "free" : code === -2 ? "free, caches a prefix (reusable)"
       : (S.kv.groups[code].length > 1 ? "shared prefix: " : "used by ") + S.kv.groups[code].map(esc).join(", ");
-    showTip(event, `<b>block ${i + 1}</b><br>${what}`);
+    const g = S.kv.cache_group ? S.kv.cache_group[i] : -1;
+    const kind = g >= 0 ? S.kv.cache_group_kinds[g] : null;
+    const group = kind ? `<br>cache group ${g}: ${esc(KIND_WORDS[kind] ?? kind)}` : "";
+    showTip(event, `<b>block ${i + 1}</b><br>${what}${group}`);
   });
   $("blockmap").addEventListener("mouseleave", hideTip);
   $("span").addEventListener("change", schedule);
