@@ -9,6 +9,9 @@ position does, with the same numbers, instead of a gather and a masked SDPA per 
 Slot of position p of a request: block_table[p // block_size] * block_size + p % block_size.
 Sliding window W (HF semantics): query position q sees key positions k with q - W < k <= q, so a
 query never needs keys before q - W + 1 and blocks released by the KV manager are never read.
+A model mixing cache kinds (kvflow/kv_cache/kv_cache_config.py) gets one AttentionMetadata per
+attention group (its block tables, its window) and one StateMetadata per linear-attention group,
+over the same flat token order; its layers read `meta.for_layer(i)`.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 
 from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata, StateMetadata, StateRequest
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
-from kvflow.kv_cache.specs import LinearAttentionSpec, SlidingWindowSpec
+from kvflow.kv_cache.specs import KVCacheSpec, LinearAttentionSpec, SlidingWindowSpec
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 
 # Chunks up to this many tokens are attended as single-token query rows (module docstring): a
@@ -30,6 +33,9 @@ from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 # one flash-attention call per chunk (kvflow/kernels/prefill_attention.cpp) beats re-reading the
 # context once per query row.
 MAX_QUERY_ROWS_PER_CHUNK = 8
+# A sliding-window chunk longer than its window is attended in pieces of max(W, this) queries
+# (_prefill_metadata): each piece reads W - 1 + piece keys, so fewer, larger calls for tiny windows.
+MIN_WINDOW_PIECE = 64
 
 
 @dataclass(frozen=True)
@@ -152,23 +158,46 @@ def _causal_decode_metadata(
 
 def _prefill_metadata(
     req: ScheduledRequest, block_ids: list[int], token_start: int, block_size: int, sliding_window: int | None
-) -> PrefillChunkMetadata:
+) -> list[PrefillChunkMetadata]:
+    """A prefill chunk's attention metadata: one entry, or under a sliding window that cuts the
+    chunk's keys, one per piece of at most max(W, MIN_WINDOW_PIECE) queries (a band, not the
+    chunk's whole square: an 8k prompt's 2,048-token chunks spent 17x the band's work in one masked
+    SDPA each; benchmarks/NOTES.md, session 17)."""
     start, n = req.num_computed_tokens, req.num_tokens
+    if sliding_window is not None and n > sliding_window:
+        piece = max(sliding_window, MIN_WINDOW_PIECE)
+        return [
+            _windowed_piece(
+                block_ids, token_start + a - start, a, min(a + piece, start + n), block_size, sliding_window
+            )
+            for a in range(start, start + n, piece)
+        ]
     token_end = token_start + n
     first_key = _first_key_position(start, sliding_window)
+    if start == 0:
+        return [PrefillChunkMetadata(token_start, token_end, kv_slots=None, attend=None, leading_keys=True)]
     key_pos = torch.arange(first_key, start + n)  # [L]
     query_pos = torch.arange(start, start + n)  # [n]
-    windowed = sliding_window is not None and n > sliding_window
-    if start == 0 and not windowed:
-        return PrefillChunkMetadata(token_start, token_end, kv_slots=None, attend=None, leading_keys=True)
     attend = key_pos[None, :] <= query_pos[:, None]
     if sliding_window is not None:
         attend &= key_pos[None, :] > query_pos[:, None] - sliding_window
     leading = sliding_window is None or start + n <= sliding_window  # no key leaves any window
-    kv_slots = None  # no cached context: attend to the chunk's own fresh K/V under the window mask
-    if start > 0:
-        kv_slots = torch.tensor(_slots(block_ids, first_key, start + n, block_size), dtype=torch.int64)
-    return PrefillChunkMetadata(token_start, token_end, kv_slots, attend, leading_keys=leading)
+    kv_slots = torch.tensor(_slots(block_ids, first_key, start + n, block_size), dtype=torch.int64)
+    return [PrefillChunkMetadata(token_start, token_end, kv_slots, attend, leading_keys=leading)]
+
+
+def _windowed_piece(
+    block_ids: list[int], token_start: int, first: int, end: int, block_size: int, window: int
+) -> PrefillChunkMetadata:
+    """Queries at positions [first, end) under window W: their keys are positions
+    [first - W + 1, end), read from the pool (the chunk's own K/V are written before attention)."""
+    first_key = max(0, first - window + 1)
+    key_pos = torch.arange(first_key, end)  # [L]
+    query_pos = torch.arange(first, end)  # [n]
+    attend = (key_pos[None, :] <= query_pos[:, None]) & (key_pos[None, :] > query_pos[:, None] - window)
+    kv_slots = torch.tensor(_slots(block_ids, first_key, end, block_size), dtype=torch.int64)
+    # Leading keys (the flash kernel) only while no key has left any query's window yet.
+    return PrefillChunkMetadata(token_start, token_start + end - first, kv_slots, attend, end <= window)
 
 
 @dataclass(frozen=True)
@@ -198,7 +227,7 @@ def _attention_metadata(
         start = req.num_computed_tokens
         slot_mapping.extend(_slots(table, start, start + req.num_tokens, block_size))
         if req.num_tokens > batch.row_limit:
-            prefills.append(_prefill_metadata(req, table, token_start, block_size, window))
+            prefills.extend(_prefill_metadata(req, table, token_start, block_size, window))
     decode_slots, decode_attend, decode_num_keys = (
         _decode_metadata(query_rows, block_size, window) if query_rows else (None, None, None)
     )
@@ -260,11 +289,10 @@ def build_input_batch(
         if req.do_sample:  # the last position; with drafts, the k + 1 positions that verify them
             logits_indices.extend(range(len(input_ids) - 1 - req.num_spec_tokens, len(input_ids)))
     batch = _FlatBatch(ordered, as_rows, token_starts, torch.tensor(positions, dtype=torch.int64), row_limit)
-    if kv_cache_config is None or not kv_cache_config.is_hybrid:
-        window = sliding_window
-        if kv_cache_config is not None:
-            window = getattr(kv_cache_config.groups[0].spec, "sliding_window", None)
-        meta = _attention_metadata(batch, 0, block_size, window)
+    if kv_cache_config is None:
+        meta = _attention_metadata(batch, 0, block_size, sliding_window)
+    elif not kv_cache_config.is_hybrid:
+        meta = _attention_metadata(batch, 0, block_size, _window(kv_cache_config.groups[0].spec))
     else:
         meta = _hybrid_metadata(batch, block_size, kv_cache_config)
     return InputBatch(
@@ -276,6 +304,10 @@ def build_input_batch(
     )
 
 
+def _window(spec: KVCacheSpec) -> int | None:
+    return spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+
+
 def _hybrid_metadata(batch: _FlatBatch, block_size: int, kv_cache_config: KVCacheConfig) -> AttentionMetadata:
     groups: list[AttentionMetadata | StateMetadata] = []
     num_state_groups = 0
@@ -285,8 +317,7 @@ def _hybrid_metadata(batch: _FlatBatch, block_size: int, kv_cache_config: KVCach
             groups.append(_state_metadata(batch, num_state_groups))
             num_state_groups += 1
         else:
-            window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-            groups.append(_attention_metadata(batch, g, block_size, window))
+            groups.append(_attention_metadata(batch, g, block_size, _window(spec)))
     first = next(m for m in groups if isinstance(m, AttentionMetadata))
     return dataclasses.replace(first, group_metadata=tuple(groups), layer_group=kv_cache_config.layer_group)
 
