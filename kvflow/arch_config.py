@@ -40,7 +40,8 @@ DENSE_ARCHITECTURES = (
 # Llama-family attention with a mixture-of-experts MLP (kvflow/models/moe.py).
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 # Multi-head latent attention + DeepSeekMoE (kvflow/models/deepseek_v2.py).
-MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# DeepSeek-V3.2 adds a lightning indexer: each query attends its top index_topk positions only.
+MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 # Families that mix layer kinds (kvflow/arch_kinds.py; models in kvflow/models/gpt_oss.py, gemma3.py,
 # qwen3_next.py).
 HYBRID_ARCHITECTURES = ("GptOssForCausalLM", "Gemma3ForCausalLM", "Qwen3NextForCausalLM")
@@ -102,6 +103,17 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class IndexerConfig:
+    """DeepSeek-V3.2's lightning indexer (kvflow/attention/indexer.py): per token a key of head_dim
+    values cached beside the latent; a query scores every cached key with num_heads heads and
+    attends its `topk` best positions only."""
+
+    num_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class MLAConfig:
     """Multi-head latent attention: K and V are up-projected from one latent per token, of which the
     KV pool stores kv_lora_rank (normed, position-free) + qk_rope_head_dim (rotated key) values."""
@@ -113,6 +125,7 @@ class MLAConfig:
     v_head_dim: int
     rope_interleave: bool  # rotary pairs are (x0, x1), (x2, x3), ... instead of the two halves
     softmax_scale: float  # qk_head_dim^-0.5, times mscale^2 under YaRN with mscale_all_dim
+    indexer: IndexerConfig | None = None  # DeepSeek-V3.2's sparse attention (DSA), else None
 
     @property
     def latent_dim(self) -> int:
@@ -171,6 +184,11 @@ class ArchConfig:
             return self.layer_types
         kind = "mla" if self.mla is not None else SLIDING if self.sliding_window is not None else FULL
         return (kind,) * self.num_hidden_layers
+
+    @property
+    def kv_index_dim(self) -> int:
+        """Values of DeepSeek-V3.2's indexer key cached per token and layer beside the latent (else 0)."""
+        return 0 if self.mla is None or self.mla.indexer is None else self.mla.indexer.head_dim
 
     @property
     def kv_latent(self) -> tuple[int, int] | None:
@@ -422,7 +440,7 @@ def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) ->
         )
         return _checked_moe(moe, sparse, source)
     # DeepSeek V2 / V3. V3 always routes by sigmoid scores with a correction bias (noaux_tc).
-    is_v3 = arch == "DeepseekV3ForCausalLM"
+    is_v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
     topk_method = str(cfg.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"))
     scoring = str(cfg.get("scoring_func") or ("sigmoid" if is_v3 else "softmax"))
     if topk_method not in TOPK_METHODS or (is_v3 and topk_method != "noaux_tc"):
@@ -452,6 +470,13 @@ def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) ->
         shared_intermediate_size=expert_size * _int(cfg, "n_shared_experts", source, 0),
     )
     sparse = tuple(i >= first_dense and i % freq == 0 for i in range(num_layers))
+    mlp_types = cfg.get("mlp_layer_types")  # V3.2 spells the same schedule out per layer
+    if mlp_types is not None:
+        if len(mlp_types) != num_layers or set(mlp_types) - {"dense", "sparse"}:
+            raise ModelLoadError(
+                f"{source}: mlp_layer_types must be dense/sparse for each of {num_layers} layers"
+            )
+        sparse = tuple(t == "sparse" for t in mlp_types)
     return _checked_moe(moe, sparse, source)
 
 
@@ -502,7 +527,24 @@ def _mla_config(cfg: dict[str, Any], arch: str, source: str) -> MLAConfig | None
         # V2 rotates by complex multiplication of consecutive pairs; V3 by its rope_interleave switch.
         rope_interleave=arch == "DeepseekV2ForCausalLM" or bool(cfg.get("rope_interleave", True)),
         softmax_scale=scale,
+        indexer=_indexer_config(cfg, rope_dim, source) if arch == "DeepseekV32ForCausalLM" else None,
     )
+
+
+def _indexer_config(cfg: dict[str, Any], rope_dim: int, source: str) -> IndexerConfig:
+    indexer = IndexerConfig(
+        _int(cfg, "index_n_heads", source),
+        _int(cfg, "index_head_dim", source),
+        _int(cfg, "index_topk", source),
+    )
+    if min(indexer.num_heads, indexer.topk) < 1 or indexer.head_dim < rope_dim:
+        raise ModelLoadError(
+            f"{source}: index_n_heads and index_topk must be positive and index_head_dim >= "
+            f"qk_rope_head_dim ({rope_dim}), got {indexer}"
+        )
+    if not cfg.get("q_lora_rank"):
+        raise ModelLoadError(f"{source}: the indexer reads q through q_lora_rank, which must be set")
+    return indexer
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:

@@ -56,7 +56,9 @@ class KVStore:
         latent: tuple[int, int] | None = None,
         kv_cache_config: KVCacheConfig | None = None,
         state_layout: StateLayout | None = None,
+        index_dim: int = 0,
     ) -> None:
+        """`index_dim`: DeepSeek-V3.2's indexer keys beside each latent (0: none)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
@@ -67,7 +69,10 @@ class KVStore:
         self.layer_slot = tuple(range(num_layers)) if kv_cache_config is None else kv_cache_config.layer_slot
         # A latent-attention model's store has latent layers only (and no K/V layers).
         self.latent_layers = (
-            [LatentKVLayer(kv_cache_dtype, num_slots, *latent, dtype) for _ in range(num_layer_slots)]
+            [
+                LatentKVLayer(kv_cache_dtype, num_slots, *latent, dtype, index_dim)
+                for _ in range(num_layer_slots)
+            ]
             if latent is not None
             else []
         )

@@ -9,6 +9,9 @@ Formats (kv_cache_dtype, as kvflow/attention/kv_layer.py): plain = L values in t
 float16/bfloat16); int8 / fp8_e4m3 / int4 quantize c_kv and k_pe separately, each with its own
 scale per token (the two parts have different ranges: c_kv is RMS-normed, k_pe is not), so
 L + 4 bytes per token for int8/fp8. Slot 0 stays zero in every format.
+DeepSeek-V3.2's lightning indexer caches one more key per token and layer (`index_dim` values,
+kvflow/attention/indexer.py) in a pool of its own beside the latents, in the same format: a decode
+step reads every index key but only the latents the indexer selects.
 """
 
 from __future__ import annotations
@@ -35,7 +38,13 @@ def latent_bytes_per_token(
 
 class LatentKVLayer:
     def __init__(
-        self, kv_cache_dtype: str, num_slots: int, kv_lora_rank: int, rope_dim: int, model_dtype: torch.dtype
+        self,
+        kv_cache_dtype: str,
+        num_slots: int,
+        kv_lora_rank: int,
+        rope_dim: int,
+        model_dtype: torch.dtype,
+        index_dim: int = 0,
     ) -> None:
         if kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
@@ -58,15 +67,36 @@ class LatentKVLayer:
         else:
             dtype = plain_dtype(kv_cache_dtype, model_dtype)
             self.cache = torch.zeros((num_slots, self.latent_dim), dtype=dtype)
+        # The indexer's keys [slots, index_dim] (V3.2), in the latents' format; None without an indexer.
+        self.index_keys: torch.Tensor | _QuantizedPool | None = None
+        if index_dim and kv_cache_dtype in QUANTIZED_KV_DTYPES:
+            self.index_keys = _QuantizedPool(kv_cache_dtype, num_slots, 1, index_dim, model_dtype)
+        elif index_dim:
+            plain = plain_dtype(kv_cache_dtype, model_dtype)
+            self.index_keys = torch.zeros((num_slots, index_dim), dtype=plain)
 
-    def write(self, latent: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """latent [T, L] -> pool rows `slot_mapping` [T]."""
+    def write(
+        self, latent: torch.Tensor, slot_mapping: torch.Tensor, index_keys: torch.Tensor | None = None
+    ) -> None:
+        """latent [T, L] (and the indexer's keys [T, index_dim]) -> pool rows `slot_mapping` [T]."""
+        if isinstance(self.index_keys, torch.Tensor) and index_keys is not None:
+            self.index_keys.index_copy_(0, slot_mapping, index_keys.to(self.index_keys.dtype))
+        elif isinstance(self.index_keys, _QuantizedPool) and index_keys is not None:
+            self.index_keys.write(index_keys.unsqueeze(1), slot_mapping)
         if self.cache is not None:
             self.cache.index_copy_(0, slot_mapping, latent.to(self.cache.dtype))
             return
         c_kv, k_pe = latent.split([self.kv_lora_rank, self.latent_dim - self.kv_lora_rank], dim=-1)
         self.parts[0].write(c_kv.unsqueeze(1), slot_mapping)  # [T, 1, kv_lora_rank]
         self.parts[1].write(k_pe.unsqueeze(1), slot_mapping)
+
+    def gather_index_keys(self, slots: torch.Tensor) -> torch.Tensor:
+        """The indexer's keys of `slots` [N] as [N, index_dim] in the model dtype."""
+        if self.index_keys is None:
+            raise ValueError("this latent pool holds no indexer keys")
+        if isinstance(self.index_keys, torch.Tensor):
+            return self.index_keys.index_select(0, slots).to(self.model_dtype)
+        return self.index_keys.gather(slots)[:, 0]
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """The latents of `slots` [N] as [N, L] in the model dtype (dequantized if the pool is)."""
@@ -76,6 +106,7 @@ class LatentKVLayer:
 
     @property
     def tensors(self) -> list[torch.Tensor]:
-        if self.cache is not None:
-            return [self.cache]
-        return [t for part in self.parts for t in part.tensors]
+        own = [self.cache] if self.cache is not None else [t for part in self.parts for t in part.tensors]
+        if isinstance(self.index_keys, torch.Tensor):
+            return [*own, self.index_keys]
+        return own + ([] if self.index_keys is None else self.index_keys.tensors)

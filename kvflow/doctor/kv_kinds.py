@@ -13,7 +13,13 @@ included). What a decode step reads is per layer (`decode_step_kv_bytes_by_kind`
 from __future__ import annotations
 
 from kvflow.arch_config import ArchConfig
-from kvflow.kv_cache.cache_bytes import model_kv_cache_config, state_bytes, token_bytes
+from kvflow.kv_cache.cache_bytes import (
+    index_key_bytes,
+    latent_token_bytes,
+    model_kv_cache_config,
+    state_bytes,
+    token_bytes,
+)
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import LinearAttentionSpec
 
@@ -52,11 +58,19 @@ def layers_by_kind(arch: ArchConfig) -> dict[str, int]:
 
 
 def keys_read(arch: ArchConfig, kind: str, context_len: int) -> int:
-    """Keys a query at the end of `context_len` tokens reads in one layer of `kind`: all of them
-    (full, MLA), the window (sliding: keys q - W < k <= q), none (linear attention keeps a state)."""
+    """Keys a query at the end of `context_len` tokens attends in one layer of `kind`: all of them
+    (full, MLA), the window (sliding: keys q - W < k <= q), DeepSeek-V3.2's top index_topk (its
+    indexer scores all of them: indexer_keys_scored), none (linear attention keeps a state)."""
     if kind == SLIDING:
         return min(context_len, arch.sliding_window or context_len)
+    if kind == MLA and arch.mla is not None and arch.mla.indexer is not None:
+        return min(context_len, arch.mla.indexer.topk)
     return 0 if kind == LINEAR else context_len
+
+
+def indexer_keys_scored(arch: ArchConfig, context_len: int) -> int:
+    """Cached indexer keys one query scores in one layer: every position (V3.2), else none."""
+    return context_len if arch.mla is not None and arch.mla.indexer is not None else 0
 
 
 def decode_step_kv_bytes_by_kind(
@@ -64,14 +78,19 @@ def decode_step_kv_bytes_by_kind(
 ) -> dict[str, float]:
     """Cache bytes one sequence's decode step moves, by kind: a full (MLA) layer reads its L tokens'
     K/V (latents), a sliding layer the min(L, W) of its window, a linear layer reads its state and
-    writes it back (2 x state). The new token's own K/V write (1 / L of the reads) is left out."""
+    writes it back (2 x state); V3.2 reads every indexer key and the latents of its top index_topk.
+    The new token's own K/V write (1 / L of the reads) is left out."""
     per_token = token_bytes(arch, kv_dtype, model_dtype)
+    if arch.mla is not None:
+        per_token = latent_token_bytes(arch, kv_dtype, model_dtype)
     out: dict[str, float] = {}
     for kind, n in layers_by_kind(arch).items():
         if kind == LINEAR:
             out[kind] = 2.0 * n * state_bytes(arch, model_dtype)
         else:
-            out[kind] = float(n * keys_read(arch, kind, context_len) * per_token)
+            keys = n * keys_read(arch, kind, context_len) * per_token
+            index = n * indexer_keys_scored(arch, context_len) * index_key_bytes(arch, kv_dtype, model_dtype)
+            out[kind] = float(keys + index)
     return out
 
 

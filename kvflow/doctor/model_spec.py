@@ -239,4 +239,18 @@ class ModelSpec:
             else:
                 keys = kv_kinds.keys_read(a, kind, context_len)
                 flops += n * num_tokens * keys * self._flops_per_query_key()
+                flops += (
+                    n
+                    * num_tokens
+                    * kv_kinds.indexer_keys_scored(a, context_len)
+                    * self._index_flops_per_key()
+                )
         return flops
+
+    def _index_flops_per_key(self) -> float:
+        """DeepSeek-V3.2's indexer per query and cached key: q . k in each of its heads and the
+        weighted sum over them (2 x heads x head_dim + 2 x heads)."""
+        m = self.arch.mla
+        if m is None or m.indexer is None:
+            return 0.0
+        return 2.0 * m.indexer.num_heads * (m.indexer.head_dim + 1)

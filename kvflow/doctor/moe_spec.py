@@ -74,4 +74,16 @@ def mla_attention_params(arch: ArchConfig) -> int:
     else:
         q = h * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim
     kv = h * m.latent_dim + m.kv_lora_rank + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
-    return q + kv + heads * m.v_head_dim * h
+    return q + kv + heads * m.v_head_dim * h + indexer_params(arch)
+
+
+def indexer_params(arch: ArchConfig) -> int:
+    """DeepSeek-V3.2's lightning indexer in one layer: wq_b (q_lora_rank -> heads x head_dim), wk
+    (hidden -> head_dim) with its LayerNorm (weight and bias), weights_proj (hidden -> heads)."""
+    m = arch.mla
+    if m is None or m.indexer is None or m.q_lora_rank is None:
+        return 0
+    idx, h = m.indexer, arch.hidden_size
+    return (
+        m.q_lora_rank * idx.num_heads * idx.head_dim + h * idx.head_dim + 2 * idx.head_dim + h * idx.num_heads
+    )

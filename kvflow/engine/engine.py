@@ -85,6 +85,7 @@ class LLMEngine:
             latent=a.kv_latent,
             kv_cache_config=self.kv_cache_config,
             state_layout=state_layout,
+            index_dim=a.kv_index_dim,
         )
         self.scheduler = Scheduler(
             config.scheduler_config,

@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 
 from kvflow.arch_config import ArchConfig, load_arch_config
-from kvflow.attention.kv_store import kv_bytes_per_token
 from kvflow.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ConfigError, EngineConfig
 from kvflow.errors import ModelLoadError
+from kvflow.kv_cache.cache_bytes import token_bytes
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.loader import load_model
@@ -78,13 +78,14 @@ def log_latent_kv(arch: ArchConfig, dtype: torch.dtype, kv_cache_dtype: str) -> 
     qk_nope + qk_rope dims and a V of v_head_dim (what the up-projections would produce)."""
     assert arch.mla is not None
     m, n = arch.mla, arch.num_hidden_layers
-    latent = kv_bytes_per_token(n, 1, 1, dtype, kv_cache_dtype, arch.kv_latent)
+    latent = n * token_bytes(arch, kv_cache_dtype, str(dtype).removeprefix("torch."))
     mha = round(n * arch.num_attention_heads * (m.qk_head_dim + m.v_head_dim) * dtype.itemsize)
+    index = "" if m.indexer is None else f" + {m.indexer.head_dim} indexer-key"
     line = (
         f"latent attention (MLA) KV: {latent} bytes/token ({n} layers x ({m.kv_lora_rank} + "
-        f"{m.qk_rope_head_dim}) values, {kv_cache_dtype}); MHA of the same shape ({arch.num_attention_heads} "
-        f"heads, K {m.qk_head_dim} + V {m.v_head_dim}, {dtype}) would need {mha} bytes/token: "
-        f"{100 * latent / mha:.1f}% of it"
+        f"{m.qk_rope_head_dim}{index}) values, {kv_cache_dtype}); MHA of the same shape "
+        f"({arch.num_attention_heads} heads, K {m.qk_head_dim} + V {m.v_head_dim}, {dtype}) would need "
+        f"{mha} bytes/token: {100 * latent / mha:.1f}% of it"
     )
     logger.info(line)
     return line

@@ -8,6 +8,7 @@ Per attention layer and token, Hkv KV heads of d dims (kvflow/attention/kv_layer
     int4            2 x Hkv x (d / 2 + 4)      an fp16 scale and zero point per token, head and K / V
     MLA latent      (C + dr) x bytes; int8 / fp8 (C + 2) + (dr + 2); int4 (C/2 + 4) + (dr/2 + 4)
                     (the latent and its rotary key are quantized as two parts; latent_kv_layer.py)
+                    + DeepSeek-V3.2's indexer key, Di values (a third part: Di + 2 in int8 / fp8)
 A linear-attention (Gated DeltaNet) layer keeps per request a state of
     Hv x dk x dv x 4 (the recurrent state, float32 whatever the KV dtype)
   + conv_dim x (kernel - 1) x model-dtype bytes (the short convolution's last inputs)
@@ -44,16 +45,30 @@ def part_bytes(width: int, kv_dtype: str, model_dtype: str) -> int:
 
 
 def token_bytes(arch: ArchConfig, kv_dtype: str, model_dtype: str) -> int:
-    """One token's K/V (or latent) in one attention layer, scales included: a page is block_size x it.
-    `arch`: with tensor parallelism, one rank's (its KV heads)."""
+    """One token's K/V (or latent, with V3.2's indexer key) in one attention layer, scales included:
+    a page is block_size x it. `arch`: with tensor parallelism, one rank's (its KV heads)."""
     if arch.mla is not None:
-        m = arch.mla
-        if kv_dtype in QUANTIZED:
-            return part_bytes(m.kv_lora_rank, kv_dtype, model_dtype) + part_bytes(
-                m.qk_rope_head_dim, kv_dtype, model_dtype
-            )
-        return m.latent_dim * plain_bytes(kv_dtype, model_dtype)
+        return latent_token_bytes(arch, kv_dtype, model_dtype) + index_key_bytes(arch, kv_dtype, model_dtype)
     return 2 * arch.num_key_value_heads * part_bytes(arch.head_dim, kv_dtype, model_dtype)
+
+
+def latent_token_bytes(arch: ArchConfig, kv_dtype: str, model_dtype: str) -> int:
+    """One token's MLA latent [c_kv | k_pe] in one layer (0 without latent attention)."""
+    m = arch.mla
+    if m is None:
+        return 0
+    if kv_dtype in QUANTIZED:
+        return part_bytes(m.kv_lora_rank, kv_dtype, model_dtype) + part_bytes(
+            m.qk_rope_head_dim, kv_dtype, model_dtype
+        )
+    return m.latent_dim * plain_bytes(kv_dtype, model_dtype)
+
+
+def index_key_bytes(arch: ArchConfig, kv_dtype: str, model_dtype: str) -> int:
+    """One token's DeepSeek-V3.2 indexer key in one layer (0 without an indexer)."""
+    if arch.mla is None or arch.mla.indexer is None:
+        return 0
+    return part_bytes(arch.mla.indexer.head_dim, kv_dtype, model_dtype)
 
 
 def token_data_bytes(arch: ArchConfig, kv_dtype: str, model_dtype: str) -> int:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from kvflow.arch_config import ArchConfig
+from kvflow.attention.indexer import IndexerInputs
 from kvflow.attention.kv_store import KVStore
 from kvflow.attention.latent_kv_layer import LatentKVLayer
 from kvflow.attention.metadata import AttentionMetadata
@@ -28,12 +29,13 @@ from kvflow.attention.mla_attention import absorbed_weights, mla_attention
 from kvflow.layers.fused_moe import SparseMoE
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
-from kvflow.layers.rotary import apply_rotary
+from kvflow.layers.rotary import apply_partial_rotary, apply_rotary
 from kvflow.models.llama import DecoderLayer, LlamaFamilyForCausalLM
 from kvflow.models.moe import checkpoint_sources
 
 # DeepSeek's q_a_layernorm / kv_a_layernorm use RMSNorm's default eps, not the config's rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+INDEXER_NORM_EPS = 1e-6  # V3.2's indexer k_norm: nn.LayerNorm(eps=1e-6) in transformers and DeepSeek's code
 NATIVE_DECODE_UNSUPPORTED_MLA = "latent attention and experts run on the Python path (no native MLA kernel)"
 
 
@@ -56,6 +58,32 @@ class DenseWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype), requires_grad=False)
 
 
+class LightningIndexer(nn.Module):
+    """DeepSeek-V3.2's indexer projections (kvflow/attention/indexer.py has the scoring): queries from
+    q's low-rank residual, one key per token (LayerNorm'd), a weight per head from the hidden state.
+    RoPE on the first qk_rope_head_dim dims of both, in the two-halves convention (not interleaved,
+    unlike the latent's)."""
+
+    def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
+        super().__init__()
+        assert cfg.mla is not None and cfg.mla.indexer is not None and cfg.mla.q_lora_rank is not None
+        idx = self.config = cfg.mla.indexer
+        self.wq_b = Linear(cfg.mla.q_lora_rank, idx.num_heads * idx.head_dim, False, dtype)
+        self.wk = Linear(cfg.hidden_size, idx.head_dim, False, dtype)
+        self.k_norm = nn.LayerNorm(idx.head_dim, eps=INDEXER_NORM_EPS, dtype=dtype)
+        self.k_norm.requires_grad_(False)
+        self.weights_proj = Linear(cfg.hidden_size, idx.num_heads, False, dtype)
+
+    def forward(
+        self, hidden: torch.Tensor, q_resid: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]
+    ) -> IndexerInputs:
+        idx, t = self.config, hidden.shape[0]
+        q = apply_partial_rotary(self.wq_b(q_resid).view(t, idx.num_heads, idx.head_dim), *cos_sin)
+        k = apply_partial_rotary(self.k_norm(self.wk(hidden)).unsqueeze(1), *cos_sin)[:, 0]
+        weights = self.weights_proj(hidden).float() * idx.num_heads**-0.5
+        return IndexerInputs(q, k, weights, idx.head_dim**-0.5, idx.topk)
+
+
 class MLAAttention(nn.Module):
     def __init__(self, cfg: ArchConfig, dtype: torch.dtype) -> None:
         super().__init__()
@@ -74,6 +102,7 @@ class MLAAttention(nn.Module):
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS, dtype)
             self.q_b_proj = Linear(mla.q_lora_rank, heads * mla.qk_head_dim, False, dtype)
         self.kv_a_proj_with_mqa = Linear(h, mla.latent_dim, False, dtype)
+        self.indexer = LightningIndexer(cfg, dtype) if mla.indexer is not None else None
         self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS, dtype)
         self.kv_b_proj = DenseWeight(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), dtype)
         self.o_proj = Linear(heads * mla.v_head_dim, h, False, dtype)
@@ -101,11 +130,13 @@ class MLAAttention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         mla, num_tokens = self.mla, hidden.shape[0]
+        q_resid = None
         if self.q_proj is not None:
             q = self.q_proj(hidden)
         else:
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
         q_nope, q_pe = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
         c_kv, k_pe = self.kv_a_proj_with_mqa(hidden).split([mla.kv_lora_rank, mla.qk_rope_head_dim], dim=-1)
@@ -120,6 +151,7 @@ class MLAAttention(nn.Module):
             self.kv_b_proj.weight,
             mla.softmax_scale,
             self.absorbed_weights() if self.absorb else None,
+            None if self.indexer is None or q_resid is None else self.indexer(hidden, q_resid, cos_sin),
         )  # [T, H, dv]
         return self.o_proj(out.reshape(num_tokens, -1))
 

@@ -24,6 +24,7 @@ MODEL_REGISTRY: dict[str, type[LlamaFamilyForCausalLM]] = {
     "Qwen3MoeForCausalLM": MoEForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,  # V3 differs by config switches only
+    "DeepseekV32ForCausalLM": DeepseekV2ForCausalLM,  # V3 + the lightning indexer (DSA)
     # Families mixing cache kinds (kvflow/kv_cache/): sliding + full, linear attention + full.
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,

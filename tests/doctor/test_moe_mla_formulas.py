@@ -127,3 +127,22 @@ def test_calculator_report_names_active_parameters_and_the_latent(tmp_path: Path
         model = json.loads(out.read_text())["model"]
         assert model["num_active_params"] == spec(name).num_active_params < model["num_params"]
     assert model["kv_latent"] == [512, 64] and model["kv_cache_bytes_per_token"] == 70_272
+
+
+def test_deepseek_v32_indexer_cost_from_its_config() -> None:
+    """DeepSeek-V3.2 (config of DeepSeek-V3.2-Exp: V3 plus a lightning indexer of 64 heads x 128 at
+    top 2,048): per layer the indexer adds wq_b 1536 x 64 x 128, wk 7168 x 128 with its LayerNorm,
+    weights_proj 7168 x 64, and caches one 128-value key per token beside the 576-value latent."""
+    v3, v32 = spec("deepseek-v3"), spec("deepseek-v32")
+    per_layer = 1536 * 64 * 128 + 7168 * 128 + 2 * 128 + 7168 * 64
+    assert v32.num_params - v3.num_params == 61 * per_layer
+    assert published(v32.num_params, 672, 1e9)  # 671B + 0.85B of indexers (the card's 685B adds MTP)
+    assert v32.kv_bytes_per_request(1) == 61 * (576 + 128) * 2 * 16  # one block of 16 tokens
+    # A decode step at 128k reads every indexer key and the latents of the top 2,048 positions only.
+    context = 131_072
+    assert v32.decode_kv_bytes(context) == 61 * (context * 128 * 2 + 2048 * 576 * 2)
+    assert v3.decode_kv_bytes(context) == 61 * context * 576 * 2
+    # Attention FLOPs per decode token at 128k: V3.2's top-2,048 MLA plus its indexer over all keys.
+    mla_per_key = 2 * 128 * (192 + 128)
+    index_per_key = 2 * 64 * (128 + 1)
+    assert v32.attention_flops(1, context) == 61 * (2048 * mla_per_key + context * index_per_key)

@@ -72,7 +72,20 @@ def test_latent_round_trip(kind: str) -> None:
         assert ((got[:, part] - latent[:, part]).abs() <= step * amax).all()
 
 
-@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3"])
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8_e4m3", "int4"])
+def test_indexer_keys_round_trip_beside_the_latents(kind: str) -> None:
+    layer = LatentKVLayer(kind, 8, 32, 8, torch.float32, index_dim=16)
+    latent, keys = torch.randn(3, 40), torch.randn(3, 16)
+    slots = torch.tensor([5, 1, 6])
+    layer.write(latent, slots, keys)
+    got = layer.gather_index_keys(slots)
+    assert layer.gather_index_keys(torch.tensor([0])).abs().max() == 0
+    step = {"auto": 0.0, "int8": 1 / 127, "fp8_e4m3": 1 / 16, "int4": 2 / 15}[kind]
+    assert ((got - keys).abs() <= step * keys.abs().amax(dim=-1, keepdim=True)).all()
+    assert layer.gather(slots).shape == (3, 40)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v2", "deepseek_v3", "deepseek_v32"])
 def test_absorbed_decode_equals_expanded_decode(
     tiny_checkpoint_factory: Callable[..., Path], arch: str
 ) -> None:
@@ -94,15 +107,19 @@ def test_absorbed_decode_equals_expanded_decode(
                 assert lp.logprob == pytest.approx(e_step[token].logprob, abs=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize(
+    ("kind", "arch"),
+    [("int8", "deepseek_v3"), ("fp8_e4m3", "deepseek_v3"), ("int4", "deepseek_v3"), ("int8", "deepseek_v32")],
+)
 def test_quantized_latent_kv_is_close_to_bf16(
-    tiny_checkpoint_factory: Callable[..., Path], kind: str
+    tiny_checkpoint_factory: Callable[..., Path], kind: str, arch: str
 ) -> None:
     """As tests/quant/test_kv_quant.py measures dense models: the next-token argmax at each position
     of the bf16-pool greedy continuation, predicted from a context read back from the quantized
     latent pool (4-token chunks attend to the cached context); teacher forcing keeps one early flip
-    from turning the rest of the comparison into noise."""
-    path = str(tiny_checkpoint_factory("deepseek_v3"))
+    from turning the rest of the comparison into noise. DeepSeek-V3.2's indexer keys are quantized
+    beside the latents, so its top-16 selection reads them back too."""
+    path = str(tiny_checkpoint_factory(arch))
     prompts = [[5 + i, 17, 42 + i, 99, 7] * 4 for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     bf16 = LLM(path, dtype="bfloat16", max_model_len=128)
@@ -116,7 +133,7 @@ def test_quantized_latent_kv_is_close_to_bf16(
         enable_prefix_caching=False,
     )
     agree, total = teacher_forced_agreement(llm, prompts, reference)
-    print(f"deepseek_v3 {kind} latent KV: teacher-forced top-1 agreement with bf16 KV {agree}/{total}")
+    print(f"{arch} {kind} latent KV: teacher-forced top-1 agreement with bf16 KV {agree}/{total}")
     assert agree / total >= KV_AGREEMENT_FLOOR[kind]
 
 
