@@ -29,6 +29,13 @@ from kvflow.arch_kinds import (
     linear_attention_config,
     refuse_gemma3_variants,
 )
+from kvflow.compressed_config import (
+    DEFAULT_COMPRESS_ROPE_THETA,
+    V4_ARCHITECTURE,
+    CompressedAttentionConfig,
+    cache_layers,
+    compressed_attention_config,
+)
 from kvflow.errors import ModelLoadError
 
 DENSE_ARCHITECTURES = (
@@ -45,7 +52,10 @@ MLA_ARCHITECTURES = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Deepseek
 # Families that mix layer kinds (kvflow/arch_kinds.py; models in kvflow/models/gpt_oss.py, gemma3.py,
 # qwen3_next.py).
 HYBRID_ARCHITECTURES = ("GptOssForCausalLM", "Gemma3ForCausalLM", "Qwen3NextForCausalLM")
-SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES
+# DeepSeek-V4: compressed sparse / heavily compressed attention (kvflow/compressed_config.py).
+SUPPORTED_ARCHITECTURES = (
+    DENSE_ARCHITECTURES + MOE_ARCHITECTURES + MLA_ARCHITECTURES + HYBRID_ARCHITECTURES + (V4_ARCHITECTURE,)
+)
 DEFAULT_ROPE_THETA = 10000.0  # the RoPE paper's base, HF's default when a config omits it
 
 
@@ -62,7 +72,10 @@ class RopeConfig:
 
 # The group-limited routers: how a group of experts is scored before the top groups are kept.
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-SCORING_FUNCS = ("softmax", "sigmoid")
+SCORING_FUNCS = ("softmax", "sigmoid", "sqrtsoftplus")
+# How a clamped SwiGLU combines its clamped halves: gpt-oss's (up + 1) * gate * sigmoid(alpha * gate),
+# or DeepSeek-V4's plain silu(gate) * up.
+SWIGLU_STYLES = ("gpt_oss", "silu")
 
 
 @dataclass(frozen=True)
@@ -96,10 +109,15 @@ class MoEConfig:
     # None: the plain silu(gate) * up.
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
+    swiglu_style: str = "gpt_oss"  # one of SWIGLU_STYLES, when swiglu_limit is set
+    # DeepSeek-V4: a choice-steering bias without grouped routing; the first layers route by a
+    # token-id table (hash_layers) and have no bias.
+    score_correction_bias: bool = False
+    hash_layers: tuple[bool, ...] = ()
 
     @property
     def has_score_correction_bias(self) -> bool:
-        return self.topk_method == "noaux_tc"
+        return self.topk_method == "noaux_tc" or self.score_correction_bias
 
 
 @dataclass(frozen=True)
@@ -172,6 +190,9 @@ class ArchConfig:
     sandwich_norm: bool = False  # Gemma 3: norms after attention and MLP as well as before
     embed_scale: float | None = None  # Gemma: embeddings times sqrt(hidden_size), in the model dtype
     mlp_act: str = "silu"  # or gelu_pytorch_tanh (Gemma)
+    # DeepSeek-V4's compressed attention and hyper-connections; its compressed layers' rope.
+    compressed: CompressedAttentionConfig | None = None
+    compress_rope: RopeConfig | None = None
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -180,6 +201,8 @@ class ArchConfig:
     @property
     def cache_layer_kinds(self) -> tuple[str, ...]:
         """Every layer's KV cache kind (kvflow/kv_cache/kv_cache_config.py LAYER_KINDS)."""
+        if self.compressed is not None:  # one entry per cache layer (kvflow/compressed_config.py)
+            return tuple(kind for _, kind in cache_layers(self.compressed))
         if self.layer_types:
             return self.layer_types
         kind = "mla" if self.mla is not None else SLIDING if self.sliding_window is not None else FULL
@@ -323,6 +346,8 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         if arch in HYBRID_ARCHITECTURES
         else {}
     )
+    if arch == V4_ARCHITECTURE:
+        hybrid = _v4_fields(cfg, num_layers, head_dim, max_pos, source)
     rope = hybrid.pop("rope", None) or _rope_config(
         cfg, head_dim if mla is None else mla.qk_rope_head_dim, max_pos, source
     )
@@ -330,7 +355,9 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         architecture=arch,
         vocab_size=_int(cfg, "vocab_size", source),
         hidden_size=hidden,
-        intermediate_size=_int(cfg, "intermediate_size", source),
+        intermediate_size=_int(
+            cfg, "moe_intermediate_size" if arch == V4_ARCHITECTURE else "intermediate_size", source
+        ),
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
@@ -344,7 +371,7 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         qk_norm=arch
         in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Gemma3ForCausalLM", "Qwen3NextForCausalLM"),
         sliding_window=hybrid.pop("sliding_window")
-        if hybrid
+        if "sliding_window" in hybrid
         else _sliding_window(cfg, arch, num_layers, source),
         rope=rope,
         torch_dtype=cfg.get("torch_dtype") or cfg.get("dtype"),
@@ -352,6 +379,34 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         mla=mla,
         **hybrid,
     )
+
+
+def _v4_fields(
+    cfg: dict[str, Any], num_layers: int, head_dim: int, max_pos: int, source: str
+) -> dict[str, Any]:
+    """DeepSeek-V4's ArchConfig fields: its compressed attention and the two ropes (sliding-only
+    layers': rope_theta, plain; compressed layers': compress_rope_theta with the checkpoint's YaRN,
+    attention factor 1: the reference rotates without YaRN's cos/sin scale)."""
+    compressed = compressed_attention_config(cfg, num_layers, source)
+    partial = compressed.rope_dim / head_dim
+    rope = cfg.get("rope_parameters") or {}
+    if isinstance(rope.get("main"), dict) and isinstance(rope.get("compress"), dict):
+        main, compress = dict(rope["main"]), dict(rope["compress"])
+    else:  # the Hub spelling: rope_theta, rope_scaling (the compressed layers'), compress_rope_theta
+        scaling = cfg.get("rope_scaling") or {k: v for k, v in rope.items() if k not in ("main", "compress")}
+        main = {"rope_type": "default", "rope_theta": cfg.get("rope_theta", DEFAULT_ROPE_THETA)}
+        compress = {**scaling, "rope_theta": cfg.get("compress_rope_theta", DEFAULT_COMPRESS_ROPE_THETA)}
+    for params in (main, compress):
+        params["partial_rotary_factor"] = partial
+        if (params.get("rope_type") or params.get("type")) == "yarn":
+            params["attention_factor"] = 1.0
+    return {
+        "rope": _rope_config(cfg, head_dim, max_pos, source, rope=main, partial_rotary=True),
+        "compress_rope": _rope_config(cfg, head_dim, max_pos, source, rope=compress, partial_rotary=True),
+        "compressed": compressed,
+        "sliding_window": compressed.sliding_window,
+        "attention_sinks": True,
+    }
 
 
 def _hybrid_fields(
@@ -397,7 +452,11 @@ def _hybrid_fields(
 
 def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEConfig | None:
     """The MoE switches of `arch`'s config.json; an unsupported variant names its config key."""
-    if arch not in MOE_ARCHITECTURES + MLA_ARCHITECTURES + ("GptOssForCausalLM", "Qwen3NextForCausalLM"):
+    if arch not in MOE_ARCHITECTURES + MLA_ARCHITECTURES + (
+        "GptOssForCausalLM",
+        "Qwen3NextForCausalLM",
+        V4_ARCHITECTURE,
+    ):
         return None
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported for mixture-of-experts models")
@@ -439,6 +498,30 @@ def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) ->
             shared_expert_gate=shared > 0,
         )
         return _checked_moe(moe, sparse, source)
+    if arch == V4_ARCHITECTURE:
+        # Every layer routed: the top k of score + correction bias, weights renormalised (always,
+        # as the reference does) and scaled; the first hash layers choose by a token-id table.
+        scoring = str(cfg.get("scoring_func") or "sqrtsoftplus")
+        if scoring not in SCORING_FUNCS:
+            raise ModelLoadError(f"{source}: scoring_func {scoring!r} is not supported ({SCORING_FUNCS})")
+        expert_size = _int(cfg, "moe_intermediate_size", source)
+        limit = cfg.get("swiglu_limit")
+        moe = MoEConfig(
+            _int(cfg, "n_routed_experts", source),
+            _int(cfg, "num_experts_per_tok", source),
+            expert_size,
+            scoring_func=scoring,
+            norm_topk_prob=True,
+            routed_scaling_factor=_as_float(
+                cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor", source
+            ),
+            shared_intermediate_size=expert_size * _int(cfg, "n_shared_experts", source, 0),
+            swiglu_limit=None if not limit else _as_float(limit, "swiglu_limit", source),
+            swiglu_style="silu",
+            score_correction_bias=True,
+            hash_layers=compressed_attention_config(cfg, num_layers, source).hash_layers,
+        )
+        return _checked_moe(moe, (True,) * num_layers, source)
     # DeepSeek V2 / V3. V3 always routes by sigmoid scores with a correction bias (noaux_tc).
     is_v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
     topk_method = str(cfg.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"))

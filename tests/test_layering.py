@@ -49,6 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "outputs",
         "arch_config",
         "arch_kinds",
+        "compressed_config",
         "tokenizer",
         "assets",
         "arg_utils",

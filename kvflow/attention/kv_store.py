@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kvflow.arch_config import ArchConfig
+from kvflow.attention.compressed_store import CompressedPages
 from kvflow.attention.kv_layer import PlainKVLayer, QuantizedKVLayer, kv_bytes_per_token_head, make_kv_layer
 from kvflow.attention.latent_kv_layer import LatentKVLayer, latent_bytes_per_token
 from kvflow.attention.state_pool import PagedStateLayer, StateLayout, page_views
@@ -57,8 +58,10 @@ class KVStore:
         kv_cache_config: KVCacheConfig | None = None,
         state_layout: StateLayout | None = None,
         index_dim: int = 0,
+        compressed: bool = False,
     ) -> None:
-        """`index_dim`: DeepSeek-V3.2's indexer keys beside each latent (0: none)."""
+        """`index_dim`: DeepSeek-V3.2's indexer keys beside each latent (0: none); `compressed`:
+        DeepSeek-V4's cache layers, one page tensor per layer slot (`compressed_pages`)."""
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.kv_cache_dtype = kv_cache_dtype
@@ -76,9 +79,17 @@ class KVStore:
             if latent is not None
             else []
         )
+        self.compressed_pages: CompressedPages | None = None
+        if compressed:
+            if kv_cache_dtype != "auto":
+                raise ValueError(
+                    f"kv_cache_dtype {kv_cache_dtype!r} is not supported for DeepSeek-V4's compressed cache "
+                    "(its pages hold the model dtype): use auto"
+                )
+            self.compressed_pages = CompressedPages(num_layer_slots, num_blocks, block_size, head_dim, dtype)
         self.layers = [
             make_kv_layer(kv_cache_dtype, num_slots, num_kv_heads, head_dim, dtype)
-            for _ in range(num_layer_slots if latent is None else 0)
+            for _ in range(num_layer_slots if latent is None and not compressed else 0)
         ]
         self.state_layout = state_layout
         self._state_layers: dict[int, PagedStateLayer] = {}
@@ -104,7 +115,9 @@ class KVStore:
     @property
     def num_bytes(self) -> int:
         layers: list[PlainKVLayer | QuantizedKVLayer | LatentKVLayer] = [*self.layers, *self.latent_layers]
-        return sum(t.numel() * t.element_size() for layer in layers for t in layer.tensors)
+        pages = [] if self.compressed_pages is None else self.compressed_pages.tensors
+        tensors = [t for layer in layers for t in layer.tensors] + pages
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def kv_cache_config_for(

@@ -40,10 +40,10 @@ class AttentionMetadata:
     decode_attend: torch.Tensor | None  # [num_decodes, 1, 1, max_keys] bool, False on padding
     decode_num_keys: torch.Tensor | None  # [num_decodes] int64: valid (leading) entries of each row
     prefills: list[PrefillChunkMetadata]
-    group_metadata: tuple[AttentionMetadata | StateMetadata, ...] = ()
+    group_metadata: tuple[AttentionMetadata | StateMetadata | CompressedMetadata, ...] = ()
     layer_group: tuple[int, ...] = ()
 
-    def for_layer(self, layer: int) -> AttentionMetadata | StateMetadata:
+    def for_layer(self, layer: int) -> AttentionMetadata | StateMetadata | CompressedMetadata:
         """The metadata of layer `layer`'s cache group (this one for a single-group model)."""
         return self.group_metadata[self.layer_group[layer]] if self.layer_group else self
 
@@ -57,6 +57,12 @@ class AttentionMetadata:
         meta = self.for_layer(layer)
         if not isinstance(meta, StateMetadata):
             raise TypeError(f"layer {layer} caches K/V, not a recurrent state")
+        return meta
+
+    def compressed_for_layer(self, layer: int) -> CompressedMetadata:
+        meta = self.for_layer(layer)
+        if not isinstance(meta, CompressedMetadata):
+            raise TypeError(f"cache layer {layer} holds no compressed entries")
         return meta
 
 
@@ -89,3 +95,34 @@ class StateMetadata:
     decode_source: torch.Tensor  # [B, pages] int64: their source pages (row of a fresh request: its state's)
     decode_fresh: torch.Tensor  # [B] bool: no source (a one-token prompt): the state starts at zero
     decode_state: torch.Tensor  # [B, pages] int64
+
+
+@dataclass
+class CompressedRequest:
+    """One request's tokens in the flat batch, for one compressed-entries group (DeepSeek-V4):
+    flat tokens [token_start, token_end) at positions [start, start + their number); entry e of the
+    request lives at slot block_ids[e // entries_per_block] * entries_per_block + e % entries_per_block."""
+
+    token_start: int
+    token_end: int
+    start: int
+    block_ids: list[int]
+
+    @property
+    def end(self) -> int:
+        """Positions computed once this step has run."""
+        return self.start + self.token_end - self.token_start
+
+
+@dataclass
+class CompressedMetadata:
+    requests: list[CompressedRequest]  # in flat-batch order
+    compress_rate: int
+    entries_per_block: int
+
+    def entry_slots(self, request: CompressedRequest, first: int, last: int) -> torch.Tensor:
+        """[last - first] int64: the slots of entries first .. last - 1 of `request`."""
+        per = self.entries_per_block
+        e = torch.arange(first, last)
+        table = torch.tensor(request.block_ids, dtype=torch.int64)
+        return table[e // per] * per + e % per

@@ -72,6 +72,11 @@ class LLMEngine:
                 f"speculative decoding is not supported for {a.architecture}: its linear-attention "
                 "layers keep a recurrent state, which cannot be rolled back past rejected draft tokens"
             )
+        if a.compressed is not None and config.speculative_config.enabled:
+            raise ConfigError(
+                f"speculative decoding is not supported for {a.architecture}: its compressors keep a "
+                "pending tail, which cannot be rolled back past rejected draft tokens"
+            )
         num_blocks = self._size_kv_pool(loaded)
         # +1: block 0 is the null block (padding and released sliding-window blocks point to it).
         kv_store = KVStore(
@@ -86,6 +91,7 @@ class LLMEngine:
             kv_cache_config=self.kv_cache_config,
             state_layout=state_layout,
             index_dim=a.kv_index_dim,
+            compressed=a.compressed is not None,
         )
         self.scheduler = Scheduler(
             config.scheduler_config,

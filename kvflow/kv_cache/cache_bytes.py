@@ -18,6 +18,8 @@ laid over the K/V data of its pages (token_data_bytes per token: quantized pools
 from __future__ import annotations
 
 from kvflow.arch_config import ArchConfig
+from kvflow.config import ConfigError
+from kvflow.kv_cache.compressed_kinds import build_compressed_kv_cache_config
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig, build_kv_cache_config
 
 # Bytes per element of a plain (unquantized) KV dtype.
@@ -98,7 +100,21 @@ def model_kv_cache_config(
     enable_prefix_caching: bool = True,
     checkpoint_interval: int | None = None,
 ) -> KVCacheConfig:
-    """The cache groups of a model whose layers are `arch.cache_layer_kinds` (kv_cache_config.py)."""
+    """The cache groups of a model whose layers are `arch.cache_layer_kinds` (kv_cache_config.py;
+    DeepSeek-V4's: compressed_kinds.py)."""
+    if arch.compressed is not None:
+        if kv_dtype not in ("auto", model_dtype):
+            raise ConfigError(
+                f"kv_cache_dtype {kv_dtype!r} is not supported for DeepSeek-V4's compressed cache yet "
+                "(its pages hold the model dtype): use auto"
+            )
+        return build_compressed_kv_cache_config(
+            arch.compressed,
+            block_size=block_size,
+            itemsize=plain_bytes("auto", model_dtype),
+            enable_prefix_caching=enable_prefix_caching,
+            checkpoint_interval=checkpoint_interval,
+        )
     return build_kv_cache_config(
         arch.cache_layer_kinds,
         block_size=block_size,

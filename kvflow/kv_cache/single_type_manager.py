@@ -21,7 +21,14 @@ from __future__ import annotations
 from collections import Counter
 
 from kvflow.kv_cache.block_pool import BlockPool, IntegrityError, KVCacheBlock
-from kvflow.kv_cache.specs import KVCacheSpec, LinearAttentionSpec, SlidingWindowSpec, cdiv
+from kvflow.kv_cache.specs import (
+    CompressedSpec,
+    CompressorStateSpec,
+    KVCacheSpec,
+    LinearAttentionSpec,
+    SlidingWindowSpec,
+    cdiv,
+)
 from kvflow.request import Request
 from kvflow.scheduler_output import StateStep
 
@@ -333,9 +340,104 @@ class LinearAttentionManager(SingleTypeManager):
             raise IntegrityError(f"group {self.group_id}, request {request_id}: a state of the wrong size")
 
 
+class CompressorStateManager(LinearAttentionManager):
+    """A compressor's state (CompressorStateSpec): a CSA one checkpointed like a linear-attention
+    state; an HCA one is empty at every multiple of its rate, so a hit at a checkpoint boundary
+    restores nothing (the first step after it reads no row of the state)."""
+
+    def __init__(self, spec: CompressorStateSpec, pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, pool, group_id)
+        self.compressor_spec = spec
+
+    def longest_hit(self, hashes: list[bytes], max_blocks: int) -> int:
+        interval = self.state_spec.checkpoint_interval
+        if not self.compressor_spec.empty_at_boundaries or interval is None:
+            return super().longest_hit(hashes, max_blocks)
+        per = interval // self.block_size
+        return max_blocks // per * per
+
+    def hit_blocks(self, hashes: list[bytes], num_blocks: int) -> list[KVCacheBlock]:
+        if self.compressor_spec.empty_at_boundaries:
+            return []
+        return super().hit_blocks(hashes, num_blocks)
+
+
+class CompressedManager(SingleTypeManager):
+    """Compressed entries (CompressedSpec): entry e of a request lives in block table[e //
+    entries_per_block]; block i spans tokens [i * S, (i + 1) * S), S = tokens_per_block, and is
+    cached, once full, under the hash of the token block ending at its last token."""
+
+    def __init__(self, spec: CompressedSpec, pool: BlockPool, group_id: int) -> None:
+        super().__init__(spec, pool, group_id)
+        self.compressed_spec = spec
+        # Token blocks (of block_size) per compressed block: a multiple (compressed_kinds.py).
+        self.span = spec.tokens_per_block // spec.block_size
+
+    def _key(self, hashes: list[bytes], block: int) -> bytes:
+        return group_key(hashes[(block + 1) * self.span - 1], self.group_id)
+
+    def longest_hit(self, hashes: list[bytes], max_blocks: int) -> int:
+        for i in range(max_blocks // self.span):
+            if self.pool.get_cached_block(self._key(hashes, i)) is None:
+                return i * self.span
+        return max_blocks // self.span * self.span
+
+    def hit_blocks(self, hashes: list[bytes], num_blocks: int) -> list[KVCacheBlock]:
+        if num_blocks % self.span:
+            raise IntegrityError(
+                f"group {self.group_id}: a hit of {num_blocks} blocks splits a compressed block"
+            )
+        return [self._cached_key(self._key(hashes, i)) for i in range(num_blocks // self.span)]
+
+    def _cached_key(self, key: bytes) -> KVCacheBlock:
+        block = self.pool.get_cached_block(key)
+        if block is None:
+            raise IntegrityError(f"group {self.group_id}: a prefix hit lost a block before it was taken")
+        return block
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return self.compressed_spec.num_blocks_held(num_tokens)
+
+    def num_blocks_needed(
+        self, request_id: str, num_computed: int, num_tokens: int, hits: list[KVCacheBlock]
+    ) -> int:
+        blocks = self.req_to_blocks.get(request_id, [])
+        num_new = max(0, self._blocks_for(num_tokens) - len(blocks) - len(hits))
+        return num_new + sum(1 for b in hits if b.ref_cnt == 0)
+
+    def allocate_new(self, request: Request, num_computed: int, num_tokens: int) -> None:
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_new = self._blocks_for(num_tokens) - len(blocks)
+        if num_new > 0:
+            blocks += self.pool.get_new_blocks(num_new)
+
+    def cache_blocks(self, request: Request, hashes: list[bytes], num_tokens: int) -> None:
+        """Full compressed blocks enter the index (their entries are written this step, before any
+        attention reads them, as for full attention)."""
+        rid = request.request_id
+        blocks = self.req_to_blocks[rid]
+        start = self._num_cached_blocks.get(rid, 0)
+        num_full = min(
+            num_tokens // self.compressed_spec.tokens_per_block, len(hashes) // self.span, len(blocks)
+        )
+        for i in range(start, num_full):
+            self.pool.cache_full_block(blocks[i], self._key(hashes, i))
+        self._num_cached_blocks[rid] = max(start, num_full)
+
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        raise IntegrityError("compressed entries cannot roll back rejected draft tokens")
+
+    def covers(self, request_id: str, num_tokens: int) -> bool:
+        return len(self.req_to_blocks.get(request_id, [])) >= self._blocks_for(num_tokens)
+
+
 def make_manager(spec: KVCacheSpec, pool: BlockPool, group_id: int) -> SingleTypeManager:
     if isinstance(spec, SlidingWindowSpec):
         return SlidingWindowManager(spec, pool, group_id)
+    if isinstance(spec, CompressorStateSpec):
+        return CompressorStateManager(spec, pool, group_id)
+    if isinstance(spec, CompressedSpec):
+        return CompressedManager(spec, pool, group_id)
     if isinstance(spec, LinearAttentionSpec):
         return LinearAttentionManager(spec, pool, group_id)
     return FullAttentionManager(spec, pool, group_id)

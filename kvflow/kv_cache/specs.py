@@ -18,6 +18,10 @@ the kind (kvflow/kv_cache/kv_cache_config.py groups the layers and lays them ove
                           checkpoint of the state taken after exactly P tokens; checkpoints are taken
                           every `checkpoint_interval` tokens (a multiple of block_size) while a request
                           computes, and parked in the pool as cached blocks, evictable like any other.
+    CompressedSpec        DeepSeek-V4's compressed entries, one per compress_rate tokens, several to a
+                          block; held like full attention; hits on multiples of a block's token span.
+    CompressorStateSpec   the state a compressor carries between steps (its pending tail), a
+                          linear-attention-like state (kvflow/kv_cache/compressed_kinds.py).
 """
 
 from __future__ import annotations
@@ -126,3 +130,52 @@ class LinearAttentionSpec(KVCacheSpec):
         if step is None:
             return []
         return list(range((start // step + 1) * step, end + 1, step))
+
+
+@dataclass(frozen=True)
+class CompressedSpec(KVCacheSpec):
+    """DeepSeek-V4's compressed entries (one per `compress_rate` tokens: a CSA / HCA layer's pooled
+    K=V, or a CSA indexer's pooled key), `entries_per_block` to a block, so a block spans
+    tokens_per_block = entries_per_block x compress_rate tokens. A request of L tokens holds
+    cdiv(L // rate, entries_per_block) blocks until it finishes (entries are never released: a CSA
+    query may select any of them, an HCA query reads them all). A prefix hit of P tokens needs P to
+    be a multiple of tokens_per_block (a partly filled block is never cached) and those blocks cached."""
+
+    compress_rate: int = 1
+    entries_per_block: int = 1
+
+    kind: ClassVar[str] = "compressed"
+
+    @property
+    def tokens_per_block(self) -> int:
+        return self.compress_rate * self.entries_per_block
+
+    def num_entries(self, num_tokens: int) -> int:
+        return num_tokens // self.compress_rate
+
+    def num_blocks_held(self, num_tokens: int) -> int:
+        return cdiv(self.num_entries(num_tokens), self.entries_per_block)
+
+    def num_blocks_peak_prefill(self, num_prompt_tokens: int, max_chunk_tokens: int) -> int:
+        return self.num_blocks_held(num_prompt_tokens)
+
+
+@dataclass(frozen=True)
+class CompressorStateSpec(LinearAttentionSpec):
+    """A compressor's state: its raw projections of the last `ring_rows` positions (the pending
+    tail of a window not yet pooled and, for CSA's overlapping windows, the window before it),
+    float32. At a multiple of the compress rate an HCA compressor's tail is empty, so its state
+    needs no checkpoint for a prefix hit there (`empty_at_boundaries`); a CSA one still needs the
+    previous window's rows, checkpointed like a linear-attention state."""
+
+    empty_at_boundaries: bool = False
+
+    kind: ClassVar[str] = "compressor_state"
+
+    def num_blocks_peak_prefill(self, num_prompt_tokens: int, max_chunk_tokens: int) -> int:
+        if self.empty_at_boundaries:
+            return self.pages_per_state
+        return super().num_blocks_peak_prefill(num_prompt_tokens, max_chunk_tokens)
+
+    def checkpoint_boundaries(self, start: int, end: int) -> list[int]:
+        return [] if self.empty_at_boundaries else super().checkpoint_boundaries(start, end)

@@ -39,3 +39,9 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def limited_silu_and_mul(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's SwiGLU: gate clamped to <= limit, up to [-limit, limit], then silu(gate) * up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)

@@ -19,14 +19,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvflow.arch_config import MoEConfig
-from kvflow.layers.activation import clamped_swiglu, silu_and_mul
+from kvflow.layers.activation import clamped_swiglu, limited_silu_and_mul, silu_and_mul
 from kvflow.layers.linear import Linear
-from kvflow.layers.moe_routing import select_experts
+from kvflow.layers.moe_routing import expert_scores, expert_weights, select_experts
 
 
 class ExpertMLP(nn.Module):
     """One SwiGLU expert: gate and up merged into one projection, then down. gpt-oss's experts carry
-    biases and clamp their SwiGLU (`swiglu_limit`, activation.clamped_swiglu)."""
+    biases and clamp their SwiGLU (`swiglu_limit`, activation.clamped_swiglu); DeepSeek-V4's clamp
+    it too, in the plain silu form (swiglu_style "silu", activation.limited_silu_and_mul)."""
 
     def __init__(
         self,
@@ -36,16 +37,19 @@ class ExpertMLP(nn.Module):
         bias: bool = False,
         swiglu_limit: float | None = None,
         swiglu_alpha: float = 1.0,
+        swiglu_style: str = "gpt_oss",
     ) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias, dtype)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype)
-        self.swiglu_limit, self.swiglu_alpha = swiglu_limit, swiglu_alpha
+        self.swiglu_limit, self.swiglu_alpha, self.swiglu_style = swiglu_limit, swiglu_alpha, swiglu_style
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden]
         gate_up = self.gate_up_proj(x)
         if self.swiglu_limit is None:
             return self.down_proj(silu_and_mul(gate_up))
+        if self.swiglu_style == "silu":
+            return self.down_proj(limited_silu_and_mul(gate_up, self.swiglu_limit))
         return self.down_proj(clamped_swiglu(gate_up, self.swiglu_limit, self.swiglu_alpha))
 
 
@@ -87,15 +91,27 @@ class SparseMoE(nn.Module):
                 moe.expert_bias,
                 moe.swiglu_limit,
                 moe.swiglu_alpha,
+                moe.swiglu_style,
             )
             for _ in range(moe.num_experts)
         )
         shared = moe.shared_intermediate_size
-        self.shared_expert = ExpertMLP(hidden_size, shared, dtype) if shared else None
+        # DeepSeek-V4 clamps its shared expert as its routed ones (gpt-oss has none).
+        shared_limit = moe.swiglu_limit if moe.swiglu_style == "silu" else None
+        self.shared_expert = (
+            ExpertMLP(hidden_size, shared, dtype, swiglu_limit=shared_limit, swiglu_style=moe.swiglu_style)
+            if shared
+            else None
+        )
         self.shared_expert_gate = RouterWeight(hidden_size, 1) if moe.shared_expert_gate else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        weights, ids = select_experts(self.gate(x), self.moe, self.gate.e_score_correction_bias)
+    def forward(self, x: torch.Tensor, hash_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. `hash_ids` [T, k]: the experts a token-id table chose
+        (DeepSeek-V4's hash layers); the router then only weights them."""
+        if hash_ids is None:
+            weights, ids = select_experts(self.gate(x), self.moe, self.gate.e_score_correction_bias)
+        else:
+            weights, ids = expert_weights(expert_scores(self.gate(x), self.moe), hash_ids, self.moe)
         out = self.routed(x, weights, ids)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from kvflow.arch_config import DENSE_ARCHITECTURES
 from kvflow.models.deepseek_v2 import DeepseekV2ForCausalLM
+from kvflow.models.deepseek_v4 import DeepseekV4ForCausalLM
 from kvflow.models.gemma3 import Gemma3ForCausalLM
 from kvflow.models.gpt_oss import GptOssForCausalLM
 from kvflow.models.llama import LlamaFamilyForCausalLM
@@ -29,4 +30,6 @@ MODEL_REGISTRY: dict[str, type[LlamaFamilyForCausalLM]] = {
     "GptOssForCausalLM": GptOssForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3NextForCausalLM": Qwen3NextForCausalLM,
+    # Compressed sparse / heavily compressed attention over a window (kvflow/kv_cache/compressed_kinds.py).
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
 }

@@ -23,9 +23,16 @@ from dataclasses import dataclass
 
 import torch
 
-from kvflow.attention.metadata import AttentionMetadata, PrefillChunkMetadata, StateMetadata, StateRequest
+from kvflow.attention.metadata import (
+    AttentionMetadata,
+    CompressedMetadata,
+    CompressedRequest,
+    PrefillChunkMetadata,
+    StateMetadata,
+    StateRequest,
+)
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
-from kvflow.kv_cache.specs import KVCacheSpec, LinearAttentionSpec, SlidingWindowSpec
+from kvflow.kv_cache.specs import CompressedSpec, KVCacheSpec, LinearAttentionSpec, SlidingWindowSpec
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 
 # Chunks up to this many tokens are attended as single-token query rows (module docstring): a
@@ -309,17 +316,28 @@ def _window(spec: KVCacheSpec) -> int | None:
 
 
 def _hybrid_metadata(batch: _FlatBatch, block_size: int, kv_cache_config: KVCacheConfig) -> AttentionMetadata:
-    groups: list[AttentionMetadata | StateMetadata] = []
+    groups: list[AttentionMetadata | StateMetadata | CompressedMetadata] = []
     num_state_groups = 0
     for g, group in enumerate(kv_cache_config.groups):
         spec = group.spec
         if isinstance(spec, LinearAttentionSpec):
             groups.append(_state_metadata(batch, num_state_groups))
             num_state_groups += 1
+        elif isinstance(spec, CompressedSpec):
+            groups.append(_compressed_metadata(batch, g, spec))
         else:
             groups.append(_attention_metadata(batch, g, block_size, _window(spec)))
     first = next(m for m in groups if isinstance(m, AttentionMetadata))
     return dataclasses.replace(first, group_metadata=tuple(groups), layer_group=kv_cache_config.layer_group)
+
+
+def _compressed_metadata(batch: _FlatBatch, group: int, spec: CompressedSpec) -> CompressedMetadata:
+    """A compressed-entries group's tables of every request (DeepSeek-V4, CompressedMetadata)."""
+    requests = [
+        CompressedRequest(start, start + req.num_tokens, req.num_computed_tokens, req.block_ids[group])
+        for req, start in zip(batch.ordered, batch.token_starts, strict=True)
+    ]
+    return CompressedMetadata(requests, spec.compress_rate, spec.entries_per_block)
 
 
 def _block_slots(blocks: torch.Tensor, block_size: int) -> torch.Tensor:
