@@ -4,16 +4,19 @@ checkpoint there, the groups of V4-Pro's 61 layers."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvflow.compressed_config import CSA, HCA, SLIDING_ONLY, cache_layers, compressed_attention_config
 from kvflow.kv_cache.compressed_kinds import build_compressed_kv_cache_config
+from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.manager import KVCacheManager
 from kvflow.kv_cache.specs import CompressedSpec, CompressorStateSpec
 from kvflow.request import Request
 from kvflow.sampling_params import SamplingParams
 
-TINY = {
+TINY: dict[str, Any] = {
     "head_dim": 32,
     "num_attention_heads": 4,
     "q_lora_rank": 32,
