@@ -29,8 +29,8 @@ TINY: dict[str, Any] = {
 }
 
 
-def _config(block_size: int = 4, interval: int | None = 32, **overrides: object) -> object:
-    c = compressed_attention_config({**TINY, **overrides}, len(TINY["layer_types"]), "config.json")
+def _config(block_size: int = 4, interval: int | None = 32) -> KVCacheConfig:
+    c = compressed_attention_config(TINY, len(TINY["layer_types"]), "config.json")
     return build_compressed_kv_cache_config(
         c, block_size=block_size, itemsize=4, checkpoint_interval=interval
     )
