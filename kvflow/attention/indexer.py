@@ -45,6 +45,16 @@ def selected_keys(scores: torch.Tensor, visible: torch.Tensor, topk: int) -> tor
     if scores.shape[-1] <= topk:
         return visible
     masked = scores.masked_fill(~visible, float("-inf"))
-    order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :topk]
-    chosen = torch.zeros_like(visible).scatter_(-1, order, True)
+    # torch.topk of topk + 1: the top-k set is unique unless the k-th and (k+1)-th values tie; only
+    # such rows (and rows with fewer visible keys than topk, which keep them all) need the stable
+    # sort, whose O(L log L) per row cost 2 ms a layer at 32k index keys where topk costs 0.2.
+    values, order = masked.topk(topk + 1, dim=-1)  # [R, k + 1], descending
+    chosen = torch.zeros_like(visible).scatter_(-1, order[..., :topk], True)
+    few = visible.sum(dim=-1) <= topk
+    tied = (values[..., topk - 1] == values[..., topk]) & ~few
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(-1)
+        stable = torch.sort(masked[rows], dim=-1, descending=True, stable=True).indices[..., :topk]
+        chosen[rows] = torch.zeros_like(visible[rows]).scatter_(-1, stable, True)
+    chosen[few] = visible[few]
     return chosen & visible

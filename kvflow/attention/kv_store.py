@@ -24,7 +24,7 @@ from kvflow.attention.compressed_store import CompressedPages
 from kvflow.attention.kv_layer import PlainKVLayer, QuantizedKVLayer, kv_bytes_per_token_head, make_kv_layer
 from kvflow.attention.latent_kv_layer import LatentKVLayer, latent_bytes_per_token
 from kvflow.attention.state_pool import PagedStateLayer, StateLayout, page_views
-from kvflow.config import CacheConfig
+from kvflow.config import CacheConfig, ConfigError
 from kvflow.kv_cache.cache_bytes import model_kv_cache_config, state_bytes
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 
@@ -127,6 +127,11 @@ def kv_cache_config_for(
     parallelism: this rank's heads), and its linear-attention state layout if it has such layers.
     Byte sizes come from kvflow/kv_cache/cache_bytes.py, which the doctor's calculator shares."""
     model_dtype = str(dtype).removeprefix("torch.")
+    if cfg.compressed is not None and cache.kv_cache_dtype != "auto":
+        raise ConfigError(
+            f"kv_cache_dtype {cache.kv_cache_dtype!r} is not supported for DeepSeek-V4's compressed cache "
+            "yet (its pages hold the model dtype): use auto"
+        )
     config = model_kv_cache_config(
         cfg,
         cache.kv_cache_dtype,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.compressed_config import CSA_ENTRIES, CSA_INDEX, CSA_STATE, HCA_ENTRIES, HCA_STATE
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.kv_kinds import FULL, LINEAR, MLA, SLIDING, layers_by_kind, state_bytes
 
@@ -15,8 +16,15 @@ KIND_WORDS = {
     MLA: "latent-attention (MLA)",
     SLIDING: "sliding-window",
     LINEAR: "linear-attention",
+    # DeepSeek-V4 (kvflow/compressed_config.py): a layer's window is SLIDING, and per compressed layer:
+    CSA_ENTRIES: "CSA-entry",
+    CSA_INDEX: "CSA indexer-key",
+    HCA_ENTRIES: "HCA-entry",
+    CSA_STATE: "CSA compressor-state",
+    HCA_STATE: "HCA compressor-state",
 }
-GROWING = (FULL, MLA)  # kinds whose bytes grow with the request's length
+# Kinds whose bytes grow with the request's length (V4's entries at L / rate).
+GROWING = (FULL, MLA, CSA_ENTRIES, CSA_INDEX, HCA_ENTRIES)
 GB, MB, KB = 1e9, 1e6, 1e3
 
 
@@ -58,8 +66,12 @@ def _kind_part(d: Diagnosis, kind: str, nbytes: int, layers: int) -> str:
     words = f"{fmt_bytes(nbytes)} in {layers} {KIND_WORDS.get(kind, kind)} layers"
     if kind == SLIDING:
         return words + f" (window {d.model.arch.sliding_window}, flat in L{padded})"
-    if kind == LINEAR:
+    if kind in (LINEAR, CSA_STATE, HCA_STATE):
         return words + f" (a fixed-size float32 state, flat in L{padded})"
+    c = d.model.arch.compressed
+    if c is not None and kind in (CSA_ENTRIES, CSA_INDEX, HCA_ENTRIES):
+        rate = c.hca_rate if kind == HCA_ENTRIES else c.csa_rate
+        return words + f" (one per {rate} tokens{padded})"
     return words + (f" ({padded[2:]})" if padded else "")
 
 

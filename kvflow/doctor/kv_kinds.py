@@ -13,13 +13,17 @@ included). What a decode step reads is per layer (`decode_step_kv_bytes_by_kind`
 from __future__ import annotations
 
 from kvflow.arch_config import ArchConfig
+from kvflow.compressed_config import CSA, CSA_STATE, HCA, HCA_STATE
+from kvflow.doctor import v4_spec
 from kvflow.kv_cache.cache_bytes import (
     index_key_bytes,
     latent_token_bytes,
     model_kv_cache_config,
     state_bytes,
     token_bytes,
+    value_bytes,
 )
+from kvflow.kv_cache.compressed_kinds import state_bytes as compressor_state_bytes
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import LinearAttentionSpec
 
@@ -80,6 +84,8 @@ def decode_step_kv_bytes_by_kind(
     K/V (latents), a sliding layer the min(L, W) of its window, a linear layer reads its state and
     writes it back (2 x state); V3.2 reads every indexer key and the latents of its top index_topk.
     The new token's own K/V write (1 / L of the reads) is left out."""
+    if arch.compressed is not None:
+        return _v4_decode_bytes(arch, kv_dtype, model_dtype, context_len)
     per_token = token_bytes(arch, kv_dtype, model_dtype)
     if arch.mla is not None:
         per_token = latent_token_bytes(arch, kv_dtype, model_dtype)
@@ -94,6 +100,23 @@ def decode_step_kv_bytes_by_kind(
     return out
 
 
+def _v4_decode_bytes(arch: ArchConfig, kv_dtype: str, model_dtype: str, context_len: int) -> dict[str, float]:
+    """DeepSeek-V4: the window's vectors, the selected CSA entries, every index key, every HCA entry
+    (kvflow/doctor/v4_spec.py keys_read), each compressor's state read and written."""
+    c = arch.compressed
+    assert c is not None
+    item = value_bytes(kv_dtype, model_dtype)
+    out: dict[str, float] = {}
+    for kind, n in layers_by_kind(arch).items():
+        if kind in (CSA_STATE, HCA_STATE):
+            out[kind] = 2.0 * n * compressor_state_bytes(c, CSA if kind == CSA_STATE else HCA)
+            continue
+        vectors = v4_spec.keys_read(c, kind, context_len) * c.head_dim
+        vectors += v4_spec.index_keys_scored(c, kind, context_len) * c.index_head_dim
+        out[kind] = float(n * vectors * item)
+    return out
+
+
 def prefill_kv_bytes(
     arch: ArchConfig, kv_dtype: str, model_dtype: str, num_tokens: int, context_len: int
 ) -> float:
@@ -101,5 +124,10 @@ def prefill_kv_bytes(
     K/V and reads its keys (decode_step_kv_bytes_by_kind's reads); a linear layer reads and writes its
     state once for the chunk."""
     attention_layers = sum(n for kind, n in layers_by_kind(arch).items() if kind != LINEAR)
-    written = num_tokens * attention_layers * token_bytes(arch, kv_dtype, model_dtype)
+    written: float = num_tokens * attention_layers * token_bytes(arch, kv_dtype, model_dtype)
+    if arch.compressed is not None:  # each layer's window vector, and its share of the entries
+        c = arch.compressed
+        per_token: float = arch.num_hidden_layers * c.head_dim + c.num_hca_layers * c.head_dim / c.hca_rate
+        per_token += c.num_csa_layers * (c.head_dim + c.index_head_dim) / c.csa_rate
+        written = num_tokens * per_token * value_bytes(kv_dtype, model_dtype)
     return written + sum(decode_step_kv_bytes_by_kind(arch, kv_dtype, model_dtype, context_len).values())

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvflow.arch_config import ArchConfig, load_hf_config, parse_arch_config
-from kvflow.doctor import kv_kinds
+from kvflow.doctor import kv_kinds, v4_spec
 from kvflow.doctor.attention_params import mixer_params, norm_params
 from kvflow.doctor.moe_spec import MoEParams, expected_experts_touched, moe_params
 from kvflow.doctor.text_config import text_model_config
@@ -80,7 +80,14 @@ class ModelSpec:
         config = text_model_config(dict(config))
         arch = parse_arch_config(config)
         h = arch.hidden_size
-        mixers = sum(mixer_params(arch, kind) + norm_params(arch, kind) for kind in arch.cache_layer_kinds)
+        if arch.compressed is not None:  # DeepSeek-V4: per layer, its attention kind and hyper-connections
+            mixers = sum(v4_spec.v4_attention_params(arch, i) for i in range(arch.num_hidden_layers))
+            mixers += arch.num_hidden_layers * v4_spec.hyper_connection_params(arch)
+            mixers += v4_spec.hyper_head_params(arch.compressed, h)
+        else:
+            mixers = sum(
+                mixer_params(arch, kind) + norm_params(arch, kind) for kind in arch.cache_layer_kinds
+            )
         mlp = 3 * h * arch.intermediate_size + (2 * arch.intermediate_size + h if arch.mlp_bias else 0)
         embedding = arch.vocab_size * h
         dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
@@ -162,6 +169,11 @@ class ModelSpec:
         token is in their window; a linear-attention layer holds no per-token KV), scales left out:
         the headline figure. What a request holds: kv_bytes_per_request."""
         a, layers = self.arch, self.num_attention_layers
+        if a.compressed is not None:  # what each token adds at long context: its share of the entries
+            c = a.compressed
+            per_layer = c.num_csa_layers * (c.head_dim + c.index_head_dim) / c.csa_rate
+            per_layer += c.num_hca_layers * c.head_dim / c.hca_rate
+            return per_layer * weight_bytes_per_param(kv_dtype or self.dtype)
         if a.mla is not None:  # one latent per token and layer, no per-head K/V
             return layers * a.mla.latent_dim * weight_bytes_per_param(kv_dtype or self.dtype)
         return (
@@ -211,12 +223,16 @@ class ModelSpec:
     @property
     def num_attention_layers(self) -> int:
         """Layers that keep per-token K/V (full, sliding, MLA): all but linear attention's."""
+        if self.arch.compressed is not None:
+            return self.arch.num_hidden_layers
         return sum(1 for kind in self.arch.cache_layer_kinds if kind != kv_kinds.LINEAR)
 
     def _flops_per_query_key(self) -> float:
         """QK^T and PV of one query and one key in one layer: 4 x q_heads x head_dim (2 FLOPs per
         multiply-add, two matmuls); MLA: 2 x q_heads x (qk + v head dims), K/V expanded per head."""
         a = self.arch
+        if a.compressed is not None:  # K = V: QK^T and PV over head_dim
+            return 4.0 * a.num_attention_heads * a.compressed.head_dim
         if a.mla is not None:
             return 2.0 * a.num_attention_heads * (a.mla.qk_head_dim + a.mla.v_head_dim)
         return 4.0 * a.num_attention_heads * a.head_dim
@@ -231,6 +247,13 @@ class ModelSpec:
         GDN_FLOPS_PER_STATE_VALUE x Hv x dk x dv per token, whatever the context."""
         a = self.arch
         flops = 0.0
+        if a.compressed is not None:
+            c = a.compressed
+            for kind, n in kv_kinds.layers_by_kind(a).items():
+                keys = v4_spec.keys_read(c, kind, context_len) * self._flops_per_query_key()
+                index = v4_spec.index_keys_scored(c, kind, context_len) * v4_spec.index_flops_per_key(c)
+                flops += n * num_tokens * (keys + index)
+            return flops
         for kind, n in kv_kinds.layers_by_kind(a).items():
             if kind == kv_kinds.LINEAR and a.linear is not None:
                 lin = a.linear

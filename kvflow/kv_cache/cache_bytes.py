@@ -18,7 +18,6 @@ laid over the K/V data of its pages (token_data_bytes per token: quantized pools
 from __future__ import annotations
 
 from kvflow.arch_config import ArchConfig
-from kvflow.config import ConfigError
 from kvflow.kv_cache.compressed_kinds import build_compressed_kv_cache_config
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig, build_kv_cache_config
 
@@ -35,6 +34,16 @@ def plain_bytes(kv_dtype: str, model_dtype: str) -> int:
     """Bytes per element of an unquantized KV cache: its own dtype (bfloat16 / float16), else the
     model's ("auto"); bf16 when neither is known."""
     return PLAIN_BYTES.get(kv_dtype) or PLAIN_BYTES.get(model_dtype, PLAIN_BYTES["bfloat16"])
+
+
+def value_bytes(kv_dtype: str, model_dtype: str) -> float:
+    """Bytes per cached value, scales left out (DeepSeek-V4's kinds, sized by the calculator in any
+    KV dtype: int4 packs two values a byte)."""
+    if kv_dtype in QUANTIZED_8BIT:
+        return 1.0
+    if kv_dtype == "int4":
+        return 1.0 / INT4_PER_BYTE
+    return float(plain_bytes(kv_dtype, model_dtype))
 
 
 def part_bytes(width: int, kv_dtype: str, model_dtype: str) -> int:
@@ -102,16 +111,11 @@ def model_kv_cache_config(
 ) -> KVCacheConfig:
     """The cache groups of a model whose layers are `arch.cache_layer_kinds` (kv_cache_config.py;
     DeepSeek-V4's: compressed_kinds.py)."""
-    if arch.compressed is not None:
-        if kv_dtype not in ("auto", model_dtype):
-            raise ConfigError(
-                f"kv_cache_dtype {kv_dtype!r} is not supported for DeepSeek-V4's compressed cache yet "
-                "(its pages hold the model dtype): use auto"
-            )
+    if arch.compressed is not None:  # the engine holds these in the model dtype (kv_store.py refuses others)
         return build_compressed_kv_cache_config(
             arch.compressed,
             block_size=block_size,
-            itemsize=plain_bytes("auto", model_dtype),
+            itemsize=value_bytes(kv_dtype, model_dtype),
             enable_prefix_caching=enable_prefix_caching,
             checkpoint_interval=checkpoint_interval,
         )

@@ -80,30 +80,56 @@ def _entries_per_block(page_bytes: int, entry_bytes: int, block_size: int, rate:
     return per
 
 
+def _group_size(counts: dict[str, int]) -> int:
+    """Layers per group: of the growing kinds' layer counts (entries, index keys), the one that pads
+    them least, the larger on a tie (fewer groups; a size of 1 would pad nothing but give every
+    layer a manager of its own). kv_cache_config.py's fewest-layers rule would give V4-Flash (21 CSA,
+    20 HCA layers) CSA groups of 20 + 1 padded to 20: 40 slots of entries for 21 layers, 1.9x its
+    bytes; here groups of 21 pad one HCA slot instead (the padding is real pool bytes, never used)."""
+    growing = [n for kind, n in counts.items() if kind in (CSA_ENTRIES, CSA_INDEX, HCA_ENTRIES)]
+    if not growing:
+        return group_size_for(list(counts.values()))
+
+    def padding(size: int) -> int:
+        return sum(cdiv(n, size) * size - n for n in growing)
+
+    return min(set(growing), key=lambda size: (padding(size), -size))
+
+
 def build_compressed_kv_cache_config(
     c: CompressedAttentionConfig,
     *,
     block_size: int,
-    itemsize: int,
+    itemsize: float,
     enable_prefix_caching: bool = True,
     checkpoint_interval: int | None = None,
 ) -> KVCacheConfig:
-    """The groups of a DeepSeek-V4 model (module docstring); itemsize: bytes per value of the model dtype."""
-    page_bytes = block_size * c.head_dim * itemsize
-    entry = c.head_dim * itemsize
+    """The groups of a DeepSeek-V4 model (module docstring); itemsize: bytes per cached value (the
+    model dtype's in the engine; the calculator's what-ifs size other KV dtypes)."""
+    page_bytes = round(block_size * c.head_dim * itemsize)
+    entry = round(c.head_dim * itemsize)
     specs: dict[str, KVCacheSpec] = {
         WINDOW: SlidingWindowSpec(block_size, page_bytes, c.sliding_window),
         CSA_ENTRIES: CompressedSpec(
-            block_size, page_bytes, c.csa_rate, _entries_per_block(page_bytes, entry, block_size, c.csa_rate)
+            block_size,
+            page_bytes,
+            c.csa_rate,
+            _entries_per_block(page_bytes, entry, block_size, c.csa_rate),
+            CSA_ENTRIES,
         ),
         CSA_INDEX: CompressedSpec(
             block_size,
             page_bytes,
             c.csa_rate,
-            _entries_per_block(page_bytes, c.index_head_dim * itemsize, block_size, c.csa_rate),
+            _entries_per_block(page_bytes, round(c.index_head_dim * itemsize), block_size, c.csa_rate),
+            CSA_INDEX,
         ),
         HCA_ENTRIES: CompressedSpec(
-            block_size, page_bytes, c.hca_rate, _entries_per_block(page_bytes, entry, block_size, c.hca_rate)
+            block_size,
+            page_bytes,
+            c.hca_rate,
+            _entries_per_block(page_bytes, entry, block_size, c.hca_rate),
+            HCA_ENTRIES,
         ),
     }
     layers = cache_layers(c)
@@ -137,6 +163,7 @@ def build_compressed_kv_cache_config(
         state_bytes=state_bytes(c, CSA),
         pages_per_state=csa_pages,
         checkpoint_interval=on,
+        label=CSA_STATE,
     )
     specs[HCA_STATE] = CompressorStateSpec(
         block_size,
@@ -145,11 +172,12 @@ def build_compressed_kv_cache_config(
         pages_per_state=cdiv(state_bytes(c, HCA), page_bytes),
         checkpoint_interval=on,
         empty_at_boundaries=True,
+        label=HCA_STATE,
     )
     by_kind: dict[str, list[int]] = {}
     for index, kind in enumerate(kinds):
         by_kind.setdefault(kind, []).append(index)
-    size = group_size_for([len(v) for v in by_kind.values()])
+    size = _group_size({kind: len(v) for kind, v in by_kind.items()})
     groups: list[KVCacheGroup] = []
     layer_group = [0] * len(kinds)
     layer_slot = [0] * len(kinds)

@@ -143,8 +143,13 @@ class CompressedSpec(KVCacheSpec):
 
     compress_rate: int = 1
     entries_per_block: int = 1
+    label: str = (
+        "compressed"  # the cache kind (compressed_kinds.py: csa_entries, csa_index_keys, hca_entries)
+    )
 
-    kind: ClassVar[str] = "compressed"
+    @property
+    def kind(self) -> str:  # type: ignore[override]  # per instance: three kinds share this spec
+        return self.label
 
     @property
     def tokens_per_block(self) -> int:
@@ -169,8 +174,11 @@ class CompressorStateSpec(LinearAttentionSpec):
     previous window's rows, checkpointed like a linear-attention state."""
 
     empty_at_boundaries: bool = False
+    label: str = "compressor_state"  # csa_state or hca_state
 
-    kind: ClassVar[str] = "compressor_state"
+    @property
+    def kind(self) -> str:  # type: ignore[override]
+        return self.label
 
     def num_blocks_peak_prefill(self, num_prompt_tokens: int, max_chunk_tokens: int) -> int:
         if self.empty_at_boundaries:

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from kvflow.arch_config import ArchConfig, RopeConfig
-from kvflow.attention.compressed_attention import attend, causal_entries
+from kvflow.attention.compressed_attention import attend, causal_entries, selected_indices
 from kvflow.attention.compressed_store import EntryPool, RingState
 from kvflow.attention.compressor import CompressorShape, pool_windows, ring_after, step_rows
 from kvflow.attention.indexer import index_scores, selected_keys
@@ -199,17 +199,11 @@ class V4Attention(nn.Module):
         if self.compressor is not None:
             self._compress(x, ropes[1], cache, meta, meta.compressed_for_layer(cache.entries_id))
         out = torch.empty_like(q)
-        scale = c.head_dim**-0.5
+        step = _StepEntries(self, cache, meta, x, q_res, ropes[1])
         for row in range(window_meta.num_decode_tokens):
             assert window_meta.decode_kv_slots is not None and window_meta.decode_num_keys is not None
-            keys = cache.window.gather(
-                window_meta.decode_kv_slots[row, : int(window_meta.decode_num_keys[row])]
-            )
-            extra, _ = self._entry_keys(
-                row, row + 1, meta.positions[row : row + 1], x, q_res, cache, meta, ropes[1], True
-            )
-            all_keys = keys if extra is None else torch.cat((keys, extra), dim=0)
-            out[row : row + 1] = attend(q[row : row + 1], all_keys, None, self.attn_sink, scale)
+            slots = window_meta.decode_kv_slots[row, : int(window_meta.decode_num_keys[row])]
+            out[row : row + 1] = step.attend(q, row, row + 1, cache.window.gather(slots), None)
         for piece in window_meta.prefills:
             a, b = piece.token_start, piece.token_end
             if piece.kv_slots is None:
@@ -219,18 +213,7 @@ class V4Attention(nn.Module):
                 keys, visible = cache.window.gather(piece.kv_slots), piece.attend
             for p in range(a, b, INDEX_QUERY_PIECE):
                 e = min(b, p + INDEX_QUERY_PIECE)
-                extra, extra_visible = self._entry_keys(
-                    p, e, meta.positions[p:e], x, q_res, cache, meta, ropes[1]
-                )
-                rows = visible[p - a : e - a]
-                if extra is None:
-                    out[p:e] = attend(q[p:e], keys, rows, self.attn_sink, scale)
-                else:
-                    assert extra_visible is not None
-                    both = torch.cat((keys, extra), dim=0)
-                    out[p:e] = attend(
-                        q[p:e], both, torch.cat((rows, extra_visible), dim=1), self.attn_sink, scale
-                    )
+                out[p:e] = step.attend(q, p, e, keys, visible[p - a : e - a])
         out = rotate_trailing(out, cos, -sin)  # undo the values' rotation at the query's position
         grouped = out.reshape(t, c.o_groups, -1).transpose(0, 1)  # [G, T, H d / G]
         w = self.wo_a.view(c.o_groups, c.o_lora_rank, -1)  # [G, o_lora, H d / G]
@@ -277,71 +260,93 @@ class V4Attention(nn.Module):
             for offset, pages in st.checkpoints:
                 cache.state.write(pages, ring_after(ring, rows, req.start, offset))
 
-    def _entry_keys(
+
+class _StepEntries:
+    """One layer's compressed keys for one step: each request's entries (and CSA index keys)
+    gathered from the pool once, on first use, then read by its queries."""
+
+    def __init__(
         self,
-        token: int,
-        token_end: int,
-        positions: torch.Tensor,
-        x: torch.Tensor,
-        q_res: torch.Tensor,
+        attn: V4Attention,
         cache: V4LayerCache,
         meta: AttentionMetadata,
+        x: torch.Tensor,
+        q_res: torch.Tensor,
         rope: InterleavedRope,
-        gather_selected: bool = False,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The compressed keys queries at `positions` (flat tokens token .. token_end - 1 of one
-        request) read, [L, d], and which each sees [n, L]: HCA all causal entries, CSA the indexer's
-        top-k among them. A decode row (one query) gathers only its selected entries."""
-        if cache.entries is None:
-            return None, None
-        entries_meta = meta.compressed_for_layer(cache.entries_id)
-        req = _request_of(entries_meta.requests, token)
-        num_entries = int(positions.max()) + 1
-        num_entries //= entries_meta.compress_rate
-        if num_entries == 0:
-            return None, None
-        visible = causal_entries(positions, num_entries, entries_meta.compress_rate)
-        if self.indexer is not None:
-            picked = _Picked(token, token_end, positions, num_entries)
-            visible = self._select(picked, x, q_res, cache, visible, meta, rope)
-        if gather_selected:  # a decode row: gather the chosen entries only
-            chosen = visible[0].nonzero().squeeze(1)
-            return cache.entries.gather(entries_meta.entry_slots(req, 0, num_entries)[chosen]), None
-        return cache.entries.gather(entries_meta.entry_slots(req, 0, num_entries)), visible
+    ) -> None:
+        self.attn, self.cache, self.meta, self.x, self.q_res, self.rope = attn, cache, meta, x, q_res, rope
+        self.scale = attn.c.head_dim**-0.5
+        self.entries_meta = meta.compressed_for_layer(cache.entries_id) if cache.entries is not None else None
+        self._gathered: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _request_entries(self, req: CompressedRequest) -> torch.Tensor:
+        """The request's E entries after this step [E, d], float32 (converted once here: the
+        per-query gathers and products of a prefill chunk then convert nothing)."""
+        key = (req.token_start, "entries")
+        if key not in self._gathered:
+            assert self.entries_meta is not None and self.cache.entries is not None
+            num = req.end // self.entries_meta.compress_rate
+            self._gathered[key] = self.cache.entries.gather(
+                self.entries_meta.entry_slots(req, 0, num)
+            ).float()
+        return self._gathered[key]
+
+    def _index_keys(self, req: CompressedRequest) -> torch.Tensor:
+        """CSA: the indexer's keys of the request's E entries [E, d_I], float32 (every query scores all)."""
+        key = (req.token_start, "index")
+        if key not in self._gathered:
+            assert self.entries_meta is not None and self.cache.index_keys is not None
+            num = req.end // self.entries_meta.compress_rate
+            index_meta = self.meta.compressed_for_layer(self.cache.index_id)
+            index_req = _request_of(index_meta.requests, req.token_start)
+            self._gathered[key] = self.cache.index_keys.gather(
+                index_meta.entry_slots(index_req, 0, num)
+            ).float()
+        return self._gathered[key]
+
+    def attend(
+        self, q: torch.Tensor, a: int, b: int, window_keys: torch.Tensor, window_visible: torch.Tensor | None
+    ) -> torch.Tensor:
+        """Queries of flat tokens [a, b) (one request) over their window keys and compressed keys:
+        HCA's causal entries beside the window's, CSA's top-k gathered per query."""
+        sinks = self.attn.attn_sink
+        positions = self.meta.positions[a:b]
+        if self.entries_meta is None:
+            return attend(q[a:b], window_keys, window_visible, sinks, self.scale)
+        req = _request_of(self.entries_meta.requests, a)
+        num = (int(positions.max()) + 1) // self.entries_meta.compress_rate
+        if num == 0:
+            return attend(q[a:b], window_keys, window_visible, sinks, self.scale)
+        visible = causal_entries(positions, num, self.entries_meta.compress_rate)
+        window_rows = window_visible
+        if window_rows is None:  # a decode row: every key of its window
+            window_rows = torch.ones(b - a, len(window_keys), dtype=torch.bool)
+        if self.cache.index_keys is None:  # HCA: every causal entry, beside the window
+            keys = torch.cat((window_keys, self._request_entries(req)[:num]), dim=0)
+            return attend(q[a:b], keys, torch.cat((window_rows, visible), dim=1), sinks, self.scale)
+        selected = self._select(a, b, positions, self._index_keys(req)[:num], visible)
+        idx, valid = selected_indices(selected, self.attn.c.index_topk)
+        if b - a == 1:  # a decode row reads only its selected entries from the pool
+            assert self.cache.entries is not None
+            slots = self.entries_meta.entry_slots(req, 0, num)[idx.reshape(-1)]
+            own = self.cache.entries.gather(slots).view(*idx.shape, -1)
+        else:  # a prefill chunk's queries share one float32 copy of them all
+            own = self._request_entries(req)[idx]
+        return attend(q[a:b], window_keys, window_rows, sinks, self.scale, own, valid)
 
     def _select(
-        self,
-        picked: _Picked,
-        x: torch.Tensor,
-        q_res: torch.Tensor,
-        cache: V4LayerCache,
-        visible: torch.Tensor,
-        meta: AttentionMetadata,
-        rope: InterleavedRope,
+        self, a: int, b: int, positions: torch.Tensor, index_keys: torch.Tensor, visible: torch.Tensor
     ) -> torch.Tensor:
-        """CSA: each query's top index_topk visible entries by the indexer's score [n, L] bool."""
-        assert self.indexer is not None and cache.index_keys is not None
-        c, n, a, b = self.c, picked.positions.shape[0], picked.token, picked.token_end
-        index_meta = meta.compressed_for_layer(cache.index_id)
-        index_req = _request_of(index_meta.requests, a)
-        keys = cache.index_keys.gather(index_meta.entry_slots(index_req, 0, picked.num_entries))  # [L, d_I]
-        cos, sin = rope.cos_sin(picked.positions, x.dtype)
-        q = self.indexer.wq_b(q_res[a:b]).view(n, c.index_num_heads, c.index_head_dim)
+        """CSA: each query's top index_topk visible entries by the indexer's score, [n, E] bool."""
+        attn = self.attn
+        assert attn.indexer is not None
+        c, n = attn.c, b - a
+        cos, sin = self.rope.cos_sin(positions, self.x.dtype)
+        q = attn.indexer.wq_b(self.q_res[a:b]).view(n, c.index_num_heads, c.index_head_dim)
         q = rotate_trailing(q, cos, sin)
-        weights = self.indexer.weights_proj(x[a:b]).float() * c.index_num_heads**-0.5
-        scores = index_scores(q, keys, weights, c.index_head_dim**-0.5)  # [n, L]
+        weights = attn.indexer.weights_proj(self.x[a:b]).float() * c.index_num_heads**-0.5
+        scores = index_scores(q, index_keys, weights, c.index_head_dim**-0.5)  # [n, E]
         return selected_keys(scores, visible, c.index_topk)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Picked:
-    """The queries whose entries the indexer picks: flat tokens [token, token_end) at `positions`,
-    over the request's first `num_entries` entries."""
-
-    token: int
-    token_end: int
-    positions: torch.Tensor
-    num_entries: int
 
 
 def _request_of(requests: list[CompressedRequest], token: int) -> CompressedRequest:

@@ -46,6 +46,17 @@ def test_selection_matches_a_direct_ranking_ties_included(topk: int) -> None:
     assert torch.equal(selected_keys(scores[:12], causal, topk), _direct(scores[:12], causal, topk))
 
 
+@pytest.mark.parametrize("topk", [4, 16])
+def test_fast_rows_and_tied_rows_in_one_call_match_the_direct_ranking(topk: int) -> None:
+    """Rows without a tie at the cut-off take torch.topk, tied ones the stable sort, rows with fewer
+    visible keys than topk keep them all: each must agree with the direct ranking."""
+    gen = torch.Generator().manual_seed(2)
+    scores = (torch.randn(200, 64, generator=gen) * 4).round() / 4  # a quarter-step grid: some ties
+    visible = torch.rand(200, 64, generator=gen) > 0.2
+    visible[:20, 3:] = False  # 3 or fewer visible keys
+    assert torch.equal(selected_keys(scores, visible, topk), _direct(scores, visible, topk))
+
+
 def test_decode_reads_only_the_selected_latents(
     tiny_checkpoint_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
