@@ -111,6 +111,25 @@ class PlainKVLayer:
         return self.tensors
 
 
+def quantize_8bit(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (int8, or fp8_e4m3 as its uint8 bytes, [..., D]; its float32 scale [...]): one
+    absmax scale per row, so that the row's largest magnitude maps to the format's largest value."""
+    x = x.float()
+    top = INT8_MAX if kind == "int8" else FP8_E4M3_MAX
+    scale = (x.abs().amax(dim=-1) / top).clamp(min=MIN_SCALE)
+    scaled = x / scale[..., None]
+    if kind == "int8":
+        return torch.round(scaled).clamp(-top, top).to(torch.int8), scale
+    return scaled.to(torch.float8_e4m3fn).view(torch.uint8), scale
+
+
+def dequantize_8bit(data: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """quantize_8bit's rows back to float32; scale broadcast against data ([..., 1])."""
+    if kind == "fp8_e4m3":
+        return data.view(torch.float8_e4m3fn).float() * scale
+    return data.view(torch.int8).float() * scale
+
+
 class _QuantizedPool:
     """One quantized pool (K or V): data [slots, Hkv, D or D/2], scale [and zero] [slots, Hkv]."""
 
@@ -135,13 +154,7 @@ class _QuantizedPool:
             self.data.index_copy_(0, slots, packed)
             self.zero.index_copy_(0, slots, lo.to(SCALE_DTYPE))
         else:
-            top = INT8_MAX if self.kind == "int8" else FP8_E4M3_MAX
-            scale = (x.abs().amax(dim=-1) / top).clamp(min=MIN_SCALE)
-            scaled = x / scale[..., None]
-            if self.kind == "int8":
-                q = torch.round(scaled).clamp(-top, top).to(torch.int8)
-            else:
-                q = scaled.to(torch.float8_e4m3fn).view(torch.uint8)
+            q, scale = quantize_8bit(x, self.kind)
             self.data.index_copy_(0, slots, q)
         self.scale.index_copy_(0, slots, scale.to(SCALE_DTYPE))
 
@@ -152,10 +165,8 @@ class _QuantizedPool:
             assert self.zero is not None
             q = torch.stack([data & 0xF, data >> 4], dim=-1).flatten(-2).float()
             x = q * scale + self.zero.index_select(0, slots).float()[..., None]
-        elif self.kind == "fp8_e4m3":
-            x = data.view(torch.float8_e4m3fn).float() * scale
         else:
-            x = data.float() * scale
+            x = dequantize_8bit(data, scale, self.kind)
         return x.to(self.model_dtype)
 
     @property

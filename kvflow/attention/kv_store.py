@@ -81,12 +81,11 @@ class KVStore:
         )
         self.compressed_pages: CompressedPages | None = None
         if compressed:
-            if kv_cache_dtype != "auto":
-                raise ValueError(
-                    f"kv_cache_dtype {kv_cache_dtype!r} is not supported for DeepSeek-V4's compressed cache "
-                    "(its pages hold the model dtype): use auto"
-                )
-            self.compressed_pages = CompressedPages(num_layer_slots, num_blocks, block_size, head_dim, dtype)
+            if kv_cache_config is None:
+                raise ValueError("DeepSeek-V4's compressed cache needs its cache config (its page bytes)")
+            self.compressed_pages = CompressedPages(
+                num_layer_slots, num_blocks, kv_cache_config.page_bytes, dtype, kv_cache_dtype
+            )
         self.layers = [
             make_kv_layer(kv_cache_dtype, num_slots, num_kv_heads, head_dim, dtype)
             for _ in range(num_layer_slots if latent is None and not compressed else 0)
@@ -127,10 +126,10 @@ def kv_cache_config_for(
     parallelism: this rank's heads), and its linear-attention state layout if it has such layers.
     Byte sizes come from kvflow/kv_cache/cache_bytes.py, which the doctor's calculator shares."""
     model_dtype = str(dtype).removeprefix("torch.")
-    if cfg.compressed is not None and cache.kv_cache_dtype != "auto":
+    if cfg.compressed is not None and cache.kv_cache_dtype == "int4":
         raise ConfigError(
-            f"kv_cache_dtype {cache.kv_cache_dtype!r} is not supported for DeepSeek-V4's compressed cache "
-            "yet (its pages hold the model dtype): use auto"
+            "kv_cache_dtype 'int4' is not supported for DeepSeek-V4's compressed cache (auto, bfloat16, "
+            "float16, int8 and fp8_e4m3 are)"
         )
     config = model_kv_cache_config(
         cfg,

@@ -19,9 +19,9 @@ from kvflow.kv_cache.cache_bytes import (
     index_key_bytes,
     latent_token_bytes,
     model_kv_cache_config,
+    part_bytes,
     state_bytes,
     token_bytes,
-    value_bytes,
 )
 from kvflow.kv_cache.compressed_kinds import state_bytes as compressor_state_bytes
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
@@ -105,15 +105,16 @@ def _v4_decode_bytes(arch: ArchConfig, kv_dtype: str, model_dtype: str, context_
     (kvflow/doctor/v4_spec.py keys_read), each compressor's state read and written."""
     c = arch.compressed
     assert c is not None
-    item = value_bytes(kv_dtype, model_dtype)
+    vector = part_bytes(c.head_dim, kv_dtype, model_dtype)
+    index_key = part_bytes(c.index_head_dim, kv_dtype, model_dtype)
     out: dict[str, float] = {}
     for kind, n in layers_by_kind(arch).items():
         if kind in (CSA_STATE, HCA_STATE):
             out[kind] = 2.0 * n * compressor_state_bytes(c, CSA if kind == CSA_STATE else HCA)
             continue
-        vectors = v4_spec.keys_read(c, kind, context_len) * c.head_dim
-        vectors += v4_spec.index_keys_scored(c, kind, context_len) * c.index_head_dim
-        out[kind] = float(n * vectors * item)
+        read = v4_spec.keys_read(c, kind, context_len) * vector
+        read += v4_spec.index_keys_scored(c, kind, context_len) * index_key
+        out[kind] = float(n * read)
     return out
 
 
@@ -127,7 +128,9 @@ def prefill_kv_bytes(
     written: float = num_tokens * attention_layers * token_bytes(arch, kv_dtype, model_dtype)
     if arch.compressed is not None:  # each layer's window vector, and its share of the entries
         c = arch.compressed
-        per_token: float = arch.num_hidden_layers * c.head_dim + c.num_hca_layers * c.head_dim / c.hca_rate
-        per_token += c.num_csa_layers * (c.head_dim + c.index_head_dim) / c.csa_rate
-        written = num_tokens * per_token * value_bytes(kv_dtype, model_dtype)
+        vector = part_bytes(c.head_dim, kv_dtype, model_dtype)
+        index_key = part_bytes(c.index_head_dim, kv_dtype, model_dtype)
+        per_token = arch.num_hidden_layers * vector + c.num_hca_layers * vector / c.hca_rate
+        per_token += c.num_csa_layers * (vector + index_key) / c.csa_rate
+        written = num_tokens * per_token
     return written + sum(decode_step_kv_bytes_by_kind(arch, kv_dtype, model_dtype, context_len).values())

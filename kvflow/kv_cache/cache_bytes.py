@@ -36,16 +36,6 @@ def plain_bytes(kv_dtype: str, model_dtype: str) -> int:
     return PLAIN_BYTES.get(kv_dtype) or PLAIN_BYTES.get(model_dtype, PLAIN_BYTES["bfloat16"])
 
 
-def value_bytes(kv_dtype: str, model_dtype: str) -> float:
-    """Bytes per cached value, scales left out (DeepSeek-V4's kinds, sized by the calculator in any
-    KV dtype: int4 packs two values a byte)."""
-    if kv_dtype in QUANTIZED_8BIT:
-        return 1.0
-    if kv_dtype == "int4":
-        return 1.0 / INT4_PER_BYTE
-    return float(plain_bytes(kv_dtype, model_dtype))
-
-
 def part_bytes(width: int, kv_dtype: str, model_dtype: str) -> int:
     """One part (K or V of one head, or one latent part) of `width` values of one token."""
     if kv_dtype in QUANTIZED_8BIT:
@@ -111,11 +101,13 @@ def model_kv_cache_config(
 ) -> KVCacheConfig:
     """The cache groups of a model whose layers are `arch.cache_layer_kinds` (kv_cache_config.py;
     DeepSeek-V4's: compressed_kinds.py)."""
-    if arch.compressed is not None:  # the engine holds these in the model dtype (kv_store.py refuses others)
+    if arch.compressed is not None:  # vectors of head_dim / index_head_dim values (+ scales)
+        c = arch.compressed
         return build_compressed_kv_cache_config(
-            arch.compressed,
+            c,
             block_size=block_size,
-            itemsize=value_bytes(kv_dtype, model_dtype),
+            vector_bytes=part_bytes(c.head_dim, kv_dtype, model_dtype),
+            index_key_bytes=part_bytes(c.index_head_dim, kv_dtype, model_dtype),
             enable_prefix_caching=enable_prefix_caching,
             checkpoint_interval=checkpoint_interval,
         )

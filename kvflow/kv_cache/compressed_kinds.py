@@ -7,16 +7,17 @@ kv_cache_config.py applies unchanged: cache layers of one kind form groups over 
     csa_index_keys      its indexer's pooled keys, one per csa_rate tokens (index_head_dim each)
     hca_entries         an HCA layer's pooled entries, one per hca_rate tokens (head_dim each)
     csa_state/hca_state its compressor's state: raw projections of the last ring_rows positions
-A block is one page in every slot, `block_size` window tokens (block_size x head_dim values of
-the model dtype): an entries page holds page / entry bytes entries (index keys: head_dim /
-index_head_dim times as many), so a block of CSA entries spans block_size x csa_rate tokens, of
-HCA entries block_size x hca_rate. A state spans cdiv(state bytes, page) pages.
+A block is one page in every slot, `block_size` window tokens (block_size x head_dim values, in the
+model dtype or int8 / fp8 with a 2-byte scale each): an entries page holds page / entry bytes
+entries (index keys: about head_dim / index_head_dim times as many), so a block of CSA entries spans
+block_size x csa_rate tokens, of HCA entries block_size x hca_rate. A state (float32 whatever the
+KV dtype) spans cdiv(state bytes, page) pages.
 
 Prefix hits land where every group can serve them: a multiple of each compressed kind's block span
 (HCA's: block_size x 128 = 2,048 tokens at 16-token blocks), where each compressor's pending tail
 is empty. HCA then needs nothing of its state; CSA needs the raw rows of the window before (its
 overlap), so CSA states are checkpointed at multiples of `checkpoint_interval` (a multiple of the
-spans). KV quantization is not offered for these kinds (the pages hold the model dtype).
+spans).
 """
 
 from __future__ import annotations
@@ -100,14 +101,16 @@ def build_compressed_kv_cache_config(
     c: CompressedAttentionConfig,
     *,
     block_size: int,
-    itemsize: float,
+    vector_bytes: int,
+    index_key_bytes: int,
     enable_prefix_caching: bool = True,
     checkpoint_interval: int | None = None,
 ) -> KVCacheConfig:
-    """The groups of a DeepSeek-V4 model (module docstring); itemsize: bytes per cached value (the
-    model dtype's in the engine; the calculator's what-ifs size other KV dtypes)."""
-    page_bytes = round(block_size * c.head_dim * itemsize)
-    entry = round(c.head_dim * itemsize)
+    """The groups of a DeepSeek-V4 model (module docstring). vector_bytes: one window vector or
+    entry (head_dim values, and its scale when quantized: cache_bytes.part_bytes); index_key_bytes:
+    one indexer key (index_head_dim values and scale)."""
+    page_bytes = block_size * vector_bytes
+    entry = vector_bytes
     specs: dict[str, KVCacheSpec] = {
         WINDOW: SlidingWindowSpec(block_size, page_bytes, c.sliding_window),
         CSA_ENTRIES: CompressedSpec(
@@ -121,7 +124,7 @@ def build_compressed_kv_cache_config(
             block_size,
             page_bytes,
             c.csa_rate,
-            _entries_per_block(page_bytes, round(c.index_head_dim * itemsize), block_size, c.csa_rate),
+            _entries_per_block(page_bytes, index_key_bytes, block_size, c.csa_rate),
             CSA_INDEX,
         ),
         HCA_ENTRIES: CompressedSpec(

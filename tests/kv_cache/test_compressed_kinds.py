@@ -32,7 +32,11 @@ TINY: dict[str, Any] = {
 def _config(block_size: int = 4, interval: int | None = 32) -> KVCacheConfig:
     c = compressed_attention_config(TINY, len(TINY["layer_types"]), "config.json")
     return build_compressed_kv_cache_config(
-        c, block_size=block_size, itemsize=4, checkpoint_interval=interval
+        c,
+        block_size=block_size,
+        vector_bytes=32 * 4,
+        index_key_bytes=16 * 4,
+        checkpoint_interval=interval,
     )
 
 
@@ -104,7 +108,7 @@ def test_v4_pro_groups_and_spans_at_16_token_blocks() -> None:
         61,
         "config.json",
     )
-    config = build_compressed_kv_cache_config(c, block_size=16, itemsize=2)
+    config = build_compressed_kv_cache_config(c, block_size=16, vector_bytes=512 * 2, index_key_bytes=128 * 2)
     spans = {
         (g.spec.compress_rate, g.spec.entries_per_block, g.spec.tokens_per_block)
         for g in config.groups

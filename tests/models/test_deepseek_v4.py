@@ -17,6 +17,7 @@ from test_hf_equivalence import _check, _params, hf_reference
 
 from kvflow import LLM, SamplingParams
 from kvflow.compressed_config import WINDOW
+from kvflow.config import ConfigError
 from kvflow.errors import ModelLoadError
 
 pytest.importorskip("transformers")
@@ -99,3 +100,85 @@ def test_quantized_checkpoints_are_refused_naming_quantization_config(
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises((ModelLoadError, ValueError), match="quantization_config"):
         LLM(str(tmp_path), dtype="float32")
+
+
+# Teacher-forced top-1 agreement with the bf16 pool over 96 positions. Measured: int8 86, fp8 73
+# (bf16 itself in 4-token chunks: 94): below MLA's floors (tests/models/test_mla.py), since K = V puts
+# the rounding in the values as well as the scores, and an index key's rounding can flip a top-k pick.
+KV_AGREEMENT_FLOOR = {"int8": 0.85, "fp8_e4m3": 0.7}
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
+def test_quantized_compressed_kv_is_close_to_bf16(
+    tiny_checkpoint_factory: Callable[..., Path], kind: str
+) -> None:
+    """Windows, entries and indexer keys in int8 / fp8 with a scale per vector (the compressor states
+    stay float32): next-token argmax along the bf16-pool greedy continuation, 4-token chunks reading
+    the quantized context back (kvflow/attention/compressed_store.py)."""
+    from quant.test_kv_quant import teacher_forced_agreement
+
+    path = str(tiny_checkpoint_factory(V4_ARCH))
+    prompts = [[5 + i, 17, 42 + i, 99, 7, 3 + i, 250, 11] * 6 for i in range(8)]  # 48 tokens: 12 CSA entries
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    bf16 = LLM(path, dtype="bfloat16", max_model_len=128)
+    reference = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
+    llm = LLM(
+        path, dtype="bfloat16", max_model_len=128, kv_cache_dtype=kind, max_num_batched_tokens=4,
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    engine = llm.llm_engine
+    # Every vector is its values in one byte each and a 2-byte scale: 16 tokens x (32 + 2) a page.
+    assert engine.kv_cache_config.page_bytes == 16 * (32 + 2)
+    agree, total = teacher_forced_agreement(llm, prompts, reference)
+    print(f"deepseek_v4 {kind} compressed KV: teacher-forced top-1 agreement with bf16 KV {agree}/{total}")
+    assert agree / total >= KV_AGREEMENT_FLOOR[kind]
+
+
+def test_int4_compressed_kv_is_refused(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    with pytest.raises(ConfigError, match=r"int4.*not supported for DeepSeek-V4"):
+        LLM(str(tiny_checkpoint_factory(V4_ARCH)), dtype="float32", kv_cache_dtype="int4")
+
+
+@pytest.mark.parametrize("kind", ["auto", "int8", "fp8_e4m3"])
+def test_entry_pool_round_trip(kind: str) -> None:
+    """Rows written at slots across pages read back (to within the format's step), and the scales
+    at the end of a page never overwrite another row's values."""
+    import torch
+
+    from kvflow.attention.compressed_store import EntryPool
+
+    width, per, blocks = 16, 6, 4
+    page = per * (width + 2) if kind != "auto" else per * width * 4
+    pages = torch.zeros(blocks, page, dtype=torch.uint8)
+    pool = EntryPool(pages, per, width, torch.float32, kind)
+    slots = torch.tensor([1, 5, 6, 11, 23])
+    values = torch.randn(5, width)
+    pool.write(slots, values)
+    back = pool.gather(slots)
+    tolerance = {"auto": 0.0, "int8": 0.02, "fp8_e4m3": 0.07}[kind]
+    assert torch.allclose(back, values, atol=tolerance * float(values.abs().max()), rtol=tolerance)
+    assert pool.gather(torch.tensor([0, 2])).abs().sum() == 0  # untouched rows stay zero
+
+
+def test_the_mtp_layer_in_a_checkpoint_does_not_break_loading(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Released V4 checkpoints carry their multi-token-prediction layer (mtp.*,
+    num_nextn_predict_layers): not run here (speculation comes later), left unread with a warning."""
+    import logging
+
+    import torch
+    from safetensors.torch import save_file
+
+    source = tiny_checkpoint_factory(V4_ARCH)
+    for item in source.iterdir():
+        (tmp_path / item.name).symlink_to(item)
+    save_file(
+        {"mtp.0.attn.wq_a.weight": torch.zeros(32, 64), "mtp.0.enorm.weight": torch.ones(64)},
+        tmp_path / "mtp.safetensors",
+    )
+    with caplog.at_level(logging.WARNING, logger="kvflow"):
+        llm = LLM(str(tmp_path), dtype="float32")
+    assert any("mtp.0." in r.getMessage() for r in caplog.records)
+    out = llm.generate([[5, 17, 42, 99]], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
