@@ -60,6 +60,8 @@ from kvflow.models.llama import LlamaFamilyForCausalLM
 if TYPE_CHECKING:
     from kvflow.models.loader import TensorReader
 
+# Storage dtypes of quantized checkpoint tensors (FP8 e4m3 / e5m2, FP4 packed in int8 / uint8 bytes).
+QUANTIZED_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
 NATIVE_DECODE_UNSUPPORTED_V4 = "compressed attention, hyper-connections and experts run on the Python path"
 # Query rows scored against the compressed keys at once in a prefill chunk: bounds the
 # [rows, index heads, entries] float32 scores (64 x 64 x 32k entries = 512 MiB at V4-Pro's 128k).
@@ -512,6 +514,12 @@ class DeepseekV4ForCausalLM(LlamaFamilyForCausalLM):
                 raise ModelLoadError(f"checkpoint is missing tensor {options[0]!r} (needed for {name})")
             sources.append(found)
         tensors = [reader.read(s) for s in sources]
+        for source, tensor in zip(sources, tensors, strict=True):
+            if tensor.dtype in QUANTIZED_STORAGE:
+                raise ModelLoadError(
+                    f"{source} is stored as {tensor.dtype} (the checkpoint's quantization_config): "
+                    "DeepSeek-V4's FP8 / FP4 weights are not loaded yet; use a bf16 or float32 checkpoint"
+                )
         merged = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
         if tuple(merged.shape) != tuple(param.shape):
             raise ModelLoadError(

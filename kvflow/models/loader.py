@@ -26,8 +26,7 @@ from kvflow.models.registry import MODEL_REGISTRY
 from kvflow.quant.apply import quantize_model
 from kvflow.quant.checkpoint_formats import (
     TENSOR_SUFFIXES,
-    UnpackedInt4,
-    UnpackedInt8,
+    Unpacked,
     parse_quantization_config,
 )
 from kvflow.quant.prequantized import build_linear, is_prequantized, unpack_source
@@ -159,7 +158,7 @@ def load_model(
     used: set[str] = set()
     available = set(files)
     checkpoint_quant = parse_quantization_config(load_hf_config(model_dir))
-    packed: dict[str, list[UnpackedInt4 | UnpackedInt8]] = {}  # module path -> its unpacked parts
+    packed: dict[str, list[Unpacked]] = {}  # module path -> its unpacked parts
     with torch.no_grad():
         # Families with their own checkpoint names (experts, routers) map those themselves.
         family_sources = getattr(model, "checkpoint_sources", None)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvflow.errors import ModelLoadError
+from kvflow.quant.fp8 import UnpackedFp8, unpack_fp8_block, unpack_fp8_channel
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # position j of a word holds column AWQ_PACK_ORDER[j]
 BITS_PER_WORD = 32
@@ -43,6 +44,7 @@ class CheckpointQuant:
     symmetric: bool
     desc_act: bool = False
     gptq_v1: bool = True  # GPTQ's zeros stored minus one (AutoGPTQ's original format)
+    block_rows: int = 1  # fp8 block scales: output rows per block (weight_block_size[0])
 
 
 @dataclass(frozen=True)
@@ -94,15 +96,25 @@ def parse_quantization_config(config: Mapping[str, Any]) -> CheckpointQuant | No
         return CheckpointQuant("awq", bits, group_size, symmetric=not qc.get("zero_point", True))
     if method == "compressed-tensors":
         return _compressed_tensors_config(qc)
+    if method == "fp8":  # DeepSeek's and Qwen3-FP8's block-scaled e4m3 (kvflow/quant/fp8.py)
+        fmt = str(qc.get("fmt", "e4m3")).lower()
+        block = qc.get("weight_block_size")
+        if fmt != "e4m3" or not block or len(block) != 2:
+            raise ModelLoadError(
+                f"quantization_config fp8: fmt {fmt!r}, weight_block_size {block!r}: kvflow reads e4m3 "
+                "weights with [rows, cols] block scales"
+            )
+        return CheckpointQuant("fp8", 8, int(block[1]), True, block_rows=int(block[0]))
     raise ModelLoadError(
-        f"quantization_config.quant_method {method!r} is not supported (gptq, awq, compressed-tensors)"
+        f"quantization_config.quant_method {method!r} is not supported (gptq, awq, compressed-tensors, fp8)"
     )
 
 
 def _compressed_tensors_config(qc: Mapping[str, Any]) -> CheckpointQuant:
-    if qc.get("format") != "pack-quantized":
+    fmt = qc.get("format")
+    if fmt not in ("pack-quantized", "float-quantized"):
         raise ModelLoadError(
-            f"compressed-tensors format {qc.get('format')!r} is not supported (pack-quantized only)"
+            f"compressed-tensors format {fmt!r} is not supported (pack-quantized, float-quantized)"
         )
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
@@ -110,6 +122,22 @@ def _compressed_tensors_config(qc: Mapping[str, Any]) -> CheckpointQuant:
             "compressed-tensors: exactly one config group (all linear layers alike) is supported"
         )
     weights = groups[0]["weights"]
+    if fmt == "float-quantized":  # FP8 e4m3 per channel or per tensor (kvflow/quant/fp8.py)
+        strategy = weights.get("strategy", "channel")
+        if (
+            weights.get("type") != "float"
+            or int(weights.get("num_bits", 0)) != 8
+            or strategy
+            not in (
+                "channel",
+                "tensor",
+            )
+        ):
+            raise ModelLoadError(
+                f"compressed-tensors float-quantized: {weights.get('num_bits')}-bit {weights.get('type')} "
+                f"weights by {strategy!r} are not supported (8-bit float, channel or tensor)"
+            )
+        return CheckpointQuant("compressed-tensors-fp8", 8, -1, True)
     strategy = weights.get("strategy", "group")
     group_size = int(weights["group_size"]) if strategy == "group" else -1
     return CheckpointQuant(
@@ -202,14 +230,28 @@ def unpack_compressed_tensors(
     return _to_common_int4(levels, (offset + zero_point).t(), scale.t(), g_idx)
 
 
-UNPACKERS: dict[str, Callable[[Mapping[str, torch.Tensor], CheckpointQuant], UnpackedInt4 | UnpackedInt8]] = {
+def _unpack_fp8_block(tensors: Mapping[str, torch.Tensor], quant: CheckpointQuant) -> UnpackedFp8:
+    return unpack_fp8_block(tensors, quant.block_rows, quant.group_size)
+
+
+def _unpack_fp8_channel(tensors: Mapping[str, torch.Tensor], quant: CheckpointQuant) -> UnpackedFp8:
+    return unpack_fp8_channel(tensors)
+
+
+Unpacked = UnpackedInt4 | UnpackedInt8 | UnpackedFp8
+UNPACKERS: dict[str, Callable[[Mapping[str, torch.Tensor], CheckpointQuant], Unpacked]] = {
     "gptq": unpack_gptq,
     "awq": unpack_awq,
     "compressed-tensors": unpack_compressed_tensors,
+    "fp8": _unpack_fp8_block,
+    "compressed-tensors-fp8": _unpack_fp8_channel,
 }
 # The checkpoint tensors of one quantized projection, by format (suffixes after "<proj>.").
 TENSOR_SUFFIXES = {
     "gptq": ("qweight", "qzeros", "scales", "g_idx"),
     "awq": ("qweight", "qzeros", "scales"),
     "compressed-tensors": ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"),
+    # fp8: the scale first, since it marks a quantized projection (every projection has a `weight`).
+    "fp8": ("weight_scale_inv", "weight"),
+    "compressed-tensors-fp8": ("weight_scale", "weight"),
 }

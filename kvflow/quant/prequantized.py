@@ -13,9 +13,11 @@ from kvflow.quant.checkpoint_formats import (
     TENSOR_SUFFIXES,
     UNPACKERS,
     CheckpointQuant,
+    Unpacked,
     UnpackedInt4,
     UnpackedInt8,
 )
+from kvflow.quant.fp8 import Fp8Linear, UnpackedFp8
 from kvflow.quant.linear import ConcatLinear, Int4Linear, Int8Linear
 from kvflow.quant.weights import Int4Weight, Int8Weight
 
@@ -27,7 +29,7 @@ def is_prequantized(source: str, available: set[str], quant: CheckpointQuant) ->
 
 def unpack_source(
     source: str, quant: CheckpointQuant, read: Callable[[str], torch.Tensor], available: set[str]
-) -> UnpackedInt4 | UnpackedInt8:
+) -> Unpacked:
     tensors = {
         s: read(f"{source}.{s}") for s in TENSOR_SUFFIXES[quant.method] if f"{source}.{s}" in available
     }
@@ -37,10 +39,14 @@ def unpack_source(
         raise ModelLoadError(f"{source}: missing tensor {exc} of the {quant.method} format") from exc
 
 
-def build_linear(
-    parts: list[UnpackedInt4 | UnpackedInt8], bias: torch.Tensor | None, dtype: torch.dtype
-) -> nn.Module:
+def build_linear(parts: list[Unpacked], bias: torch.Tensor | None, dtype: torch.dtype) -> nn.Module:
     """One module for a (possibly merged) projection; the bias is the merged bias."""
+    if all(isinstance(p, UnpackedFp8) for p in parts):
+        fp8 = [p for p in parts if isinstance(p, UnpackedFp8)]
+        if len({p.block for p in fp8}) != 1:
+            raise ModelLoadError("a merged FP8 projection mixes scale block sizes")
+        merged = UnpackedFp8(torch.cat([p.q for p in fp8]), torch.cat([p.scale for p in fp8]), fp8[0].block)
+        return Fp8Linear(merged, bias, dtype)
     if all(isinstance(p, UnpackedInt8) for p in parts):
         q = torch.cat([p.q for p in parts])
         scale = torch.cat([p.scale for p in parts])

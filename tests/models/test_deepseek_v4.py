@@ -91,14 +91,27 @@ def test_a_request_holds_its_window_and_entries_at_one_per_rate(
 def test_quantized_checkpoints_are_refused_naming_quantization_config(
     tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
+    """A released V4 checkpoint stores its projections in FP8 (block scales) and its experts in FP4:
+    until those formats load for V4, a clear error names the tensor and quantization_config."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
     source = tiny_checkpoint_factory(V4_ARCH)
     for item in source.iterdir():
-        (tmp_path / item.name).symlink_to(item)
+        if item.name != "model.safetensors":
+            (tmp_path / item.name).symlink_to(item)
+    tensors = load_file(source / "model.safetensors")
+    name = "model.layers.1.attn.wq_a.weight"
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    tensors["model.layers.1.attn.wq_a.weight_scale_inv"] = torch.ones(1, 1)
+    save_file(tensors, tmp_path / "model.safetensors")
     config = json.loads((source / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
     (tmp_path / "config.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises((ModelLoadError, ValueError), match="quantization_config"):
+    with pytest.raises(
+        ModelLoadError, match=r"wq_a\.weight is stored as torch\.float8_e4m3fn.*quantization_config"
+    ):
         LLM(str(tmp_path), dtype="float32")
 
 
