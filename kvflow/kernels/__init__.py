@@ -9,6 +9,8 @@
   attention_sinks.h);
 - `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs on 16-row tiles with VNNI
   for decode and row-block dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
+  `fp8_weight_kernel()`: the FP8 (e4m3, block-scaled) decode GEMV over the checkpoint's bytes
+  (gemv_fp8.cpp);
 - `argmax_rows()`: greedy sampling's argmax over the vocabulary (argmax.cpp);
 - `on_huge_pages()` / `zeros_on_huge_pages()`: tensors on 2 MiB transparent huge pages, for the
   weights and KV pools decode streams (huge_pages.cpp);
@@ -122,6 +124,7 @@ _SOURCES = (
     "decode_forward.cpp",
     "elementwise.cpp",
     "gemv_bf16.cpp",
+    "gemv_fp8.cpp",
     "gemv_int8.cpp",
     "gemv_int4.cpp",
     "huge_pages.cpp",
@@ -305,6 +308,16 @@ def paged_decode_attention_quantized() -> PagedDecodeAttentionQuantized | None:
 def int8_weight_kernels() -> tuple[SkinnyLinearInt8, DequantizeInt8Rows] | None:
     module = _native_module()
     return None if module is None else (module.skinny_linear_int8, module.dequantize_int8_rows)
+
+
+# (x [M <= 8, K] bf16, q [N, K] uint8 e4m3 bytes, scale [N, ceil(K / block)] fp32, block, bias) -> [M, N] bf16
+SkinnyLinearFp8 = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, torch.Tensor | None], torch.Tensor]
+
+
+def fp8_weight_kernel() -> SkinnyLinearFp8 | None:
+    """The FP8 decode GEMV (gemv_fp8.cpp), or None without the native kernels."""
+    module = _native_module()
+    return None if module is None else module.skinny_linear_fp8
 
 
 def int4_weight_kernels() -> tuple[SkinnyLinearInt4, DequantizeInt4Rows] | None:

@@ -5,6 +5,8 @@
 #include "decode_forward.h"
 
 torch::Tensor empty_huge_pages(int64_t nbytes);
+torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t block,
+                                c10::optional<torch::Tensor> bias);
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor slots, double scale, c10::optional<torch::Tensor> sinks);
 
@@ -162,6 +164,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "causal attention of a prefill chunk over its keys in the paged bf16 KV pool (flash style)", py::arg("q"),
         py::arg("key_cache"), py::arg("value_cache"), py::arg("slots"), py::arg("scale"), py::arg("sinks") = py::none());
   m.def("skinny_linear_int8", &skinny_linear_int8, "y = x @ (q * s)^T (+ b) for few rows x, int8 16-row tiles");
+  m.def("skinny_linear_fp8", &skinny_linear_fp8, "y = x @ W^T (+ b) for few rows x, W e4m3 bytes x block scales",
+        py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("block"), py::arg("bias") = py::none());
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
   m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16 (n_begin % 16 == 0)");
   m.def("dequantize_int8_rows", &dequantize_int8_rows, "rows [n_begin, n_end) of q * s as bf16 (n_begin % 16 == 0)");

@@ -9,10 +9,12 @@ W[n, k] = e4m3(q[n, k]) x scale[n, k // block]):
         are expanded to one row each so that merged projections (q/k/v) concatenate along N.
     compressed-tensors float-quantized           `weight` float8_e4m3fn, `weight_scale` [N, 1]
         (strategy channel) or [1] (tensor): block = K.
-Fp8Linear multiplies by row blocks dequantized to the activation dtype as they are needed, so the
-model holds 1 + 4 / block bytes per weight (+ 4 bytes per row and K block of scales). Activations
-stay in the model dtype (there is no FP8 arithmetic on these CPUs). No native kernel yet: every step
-widens the weights it reads (a decode step moves ~5 bytes per weight instead of a bf16 GEMV's 2).
+Fp8Linear holds 1 byte per weight (+ 4 bytes per row and K block of scales). Activations stay in
+the model dtype (there is no FP8 arithmetic on these CPUs). bf16 decode rows (up to
+FP8_GEMV_MAX_ROWS) take the native GEMV, which widens the bytes in registers
+(kvflow/kernels/gemv_fp8.cpp); longer chunks and float32 multiply by row blocks dequantized to the
+activation dtype as they are needed (a prefill chunk is compute-bound: the widening is amortized
+over its rows).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import torch
 from torch import nn
 
 from kvflow.errors import ModelLoadError
+from kvflow.kernels import fp8_weight_kernel
 from kvflow.layers.bf16_gemm import bf16_linear_blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
 # Weights widened at once by a step: bounds the temporary copy (4M values = 8 MiB in bf16).
 WIDEN_ELEMENTS = 1 << 22
+FP8_GEMV_MAX_ROWS = 8  # the native GEMV's row limit (gemv_fp8.cpp kMaxRows)
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,7 @@ class Fp8Linear(nn.Module):
         self.register_buffer("qweight", weight.q)
         self.register_buffer("scales", weight.scale)
         self.register_buffer("bias", None if bias is None else bias.to(dtype))
+        self._gemv = fp8_weight_kernel() if dtype == torch.bfloat16 else None
 
     def _weight(self) -> UnpackedFp8:
         return UnpackedFp8(self.qweight, self.scales, self.block)
@@ -104,6 +109,8 @@ class Fp8Linear(nn.Module):
             yield w.rows(n0, min(self.out_features, n0 + rows), dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        if self._gemv is not None and x.dtype == torch.bfloat16 and x.shape[0] <= FP8_GEMV_MAX_ROWS:
+            return self._gemv(x, self.qweight, self.scales, self.block, self.bias)
         if x.dtype == torch.bfloat16:
             y = bf16_linear_blocks(x, self._blocks(x.dtype))
         else:

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from kvflow import LLM
+from kvflow import LLM, SamplingParams
 from kvflow.errors import ModelLoadError
 from kvflow.quant.fp8 import FP8_DTYPE, Fp8Linear
 
@@ -141,3 +141,26 @@ def test_tensor_parallel_over_fp8_is_refused_clearly() -> None:
     )
     with pytest.raises(ConfigError, match="fp8 checkpoints is not supported yet"):
         ShardLayout.plan(arch, 0, 2, None, CheckpointQuant("fp8", 8, 128, True, block_rows=128))
+
+
+def test_bf16_decode_through_the_fp8_gemv_agrees_with_the_dequantized_model(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    """In bf16 the decode rows go through the native GEMV (gemv_fp8.cpp), the prefill through widened
+    row blocks: next tokens along the dequantized bf16 model's greedy continuation, teacher-forced."""
+    from kvflow.kernels import fp8_weight_kernel
+
+    if fp8_weight_kernel() is None:
+        pytest.skip("native kernels unavailable on this machine")
+    from quant.test_kv_quant import teacher_forced_agreement
+
+    quantized, dequantized = _write_pair(tiny_checkpoint_factory("llama"), tmp_path, "block")
+    prompts = [[5 + i, 17, 42 + i, 99, 7] * 4 for i in range(6)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    reference = [
+        o.outputs[0].token_ids for o in LLM(str(dequantized), dtype="bfloat16").generate(prompts, params)
+    ]
+    llm = LLM(str(quantized), dtype="bfloat16", max_num_batched_tokens=4, enable_prefix_caching=False)
+    agree, total = teacher_forced_agreement(llm, prompts, reference)
+    print(f"fp8 GEMV vs dequantized bf16: teacher-forced top-1 agreement {agree}/{total}")
+    assert agree / total >= 0.9
