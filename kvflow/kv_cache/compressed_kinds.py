@@ -40,8 +40,8 @@ from kvflow.config import ConfigError
 from kvflow.kv_cache.kv_cache_config import (
     CHECKPOINT_COST_RATIO,
     KVCacheConfig,
-    KVCacheGroup,
     group_size_for,
+    lay_out_groups,
 )
 from kvflow.kv_cache.specs import (
     CompressedSpec,
@@ -180,14 +180,4 @@ def build_compressed_kv_cache_config(
     by_kind: dict[str, list[int]] = {}
     for index, kind in enumerate(kinds):
         by_kind.setdefault(kind, []).append(index)
-    size = _group_size({kind: len(v) for kind, v in by_kind.items()})
-    groups: list[KVCacheGroup] = []
-    layer_group = [0] * len(kinds)
-    layer_slot = [0] * len(kinds)
-    for kind, members_all in by_kind.items():
-        for start in range(0, len(members_all), size):
-            members = tuple(members_all[start : start + size])
-            for slot, layer in enumerate(members):
-                layer_group[layer], layer_slot[layer] = len(groups), slot
-            groups.append(KVCacheGroup(specs[kind], members))
-    return KVCacheConfig(tuple(groups), size, tuple(layer_group), tuple(layer_slot))
+    return lay_out_groups(by_kind, specs, _group_size({kind: len(v) for kind, v in by_kind.items()}))

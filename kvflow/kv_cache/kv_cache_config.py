@@ -159,9 +159,16 @@ def build_kv_cache_config(
             pages_per_state=pages,
             checkpoint_interval=interval if enable_prefix_caching else None,
         )
+    return lay_out_groups(by_kind, specs, size)
+
+
+def lay_out_groups(by_kind: dict[str, list[int]], specs: dict[str, KVCacheSpec], size: int) -> KVCacheConfig:
+    """Layers of each kind (by_kind: kind -> its layers, in order) cut into groups of `size`, the
+    i-th layer of a group in layer slot i (module docstring)."""
+    num_layers = sum(len(layers) for layers in by_kind.values())
     groups: list[KVCacheGroup] = []
-    layer_group = [0] * len(layer_kinds)
-    layer_slot = [0] * len(layer_kinds)
+    layer_group = [0] * num_layers
+    layer_slot = [0] * num_layers
     for kind, layers in by_kind.items():
         for start in range(0, len(layers), size):
             members = tuple(layers[start : start + size])
