@@ -60,8 +60,6 @@ from kvflow.models.llama import LlamaFamilyForCausalLM
 if TYPE_CHECKING:
     from kvflow.models.loader import TensorReader
 
-# Storage dtypes of quantized checkpoint tensors (FP8 e4m3 / e5m2, FP4 packed in int8 / uint8 bytes).
-QUANTIZED_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
 NATIVE_DECODE_UNSUPPORTED_V4 = "compressed attention, hyper-connections and experts run on the Python path"
 # Query rows scored against the compressed keys at once in a prefill chunk: bounds the
 # [rows, index heads, entries] float32 scores (64 x 64 x 32k entries = 512 MiB at V4-Pro's 128k).
@@ -433,6 +431,7 @@ class DeepseekV4ForCausalLM(LlamaFamilyForCausalLM):
         self.cache_ids = layer_cache_ids(c)
         self.max_positions = max_positions
         self._ropes: tuple[InterleavedRope, InterleavedRope] | None = None
+        self._layer_caches: tuple[KVStore, list[V4LayerCache]] | None = None
 
     def make_layer(self, cfg: ArchConfig, dtype: torch.dtype, index: int) -> nn.Module:
         return V4DecoderLayer(cfg, dtype, index)
@@ -491,8 +490,11 @@ class DeepseekV4ForCausalLM(LlamaFamilyForCausalLM):
         hidden = self.embed(input_ids)
         streams = hidden.unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()  # [T, hc, D]
         ropes = self.ropes()
-        for i, layer in enumerate(self.layers):
-            streams = layer(streams, input_ids, ropes, self.layer_cache(kv_store, i), meta)
+        if self._layer_caches is None or self._layer_caches[0] is not kv_store:
+            # Views of the store's pages, built once per store rather than every step and layer.
+            self._layer_caches = (kv_store, [self.layer_cache(kv_store, i) for i in range(len(self.layers))])
+        for layer, cache in zip(self.layers, self._layer_caches[1], strict=True):
+            streams = layer(streams, input_ids, ropes, cache, meta)
         collapsed = hyper_head(
             streams,
             self.hc_head_fn,
@@ -513,20 +515,9 @@ class DeepseekV4ForCausalLM(LlamaFamilyForCausalLM):
             if found is None:
                 raise ModelLoadError(f"checkpoint is missing tensor {options[0]!r} (needed for {name})")
             sources.append(found)
-        tensors = [reader.read(s) for s in sources]
-        for source, tensor in zip(sources, tensors, strict=True):
-            if tensor.dtype in QUANTIZED_STORAGE:
-                raise ModelLoadError(
-                    f"{source} is stored as {tensor.dtype} (the checkpoint's quantization_config): "
-                    "DeepSeek-V4's FP8 / FP4 weights are not loaded yet; use a bf16 or float32 checkpoint"
-                )
-        merged = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
-        if tuple(merged.shape) != tuple(param.shape):
-            raise ModelLoadError(
-                f"shape mismatch for {name}: expected {tuple(param.shape)} from config.json, got "
-                f"{tuple(merged.shape)} from {', '.join(sources)}"
-            )
-        param.copy_(merged.to(param.dtype))
+        from kvflow.models.loader import load_param_sources  # the loader imports the registry, so late
+
+        load_param_sources(name, param, sources, reader)
         used.update(sources)
         return True
 

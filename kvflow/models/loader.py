@@ -124,11 +124,25 @@ class _ShardReader:
             raise ModelLoadError(f"{_unreadable(path, exc)} (reading tensor {name!r})") from exc
 
 
-def _load_param(name: str, param: torch.Tensor, sources: list[str], reader: TensorReader) -> None:
+# Storage dtypes of quantized checkpoint tensors (FP8 e4m3 / e5m2; FP4 or int packed into bytes).
+QUANTIZED_STORAGE = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+
+
+def load_param_sources(name: str, param: torch.Tensor, sources: list[str], reader: TensorReader) -> None:
+    """Copy the checkpoint tensors `sources` (concatenated along dim 0) into `param`, or a
+    ModelLoadError naming the tensor: missing, of the wrong shape, or quantized storage for a
+    floating-point parameter (a format the checkpoint's quantization_config names that no
+    kvflow layer reads for this projection: the bytes would be taken as numbers)."""
     for src in sources:
         if src not in reader.files:
             raise ModelLoadError(f"checkpoint is missing tensor {src!r} (needed for {name})")
     tensors = [reader.read(src) for src in sources]
+    for src, tensor in zip(sources, tensors, strict=True):
+        if tensor.dtype in QUANTIZED_STORAGE and param.is_floating_point():
+            raise ModelLoadError(
+                f"{src} is stored as {tensor.dtype} (the checkpoint's quantization_config): kvflow does not "
+                f"read that format for {name} yet; use a bf16 or float32 checkpoint"
+            )
     merged = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
     if tuple(merged.shape) != tuple(param.shape):
         detail = ", ".join(
@@ -179,7 +193,7 @@ def load_model(
                     f"{b}.{suffix}" for b in bases for suffix in TENSOR_SUFFIXES[checkpoint_quant.method]
                 )
                 continue
-            _load_param(name, param, sources, reader)
+            load_param_sources(name, param, sources, reader)
             used.update(sources)
         for path, parts in packed.items():
             parent_path, _, attr = path.rpartition(".")
