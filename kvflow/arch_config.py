@@ -37,6 +37,8 @@ from kvflow.compressed_config import (
     compressed_attention_config,
 )
 from kvflow.errors import ModelLoadError
+from kvflow.gguf.gguf_config import gguf_hf_config
+from kvflow.gguf.gguf_file import is_gguf_path, open_gguf
 
 DENSE_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -221,6 +223,9 @@ class ArchConfig:
 
 
 def load_hf_config(model_dir: Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory, or the same fields read from a GGUF file's metadata."""
+    if is_gguf_path(model_dir):
+        return gguf_hf_config(open_gguf(model_dir))
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{path}: missing config.json (is {model_dir} a Hugging Face checkpoint?)")
@@ -636,5 +641,7 @@ def _yarn_mscale(scale: float, mscale: float) -> float:
 
 
 def load_arch_config(model_dir: Path) -> ArchConfig:
-    """config.json of a checkpoint directory -> ArchConfig; errors name the file's full path."""
-    return parse_arch_config(load_hf_config(model_dir), source=str(model_dir / "config.json"))
+    """config.json of a checkpoint directory (or a GGUF file's metadata) -> ArchConfig; errors name
+    the file's full path."""
+    source = model_dir if is_gguf_path(model_dir) else model_dir / "config.json"
+    return parse_arch_config(load_hf_config(model_dir), source=str(source))

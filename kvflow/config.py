@@ -38,7 +38,17 @@ def _check_choice(name: str, value: object, choices: Any) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    model: str = field(default="", metadata={"help": "Hugging Face checkpoint directory"})
+    model: str = field(
+        default="",
+        metadata={"help": "Hugging Face checkpoint directory, or a GGUF file (llama.cpp's format)"},
+    )
+    tokenizer: str | None = field(
+        default=None,
+        metadata={
+            "help": "tokenizer directory (tokenizer.json) or GGUF file; default: the model's own (a GGUF "
+            "file's from its metadata)"
+        },
+    )
     dtype: DType = field(
         default="auto",
         metadata={

@@ -27,6 +27,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvflow.errors import InvalidRequestError, ModelLoadError
+from kvflow.gguf.gguf_file import is_gguf_path, open_gguf
+from kvflow.gguf.gguf_tokenizer import gguf_tokenizer_parts
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +115,26 @@ class Tokenizer:
         )
         tokenizer._warn_on_ignored_flags(config)
         return tokenizer
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> Tokenizer:
+        """The tokenizer and chat templates a GGUF file carries in its metadata
+        (kvflow/gguf/gguf_tokenizer.py)."""
+        parts = gguf_tokenizer_parts(open_gguf(path))
+        return cls(
+            parts.backend,
+            special_tokens=parts.special_tokens,
+            chat_templates=parts.chat_templates,
+            generation_eos_token_ids=parts.eos_token_ids,
+            name=str(path),
+        )
+
+    @classmethod
+    def for_model(cls, model: str | Path, tokenizer: str | Path | None = None) -> Tokenizer:
+        """The model's tokenizer: `tokenizer` (a checkpoint directory or GGUF file) when given, else
+        the one the model directory or GGUF file carries (vLLM's --tokenizer)."""
+        source = Path(tokenizer if tokenizer is not None else model).expanduser()
+        return cls.from_gguf(source) if is_gguf_path(source) else cls.from_pretrained(source)
 
     def _named_token_id(self, key: str, fallback: int | None) -> int | None:
         token = self._special_tokens.get(key)

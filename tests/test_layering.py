@@ -51,6 +51,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "arch_kinds",
         "compressed_config",
         "tokenizer",
+        "gguf",
         "assets",
         "arg_utils",
     ),

@@ -15,6 +15,7 @@ import torch
 from kvflow.arch_config import ArchConfig, load_arch_config
 from kvflow.config import DEFAULT_KV_CACHE_MEMORY_BYTES, CacheConfig, ConfigError, EngineConfig
 from kvflow.errors import ModelLoadError
+from kvflow.gguf.gguf_file import is_gguf_path
 from kvflow.kv_cache.cache_bytes import token_bytes
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.models.llama import LlamaFamilyForCausalLM
@@ -53,8 +54,15 @@ def load_checkpoint(config: EngineConfig, parallel: TensorParallelDriver | None 
     """`parallel`: load rank 0's shard of the model (the workers load theirs at the same time)."""
     mc = config.model_config
     model_dir = Path(mc.model).expanduser()
-    if not model_dir.is_dir():
-        raise ModelLoadError(f"model directory {str(model_dir)!r} does not exist (or is not a directory)")
+    if not model_dir.exists():
+        raise ModelLoadError(
+            f"model {str(model_dir)!r} does not exist (a checkpoint directory or a GGUF file)"
+        )
+    if not model_dir.is_dir() and not is_gguf_path(model_dir):
+        raise ModelLoadError(
+            f"model {str(model_dir)!r} is a file but not a GGUF file: give a Hugging Face checkpoint "
+            "directory or a .gguf file"
+        )
     arch = load_arch_config(model_dir)
     max_model_len = mc.max_model_len or arch.max_position_embeddings
     if max_model_len > arch.max_position_embeddings:
@@ -62,7 +70,7 @@ def load_checkpoint(config: EngineConfig, parallel: TensorParallelDriver | None 
             f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
             f"{arch.max_position_embeddings}"
         )
-    tokenizer = Tokenizer.from_pretrained(model_dir)
+    tokenizer = Tokenizer.for_model(model_dir, mc.tokenizer)
     dtype = resolve_dtype(mc.dtype, arch.torch_dtype)
     if parallel is None:
         model = load_model(model_dir, arch, dtype, max_model_len, config.quant_config)

@@ -10,7 +10,8 @@
 - `int8_weight_kernels()` / `int4_weight_kernels()`: weight-only GEMVs on 16-row tiles with VNNI
   for decode and row-block dequantization for prefill (gemv_int8.cpp, gemv_int4.cpp);
   `fp8_weight_kernel()`: the FP8 (e4m3, block-scaled) decode GEMV over the checkpoint's bytes
-  (gemv_fp8.cpp);
+  (gemv_fp8.cpp); `ggml_weight_kernels()`: a GGUF file's block types (Q8_0 on the int8 tiles,
+  Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K/Q6_K in gemv_ggml.cpp);
 - `argmax_rows()`: greedy sampling's argmax over the vocabulary (argmax.cpp);
 - `on_huge_pages()` / `zeros_on_huge_pages()`: tensors on 2 MiB transparent huge pages, for the
   weights and KV pools decode streams (huge_pages.cpp);
@@ -125,6 +126,7 @@ _SOURCES = (
     "elementwise.cpp",
     "gemv_bf16.cpp",
     "gemv_fp8.cpp",
+    "gemv_ggml.cpp",
     "gemv_int8.cpp",
     "gemv_int4.cpp",
     "huge_pages.cpp",
@@ -318,6 +320,32 @@ def fp8_weight_kernel() -> SkinnyLinearFp8 | None:
     """The FP8 decode GEMV (gemv_fp8.cpp), or None without the native kernels."""
     module = _native_module()
     return None if module is None else module.skinny_linear_fp8
+
+
+class GgmlKernels(NamedTuple):
+    """GGUF block types on kvflow's 16-row tiles (gemv_int8.cpp for Q8_0, gemv_ggml.cpp for the rest;
+    layouts in kvflow/quant/gguf_linear.py)."""
+
+    # (x [M, K] bf16, tiles, block_scales fp16, N, bias) -> [M, N] bf16
+    q8_0: Callable[..., torch.Tensor]
+    # (tiles, block_scales, K, N, n_begin, n_end) -> [n_end - n_begin, K] bf16
+    dequantize_q8_0: Callable[..., torch.Tensor]
+    # (x, ggml_type, values, scales, mins, supers, N, bias) -> [M, N] bf16
+    gemv: Callable[..., torch.Tensor]
+    # (ggml_type, values, scales, mins, supers, N, n_begin, n_end) -> [n_end - n_begin, K] bf16
+    dequantize: Callable[..., torch.Tensor]
+
+
+def ggml_weight_kernels() -> GgmlKernels | None:
+    module = _native_module()
+    if module is None:
+        return None
+    return GgmlKernels(
+        module.skinny_linear_q8_0,
+        module.dequantize_q8_0_rows,
+        module.skinny_linear_ggml,
+        module.dequantize_ggml_rows,
+    )
 
 
 def int4_weight_kernels() -> tuple[SkinnyLinearInt4, DequantizeInt4Rows] | None:

@@ -218,6 +218,9 @@ KVFLOW_AVX2_INLINE m512i srli_epi32(m512i a, unsigned n) {
 KVFLOW_AVX2_INLINE m512i srli_epi16(m512i a, unsigned n) {
   return {_mm256_srli_epi16(a.lo, int(n)), _mm256_srli_epi16(a.hi, int(n))};
 }
+KVFLOW_AVX2_INLINE m512i slli_epi16(m512i a, unsigned n) {
+  return {_mm256_slli_epi16(a.lo, int(n)), _mm256_slli_epi16(a.hi, int(n))};
+}
 KVFLOW_AVX2_INLINE m512i mask_mov_epi32(m512i src, __mmask16 k, m512i a) {
   return {blend8i(src.lo, a.lo, k), blend8i(src.hi, a.hi, unsigned(k) >> 8)};
 }
@@ -440,6 +443,7 @@ KVFLOW_AVX2_INLINE m512i dpbssd(m512i acc, const SignedWeights& w, m512i b) {
 #define _mm512_slli_epi32 kvflow_avx2::slli_epi32
 #define _mm512_srli_epi32 kvflow_avx2::srli_epi32
 #define _mm512_srli_epi16 kvflow_avx2::srli_epi16
+#define _mm512_slli_epi16 kvflow_avx2::slli_epi16
 #define _mm512_mask_mov_epi32 kvflow_avx2::mask_mov_epi32
 #define _mm512_cmpgt_epu32_mask kvflow_avx2::cmpgt_epu32_mask
 #define _mm512_reduce_add_epi32 kvflow_avx2::reduce_add_epi32

@@ -70,6 +70,33 @@ void bind_decode_forward(py::module& m) {
             return l;
           },
           "int4 16-row tiles [N_pad / 16, 8K], bf16 scales/mins [N_pad / 16, K / g, 16], g, N, bias, perm, GEMV rows")
+      .def_static(
+          "ggml",
+          [](int64_t ggml_type, torch::Tensor values, torch::Tensor scales, torch::Tensor mins, torch::Tensor supers,
+             int64_t in_features, int64_t out_features, OptTensor bias, int64_t max_gemv_rows) {
+            auto l = make_linear(NativeLinear::Kind::kGgml, values, in_features);
+            l->ggml_type = ggml_type;
+            l->out_features = out_features;
+            l->scales = scales.contiguous();
+            l->mins = mins.contiguous();
+            l->supers = supers.contiguous();
+            l->bias = bias;
+            l->max_gemv_rows = max_gemv_rows;
+            return l;
+          },
+          "a GGUF block type by its ggml type id (kvflow/quant/gguf_linear.py's tiles and params), K, N, bias, GEMV rows")
+      .def_static(
+          "concat",
+          [](std::vector<std::shared_ptr<NativeLinear>> parts) {
+            TORCH_CHECK(!parts.empty(), "concat of no linears");
+            auto l = std::make_shared<NativeLinear>();
+            l->kind = NativeLinear::Kind::kConcat;
+            l->in_features = parts[0]->in_features;
+            for (const auto& p : parts) l->out_features += p->out_features;
+            l->parts = std::move(parts);
+            return l;
+          },
+          "linears over the same input, outputs concatenated")
       .def("forward", &NativeLinear::forward, py::call_guard<py::gil_scoped_release>())
       .def("greedy", &NativeLinear::greedy, py::call_guard<py::gil_scoped_release>(),
            "x [M, K] -> [M] int64: each row's argmax of forward(x), taken as the GEMV writes it");
@@ -169,6 +196,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("skinny_linear_int4", &skinny_linear_int4, "y = x @ W^T (+ b) for few rows x, int4 group-wise weights");
   m.def("dequantize_int4_rows", &dequantize_int4_rows, "rows [n_begin, n_end) of q * s + z as bf16 (n_begin % 16 == 0)");
   m.def("dequantize_int8_rows", &dequantize_int8_rows, "rows [n_begin, n_end) of q * s as bf16 (n_begin % 16 == 0)");
+  m.def("skinny_linear_q8_0", &skinny_linear_q8_0, "y = x @ W^T (+ b), W Q8_0 on int8 tiles with fp16 block scales",
+        py::arg("x"), py::arg("tiles"), py::arg("block_scales"), py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("dequantize_q8_0_rows", &dequantize_q8_0_rows, "rows [n_begin, n_end) of a Q8_0 weight as bf16");
+  m.def("skinny_linear_ggml", &skinny_linear_ggml, "y = x @ W^T (+ b), W a ggml 4/5/6-bit block type on 16-row tiles",
+        py::arg("x"), py::arg("ggml_type"), py::arg("values"), py::arg("scales"), py::arg("mins"), py::arg("supers"),
+        py::arg("out_features"), py::arg("bias") = py::none());
+  m.def("dequantize_ggml_rows", &dequantize_ggml_rows, "rows [n_begin, n_end) of a ggml block-type weight as bf16");
   m.def("rms_norm_bf16", &rms_norm_bf16, "y = x * rsqrt(mean(x^2) + eps) * w over bf16 rows, one rounding");
   m.def("silu_and_mul_bf16", &silu_and_mul_bf16, "silu(gate) * up over bf16 [gate | up] rows");
   m.def("argmax_rows", &argmax_rows, "the first index of each row's maximum (torch.argmax(logits, -1))");

@@ -44,6 +44,7 @@ namespace {
 constexpr int64_t kPrefillTileElements = 4 << 20;  // kvflow/quant/linear.py PREFILL_TILE_ELEMENTS
 constexpr int64_t kInt4TileRows = 16;              // kvflow/quant/linear.py INT4_TILE_ROWS
 constexpr int64_t kInt8TileRows = 16;              // kvflow/quant/linear.py INT8_TILE_ROWS
+constexpr int64_t kGgmlQ8_0 = 8;                   // ggml's type id of Q8_0 (kvflow/quant/gguf_linear.py)
 constexpr float kInt8Max = 127.0f;         // kvflow/attention/kv_layer.py INT8_MAX
 constexpr float kFp8E4m3Max = 448.0f;      // FP8_E4M3_MAX
 constexpr float kInt4Levels = 15.0f;       // INT4_LEVELS
@@ -124,6 +125,26 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
           },
           bias);
     }
+    case Kind::kGgml:
+      if (ggml_type == kGgmlQ8_0) {
+        if (M <= max_gemv_rows) return skinny_linear_q8_0(x_in, weight, scales, out_features, bias);
+        return gemm_over_tiles(
+            x_in, out_features, in_features, kInt8TileRows,
+            [&](int64_t n0, int64_t n1) { return dequantize_q8_0_rows(weight, scales, in_features, out_features, n0, n1); },
+            bias);
+      }
+      if (M <= max_gemv_rows) return skinny_linear_ggml(x_in, ggml_type, weight, scales, mins, supers, out_features, bias);
+      return gemm_over_tiles(
+          x_in, out_features, in_features, kInt4TileRows,
+          [&](int64_t n0, int64_t n1) {
+            return dequantize_ggml_rows(ggml_type, weight, scales, mins, supers, out_features, n0, n1);
+          },
+          bias);
+    case Kind::kConcat: {
+      std::vector<torch::Tensor> outs;
+      for (const auto& part : parts) outs.push_back(part->forward(x_in));
+      return at::cat(outs, 1);
+    }
   }
   TORCH_CHECK(false, "unreachable");
 }
@@ -139,6 +160,11 @@ torch::Tensor NativeLinear::greedy(const torch::Tensor& x_in) const {
     case Kind::kInt4:
       return skinny_linear_int4_greedy(perm.has_value() ? x_in.index_select(1, *perm) : x_in, weight, scales, mins,
                                        group_size, out_features, bias);
+    case Kind::kGgml:
+      if (ggml_type == kGgmlQ8_0) return skinny_linear_q8_0_greedy(x_in, weight, scales, out_features, bias);
+      return skinny_linear_ggml_greedy(x_in, ggml_type, weight, scales, mins, supers, out_features, bias);
+    case Kind::kConcat:
+      return argmax_rows(forward(x_in));
   }
   TORCH_CHECK(false, "unreachable");
 }

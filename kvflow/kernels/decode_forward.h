@@ -32,6 +32,22 @@ torch::Tensor dequantize_int4_rows(torch::Tensor packed, torch::Tensor scales, t
                                    int64_t group_size, int64_t out_features, int64_t n_begin, int64_t n_end);
 torch::Tensor dequantize_int8_rows(torch::Tensor tiles, torch::Tensor scales, int64_t in_features, int64_t n_begin,
                                    int64_t n_end);
+// GGUF block types (gemv_int8.cpp: Q8_0 on the int8 tiles with fp16 block scales; gemv_ggml.cpp:
+// Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K by their ggml type id).
+torch::Tensor skinny_linear_q8_0(torch::Tensor x, torch::Tensor tiles, torch::Tensor block_scales,
+                                 int64_t out_features, c10::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear_q8_0_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor block_scales,
+                                        int64_t out_features, c10::optional<torch::Tensor> bias);
+torch::Tensor dequantize_q8_0_rows(torch::Tensor tiles, torch::Tensor block_scales, int64_t in_features,
+                                   int64_t out_features, int64_t n_begin, int64_t n_end);
+torch::Tensor skinny_linear_ggml(torch::Tensor x, int64_t type, torch::Tensor values, torch::Tensor scales,
+                                 torch::Tensor mins, torch::Tensor supers, int64_t out_features,
+                                 c10::optional<torch::Tensor> bias);
+torch::Tensor skinny_linear_ggml_greedy(torch::Tensor x, int64_t type, torch::Tensor values, torch::Tensor scales,
+                                        torch::Tensor mins, torch::Tensor supers, int64_t out_features,
+                                        c10::optional<torch::Tensor> bias);
+torch::Tensor dequantize_ggml_rows(int64_t type, torch::Tensor values, torch::Tensor scales, torch::Tensor mins,
+                                   torch::Tensor supers, int64_t out_features, int64_t n_begin, int64_t n_end);
 // sinks: [Hq] fp32 sink logits (attention_sinks.h); the native decode forward passes none.
 torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                           torch::Tensor slots, torch::Tensor seq_lens, double scale,
@@ -46,7 +62,10 @@ namespace kvflow {
 
 // One linear layer in the form its kernels read (kvflow/layers/linear.py, kvflow/quant/linear.py).
 struct NativeLinear {
-  enum class Kind { kBf16, kInt8, kInt4 };
+  // kGgml: a GGUF block type (ggml_type: 8 = Q8_0 on int8 tiles, else gemv_ggml.cpp's); kConcat:
+  // `parts` over the same input, outputs concatenated (a merged projection whose parts a GGUF file
+  // stores in different types, e.g. q/k Q4_K beside v Q6_K).
+  enum class Kind { kBf16, kInt8, kInt4, kGgml, kConcat };
   Kind kind;
   torch::Tensor weight;  // bf16 tiles [N_pad / 16, K / 2, 16, 2] | int8 tiles [N_pad / 16, K_pad / 4, 16, 4] | int4
                          // tiles [N_pad / 16, 8K]
@@ -57,6 +76,9 @@ struct NativeLinear {
   torch::Tensor mins;    // int4 [N_pad / 16, K / g, 16] bf16
   c10::optional<torch::Tensor> bias;
   c10::optional<torch::Tensor> perm;  // int4 act-order: input permutation [K]
+  int64_t ggml_type = 0;              // kGgml
+  torch::Tensor supers;               // kGgml K-quants: fp16 super-block scales
+  std::vector<std::shared_ptr<NativeLinear>> parts;  // kConcat
   int64_t group_size = 0;
   int64_t out_features = 0, in_features = 0;
   // Rows up to which the GEMV runs (beyond: oneDNN / dequantize-and-GEMM tiles). Batch-invariant

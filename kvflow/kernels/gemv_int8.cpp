@@ -60,9 +60,14 @@ constexpr int64_t kMaxRowsPerPass = 4;
 constexpr int64_t kPrefetchBytes = 4096;  // weights prefetched ahead of the loads
 constexpr int32_t kWeightOffset = 128;    // stored byte = q + 128
 
+// kBlockScales: one fp16 scale per row and 32 inputs (llama.cpp's Q8_0, read from a GGUF file:
+// kvflow/quant/gguf_linear.py), block_scales [N_pad / 16, K_pad / 32, 16], W[n, k] = q s[n, k / 32];
+// the block's scale then multiplies its dot with dx_b, and no row scale follows.
+template <bool kBlockScales>
 struct Gemv {
   const uint8_t* w;    // [N_pad / 16, K_pad / 4, 16, 4]
-  const float* scales; // [N]
+  const float* scales; // [N] (row scales)
+  const uint16_t* block_scales;  // fp16 [N_pad / 16, K_pad / 32, 16] (kBlockScales)
   const kvflow::Int8Activations* x;
   const float* bias;   // [N] or null
   uint16_t* y;         // [M, N] bf16
@@ -104,6 +109,11 @@ struct Gemv {
           }
         }
       }
+      __m512 block_scale[S];
+      if constexpr (kBlockScales)
+        for (int64_t s = 0; s < S; ++s)
+          block_scale[s] = _mm512_cvtph_ps(
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block_scales + ((t + s) * blocks + b) * kTileRows)));
       for (int64_t m = 0; m < MB; ++m) {
         const int64_t i = (m0 + m) * blocks + b;
         for (int64_t s = 0; s < S; ++s) {
@@ -112,7 +122,9 @@ struct Gemv {
 #else
           const __m512i exact = dot[s][m];
 #endif
-          acc[s][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), _mm512_set1_ps(x->scales[i]), acc[s][m]);
+          __m512 dx = _mm512_set1_ps(x->scales[i]);
+          if constexpr (kBlockScales) dx = _mm512_mul_ps(dx, block_scale[s]);
+          acc[s][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), dx, acc[s][m]);
         }
       }
     }
@@ -126,7 +138,7 @@ struct Gemv {
     for (int64_t s = 0; s < S; ++s) {
       const int64_t n0 = (t + s) * kTileRows, valid = std::min(kTileRows, N - n0);
       const __mmask16 keep = __mmask16((1u << valid) - 1u);
-      const __m512 scale = _mm512_maskz_loadu_ps(keep, scales + n0);
+      const __m512 scale = kBlockScales ? _mm512_set1_ps(1.0f) : _mm512_maskz_loadu_ps(keep, scales + n0);
       const __m512 b = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
       for (int64_t m = 0; m < MB; ++m) {
         const __m256i out = (__m256i)_mm512_cvtneps_pbh(_mm512_fmadd_ps(acc[s][m], scale, b));
@@ -143,23 +155,30 @@ struct Gemv {
   }
 };
 
-// The tiles' K_pad (from their shape), checked against x's K and the scales' N.
-int64_t check_tiles(const torch::Tensor& tiles, const torch::Tensor& scales) {
-  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && scales.dtype() == torch::kFloat32, "uint8 tiles and fp32 scales");
+// The tiles' K_pad (from their shape), checked against the scales: row scales [N] fp32 or, with
+// block scales, fp16 [N_pad / 16, K_pad / 32, 16] for N = out_features.
+int64_t check_tiles(const torch::Tensor& tiles, const torch::Tensor& scales, bool block_scales, int64_t N) {
+  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && scales.dtype() == (block_scales ? torch::kFloat16 : torch::kFloat32),
+              "uint8 tiles and fp32 row scales (fp16 block scales) expected");
   TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "contiguous tiles and scales expected");
   TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == kTileRows && tiles.size(3) == 4 &&
                   (tiles.size(1) * 4) % kvflow::kActivationBlock == 0,
               "tiles must be [N_pad / 16, K_pad / 4, 16, 4] (kvflow/quant/linear.py pack_int8_tiles)");
-  const int64_t N = scales.numel();
+  const int64_t K_pad = tiles.size(1) * 4;
   TORCH_CHECK(0 < N && N <= tiles.size(0) * kTileRows && N > (tiles.size(0) - 1) * kTileRows,
               "scales do not match the tiles");
-  return tiles.size(1) * 4;
+  TORCH_CHECK(block_scales ? scales.numel() == tiles.size(0) * (K_pad / kvflow::kActivationBlock) * kTileRows
+                           : scales.numel() == N,
+              "scales do not match the tiles");
+  return K_pad;
 }
 
-// skinny_linear_int8; with `tokens` (non-null, [M]), also each row's argmax (argmax_lanes.h).
+// skinny_linear_int8 (block_scales: Q8_0); with `tokens` (non-null, [M]), also each row's argmax
+// (argmax_lanes.h).
 torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tiles, const torch::Tensor& scales,
-                                      const c10::optional<torch::Tensor>& bias, int64_t* tokens) {
-  const int64_t K_pad = check_tiles(tiles, scales), N = scales.numel();
+                                      bool block_scales, int64_t N, const c10::optional<torch::Tensor>& bias,
+                                      int64_t* tokens) {
+  const int64_t K_pad = check_tiles(tiles, scales, block_scales, N);
   TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) <= K_pad &&
                   x.size(1) > K_pad - kvflow::kActivationBlock,
               "bf16 x [M, K] matching the tiles expected");
@@ -171,13 +190,20 @@ torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tile
       kvflow::quantize_activations_int8(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, x.size(1));
   torch::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
-  const Gemv gemv{tiles.data_ptr<uint8_t>(), scales.data_ptr<float>(), &activations,
-                  bias.has_value() ? bias_f.data_ptr<float>() : nullptr,
-                  reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>()), M, N, K_pad};
+  const float* row_scales = block_scales ? nullptr : scales.data_ptr<float>();
+  const uint16_t* fp16_scales = block_scales ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr;
+  const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
+  uint16_t* y_p = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   // Grain: a thread streams >= ~64 KiB of weights between synchronisations.
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K_pad * kTileRows));
-  kvflow::parallel_tiles(tiles.size(0), grain, gemv.y, M, N, tokens,
-                         [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
+  auto run = [&](auto gemv) {
+    kvflow::parallel_tiles(tiles.size(0), grain, y_p, M, N, tokens,
+                           [&](int64_t begin, int64_t end) { gemv.tiles(begin, end); });
+  };
+  if (block_scales)
+    run(Gemv<true>{tiles.data_ptr<uint8_t>(), row_scales, fp16_scales, &activations, bias_p, y_p, M, N, K_pad});
+  else
+    run(Gemv<false>{tiles.data_ptr<uint8_t>(), row_scales, fp16_scales, &activations, bias_p, y_p, M, N, K_pad});
   return y;
 }
 
@@ -186,38 +212,57 @@ torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tile
 // x: [M, K] bf16; tiles: the layout above; scales: [N] fp32; bias: optional [N] -> [M, N] bf16.
 torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
                                  c10::optional<torch::Tensor> bias) {
-  return skinny_linear_int8_impl(std::move(x), tiles, scales, bias, nullptr);
+  const int64_t N = scales.numel();
+  return skinny_linear_int8_impl(std::move(x), tiles, scales, false, N, bias, nullptr);
 }
 
 torch::Tensor skinny_linear_int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
                                         c10::optional<torch::Tensor> bias) {
   auto tokens = torch::empty({x.size(0)}, torch::kInt64);
-  skinny_linear_int8_impl(std::move(x), tiles, scales, bias, tokens.data_ptr<int64_t>());
+  const int64_t N = scales.numel();
+  skinny_linear_int8_impl(std::move(x), tiles, scales, false, N, bias, tokens.data_ptr<int64_t>());
   return tokens;
 }
 
-// Rows [n_begin, n_end) of q * s as bf16 [n_end - n_begin, K] (K = in_features <= K_pad), n_begin
-// a multiple of 16.
-torch::Tensor dequantize_int8_rows(torch::Tensor tiles, torch::Tensor scales, int64_t in_features, int64_t n_begin,
-                                   int64_t n_end) {
-  const int64_t K_pad = check_tiles(tiles, scales), K = in_features;
+// Q8_0 (a GGUF file's): x [M, K] bf16, tiles as above, block_scales fp16 [N_pad / 16, K_pad / 32, 16].
+torch::Tensor skinny_linear_q8_0(torch::Tensor x, torch::Tensor tiles, torch::Tensor block_scales,
+                                 int64_t out_features, c10::optional<torch::Tensor> bias) {
+  return skinny_linear_int8_impl(std::move(x), tiles, block_scales, true, out_features, bias, nullptr);
+}
+
+torch::Tensor skinny_linear_q8_0_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor block_scales,
+                                        int64_t out_features, c10::optional<torch::Tensor> bias) {
+  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+  skinny_linear_int8_impl(std::move(x), tiles, block_scales, true, out_features, bias, tokens.data_ptr<int64_t>());
+  return tokens;
+}
+
+namespace {
+
+// Rows [n_begin, n_end) of q * s as bf16 [n_end - n_begin, K] (K = in_features <= K_pad), n_begin a
+// multiple of 16; s a row's scale, or (block scales) its scale of each 32 inputs.
+torch::Tensor dequantize_rows(const torch::Tensor& tiles, const torch::Tensor& scales, bool block_scales, int64_t N,
+                              int64_t in_features, int64_t n_begin, int64_t n_end) {
+  const int64_t K_pad = check_tiles(tiles, scales, block_scales, N), K = in_features;
   TORCH_CHECK(0 < K && K <= K_pad && K > K_pad - kvflow::kActivationBlock, "in_features does not match the tiles");
-  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= scales.numel() && n_begin % kTileRows == 0,
+  TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= N && n_begin % kTileRows == 0,
               "row range out of bounds (or not starting on a 16-row tile)");
-  auto out = torch::empty({n_end - n_begin, K}, scales.options().dtype(torch::kBFloat16));
+  auto out = torch::empty({n_end - n_begin, K}, tiles.options().dtype(torch::kBFloat16));
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const uint8_t* w = tiles.data_ptr<uint8_t>();
-  const float* s = scales.data_ptr<float>();
+  const float* s = block_scales ? nullptr : scales.data_ptr<float>();
+  const at::Half* bs = block_scales ? scales.data_ptr<at::Half>() : nullptr;
+  const int64_t blocks = K_pad / kvflow::kActivationBlock;
   const int64_t t_begin = n_begin / kTileRows, t_end = (n_end + kTileRows - 1) / kTileRows;
   at::parallel_for(t_begin, t_end, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t valid = std::min(kTileRows, n_end - t * kTileRows);
       for (int64_t l = 0; l < valid; ++l) {  // row 16t + l: its 4 bytes of every quad
         const int64_t n = t * kTileRows + l;
-        const __m512 scale = _mm512_set1_ps(s[n]);
         const uint8_t* row = w + t * (K_pad / 4) * kQuadBytes + 4 * l;
         uint16_t* dst = o + (n - n_begin) * K;
         for (int64_t k = 0; k < K; k += 16) {  // 4 quads = 16 inputs per step
+          const float scale = block_scales ? float(bs[(t * blocks + k / kvflow::kActivationBlock) * kTileRows + l]) : s[n];
           alignas(16) uint8_t bytes[16];
           for (int64_t j = 0; j < 4; ++j) std::memcpy(bytes + 4 * j, row + (k / 4 + j) * kQuadBytes, 4);
           const __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(bytes))),
@@ -225,10 +270,23 @@ torch::Tensor dequantize_int8_rows(torch::Tensor tiles, torch::Tensor scales, in
           const int64_t left = K - k;
           const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1u);
           // Round to nearest even as torch's fp32 -> bf16 cast does.
-          _mm256_mask_storeu_epi16(dst + k, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(q), scale)));
+          _mm256_mask_storeu_epi16(
+              dst + k, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(scale))));
         }
       }
     }
   });
   return out;
+}
+
+}  // namespace
+
+torch::Tensor dequantize_int8_rows(torch::Tensor tiles, torch::Tensor scales, int64_t in_features, int64_t n_begin,
+                                   int64_t n_end) {
+  return dequantize_rows(tiles, scales, false, scales.numel(), in_features, n_begin, n_end);
+}
+
+torch::Tensor dequantize_q8_0_rows(torch::Tensor tiles, torch::Tensor block_scales, int64_t in_features,
+                                   int64_t out_features, int64_t n_begin, int64_t n_end) {
+  return dequantize_rows(tiles, block_scales, true, out_features, in_features, n_begin, n_end);
 }

@@ -9,6 +9,8 @@ Supported `rope_type`s and their inverse frequencies (D = rotary dim, base = rop
     linear   inv_freq / factor                           (position interpolation)
     llama3   low frequencies divided by factor, high kept, a smooth ramp between (Llama 3.1)
     yarn     interpolation/extrapolation ramp by rotation count, cos/sin scaled by attention_factor
+    freq_factors  inv_freq[i] / freq_factors[i]: llama.cpp's `rope_freqs` tensor, in which its
+             converter stores Llama 3.1's llama3 scaling (kvflow/gguf/gguf_config.py)
 `dynamic` and `longrope` change with the sequence length and are refused with a clear error.
 """
 
@@ -89,8 +91,13 @@ def compute_inv_freq(cfg: RopeConfig) -> tuple[torch.Tensor, float]:
         return _llama3_inv_freq(cfg), 1.0
     if cfg.rope_type == "yarn":
         return _yarn_inv_freq(cfg)
+    if cfg.rope_type == "freq_factors":
+        factors = torch.tensor(cfg.params["freq_factors"], dtype=torch.float32)
+        if factors.shape != (cfg.head_dim // 2,):
+            raise ModelLoadError(f"rope freq_factors: {factors.numel()} values for rotary dim {cfg.head_dim}")
+        return _default_inv_freq(cfg) / factors, 1.0
     raise ModelLoadError(
-        f"unsupported rope_type {cfg.rope_type!r} (supported: default, linear, llama3, yarn)"
+        f"unsupported rope_type {cfg.rope_type!r} (supported: default, linear, llama3, yarn, freq_factors)"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -20,13 +21,16 @@ from torch import nn
 from kvflow.arch_config import ArchConfig, load_hf_config
 from kvflow.config import QuantConfig
 from kvflow.errors import ModelLoadError
+from kvflow.gguf.gguf_file import is_gguf_path, open_gguf
 from kvflow.layers.linear import Linear
+from kvflow.models.gguf_linear import GGUFLinearBuilder
+from kvflow.models.gguf_loader import GGUFTensorReader
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.registry import MODEL_REGISTRY
 from kvflow.quant.apply import quantize_model
 from kvflow.quant.checkpoint_formats import (
     TENSOR_SUFFIXES,
-    Unpacked,
+    CheckpointQuant,
     parse_quantization_config,
 )
 from kvflow.quant.prequantized import build_linear, is_prequantized, unpack_source
@@ -135,7 +139,10 @@ def load_param_sources(name: str, param: torch.Tensor, sources: list[str], reade
     kvflow layer reads for this projection: the bytes would be taken as numbers)."""
     for src in sources:
         if src not in reader.files:
-            raise ModelLoadError(f"checkpoint is missing tensor {src!r} (needed for {name})")
+            # A reader whose files name tensors otherwise (GGUF) says which of its own is missing.
+            detail = getattr(reader, "missing_detail", None)
+            where = f": {detail(src)}" if detail is not None else ""
+            raise ModelLoadError(f"checkpoint is missing tensor {src!r} (needed for {name}){where}")
     tensors = [reader.read(src) for src in sources]
     for src, tensor in zip(sources, tensors, strict=True):
         if tensor.dtype in QUANTIZED_STORAGE and param.is_floating_point():
@@ -162,55 +169,23 @@ def load_model(
     quant: QuantConfig | None = None,
     shard: WeightShard | None = None,
 ) -> LlamaFamilyForCausalLM:
-    """`shard`: load one tensor-parallel rank's part (kvflow/parallel/) instead of the whole model."""
-    files = resolve_weight_files(model_dir)
+    """`model_dir`: a Hugging Face checkpoint directory or a GGUF file; `shard`: load one
+    tensor-parallel rank's part (kvflow/parallel/) instead of the whole model."""
+    source = open_weights(model_dir, cfg, dtype, shard)
     with torch.device("meta"):
         model = MODEL_REGISTRY[cfg.architecture](cfg if shard is None else shard.arch, dtype, max_positions)
     model.to_empty(device="cpu")
     model.reset_rotary(max_positions)  # buffers were meta: recompute
-    reader: TensorReader = _ShardReader(files) if shard is None else shard.reader(files)
-    used: set[str] = set()
-    available = set(files)
-    checkpoint_quant = parse_quantization_config(load_hf_config(model_dir))
-    packed: dict[str, list[Unpacked]] = {}  # module path -> its unpacked parts
     with torch.no_grad():
-        # Families with their own checkpoint names (experts, routers) map those themselves.
-        family_sources = getattr(model, "checkpoint_sources", None)
-        # Families whose checkpoint tensors need more than a concatenation (gpt-oss's fused experts).
-        family_load = getattr(model, "load_param", None)
-        for name, param in model.named_parameters():
-            if family_load is not None and family_load(name, param, reader, used):
-                continue
-            sources = (family_sources and family_sources(name)) or _sources(name, cfg, available)
-            bases = [s.removesuffix(".weight") for s in sources]
-            if checkpoint_quant is not None and all(
-                is_prequantized(b, available, checkpoint_quant) for b in bases
-            ):
-                packed[name.removesuffix(".weight")] = [
-                    unpack_source(b, checkpoint_quant, reader.read, available) for b in bases
-                ]
-                used.update(
-                    f"{b}.{suffix}" for b in bases for suffix in TENSOR_SUFFIXES[checkpoint_quant.method]
-                )
-                continue
-            load_param_sources(name, param, sources, reader)
-            used.update(sources)
-        for path, parts in packed.items():
+        used, packed = _load_params(model, cfg, source)
+        for path, module in packed.items():
             parent_path, _, attr = path.rpartition(".")
-            linear = model.get_submodule(path)
-            bias = linear.bias.data if isinstance(linear, Linear) and linear.bias is not None else None
-            setattr(model.get_submodule(parent_path), attr, build_linear(parts, bias, dtype))
-    if packed and checkpoint_quant is not None:
-        logger.info(
-            "%s checkpoint (%d-bit, group %d%s): %d projections loaded packed",
-            checkpoint_quant.method,
-            checkpoint_quant.bits,
-            checkpoint_quant.group_size,
-            ", act-order" if checkpoint_quant.desc_act else "",
-            len(packed),
-        )
+            setattr(model.get_submodule(parent_path), attr, module)
+    source.log_loaded(len(packed))
     unused = [
-        n for n in files if n not in used and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"
+        n
+        for n in source.reader.files
+        if n not in used and not n.endswith(_IGNORED_SUFFIXES) and n != "lm_head.weight"
     ]
     if unused:
         logger.warning("ignoring %d checkpoint tensors kvflow does not use, e.g. %s", len(unused), unused[:3])
@@ -224,3 +199,98 @@ def load_model(
         quantize_model(model, quant)
     model.prepare_for_inference()
     return model
+
+
+@dataclass
+class WeightSource:
+    """Where a model's tensors come from: a reader by Hugging Face name, and what builds a packed
+    layer from a projection's sources (a pre-quantized checkpoint's, a GGUF file's blocks)."""
+
+    reader: TensorReader
+    checkpoint_quant: CheckpointQuant | None = None
+    gguf: GGUFLinearBuilder | None = None
+
+    def is_packed(self, sources: list[str]) -> bool:
+        """Whether the projection made of `sources` is built from its stored blocks (not as floats)."""
+        if self.gguf is not None:
+            return self.gguf.is_packed(sources)
+        quant, available = self.checkpoint_quant, set(self.reader.files)
+        bases = [s.removesuffix(".weight") for s in sources]
+        return quant is not None and all(is_prequantized(b, available, quant) for b in bases)
+
+    def build_packed(self, sources: list[str], linear: Linear, used: set[str]) -> nn.Module:
+        """The layer replacing `linear` (bias already loaded), built from its sources' blocks."""
+        bias = linear.bias.data if linear.bias is not None else None
+        if self.gguf is not None:
+            used.update(sources)
+            return self.gguf.build(sources, bias)
+        quant, available = self.checkpoint_quant, set(self.reader.files)
+        assert quant is not None
+        bases = [s.removesuffix(".weight") for s in sources]
+        parts = [unpack_source(b, quant, self.reader.read, available) for b in bases]
+        used.update(f"{b}.{suffix}" for b in bases for suffix in TENSOR_SUFFIXES[quant.method])
+        return build_linear(parts, bias, linear.weight.dtype)
+
+    def log_loaded(self, num_packed: int) -> None:
+        quant = self.checkpoint_quant
+        if num_packed and quant is not None:
+            logger.info(
+                "%s checkpoint (%d-bit, group %d%s): %d projections loaded packed",
+                quant.method,
+                quant.bits,
+                quant.group_size,
+                ", act-order" if quant.desc_act else "",
+                num_packed,
+            )
+        if self.gguf is not None:
+            self.gguf.log_summary()
+
+
+def open_weights(
+    model_path: Path, cfg: ArchConfig, dtype: torch.dtype, shard: WeightShard | None = None
+) -> WeightSource:
+    """The tensors of a checkpoint directory (safetensors, maybe pre-quantized) or a GGUF file."""
+    if is_gguf_path(model_path):
+        if shard is not None:
+            raise ModelLoadError(f"{model_path}: tensor parallel over a GGUF file is not supported yet")
+        reader = GGUFTensorReader(open_gguf(model_path), cfg)
+        return WeightSource(reader, gguf=GGUFLinearBuilder(reader, dtype))
+    files = resolve_weight_files(model_path)
+    tensors: TensorReader = _ShardReader(files) if shard is None else shard.reader(files)
+    return WeightSource(tensors, parse_quantization_config(load_hf_config(model_path)))
+
+
+def _load_params(
+    model: LlamaFamilyForCausalLM, cfg: ArchConfig, source: WeightSource
+) -> tuple[set[str], dict[str, nn.Module]]:
+    """Copy every parameter in from `source`; returns the checkpoint names used and the packed
+    layers (module path -> module) that replace float ones."""
+    reader = source.reader
+    used: set[str] = set()
+    packed_sources: dict[str, list[str]] = {}  # module path -> its weight's sources, stored packed
+    available = set(reader.files)
+    # Families with their own checkpoint names (experts, routers) map those themselves.
+    family_sources = getattr(model, "checkpoint_sources", None)
+    # Families whose checkpoint tensors need more than a concatenation (gpt-oss's fused experts).
+    family_load = getattr(model, "load_param", None)
+    for name, param in model.named_parameters():
+        if family_load is not None and family_load(name, param, reader, used):
+            continue
+        sources = (family_sources and family_sources(name)) or _sources(name, cfg, available)
+        path = name.removesuffix(".weight")
+        if (
+            name.endswith(".weight")
+            and isinstance(model.get_submodule(path), Linear)
+            and source.is_packed(sources)
+        ):
+            packed_sources[path] = sources
+            continue
+        load_param_sources(name, param, sources, reader)
+        used.update(sources)
+    # Built once every float parameter is in: a projection's bias is registered after its weight.
+    packed = {}
+    for path, sources in packed_sources.items():
+        linear = model.get_submodule(path)
+        assert isinstance(linear, Linear)
+        packed[path] = source.build_packed(sources, linear, used)
+    return used, packed

@@ -279,4 +279,7 @@ class ConcatLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
     def native(self, classes: NativeDecoderClasses) -> Any | None:
-        return None  # parts with their own input orders: the torch path concatenates them
+        """The parts concatenated in the native forward, where each part has a native form (GGUF
+        parts of different types); None otherwise (act-order parts with their own input orders)."""
+        natives = [getattr(part, "native", lambda _: None)(classes) for part in self.parts]
+        return None if any(n is None for n in natives) else classes.linear.concat(natives)
