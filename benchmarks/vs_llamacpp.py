@@ -1,6 +1,6 @@
 """kvflow against llama.cpp on the same weights, side by side, engines alternated round by round.
 
-    python benchmarks/vs_llamacpp.py [--rounds 3] [--pairs bf16,int8,int4] [--threads 2] [--batch 8]
+    python benchmarks/vs_llamacpp.py [--rounds 3] [--pairs bf16,int8,int4,q8_0,q4_0,q4_k_m] [--threads 2] [--batch 8]
 
 On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it):
 - llama.cpp is built once from the llama-cpp-python sdist pip downloads (CMake Release,
@@ -10,6 +10,10 @@ On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py b
   session 16), the same build without the AMX instructions serves (`runnable_llamacpp`).
 - Precision pairs: bf16 vs bf16; int8 (LM head int8 too) vs q8_0; int4 group 32 (LM head int4
   too) vs q4_0 (group 32; llama.cpp keeps this shape's tied head in q8_0).
+- The same GGUF file on both engines (kvflow loads the .gguf and computes on its blocks,
+  kvflow/quant/gguf_linear.py): q8_0, q4_0 and q4_k_m as llama-quantize wrote them (for this
+  shape q4_k_m is mostly Q5_0 and Q8_0: rows of 896 are not a multiple of 256, so llama-quantize
+  falls back from Q4_K / Q6_K there; ffn_down keeps Q4_K / Q6_K).
 - Per pair and round, each engine measures, alternately:
     prefill      tokens/s of one 512-token prompt (llama-bench pp512)
     decode@512   single-stream decode tokens/s after a 512-token prompt (llama-bench tg64 -d 512;
@@ -68,6 +72,7 @@ class Pair:
     name: str
     gguf_type: str  # llama.cpp's file type
     kvflow_args: dict[str, Any]
+    kvflow_reads_gguf: bool = False  # kvflow loads the same .gguf file, not the safetensors checkpoint
 
 
 PAIRS = {
@@ -78,6 +83,9 @@ PAIRS = {
         "q4_0",
         {"quantization": "int4", "quantization_group_size": 32, "quantize_lm_head": True},
     ),
+    "q8_0": Pair("same q8_0.gguf", "q8_0", {}, kvflow_reads_gguf=True),
+    "q4_0": Pair("same q4_0.gguf", "q4_0", {}, kvflow_reads_gguf=True),
+    "q4_k_m": Pair("same q4_k_m.gguf", "q4_k_m", {}, kvflow_reads_gguf=True),
 }
 
 
@@ -285,7 +293,10 @@ def main() -> None:
     llama = build_llamacpp()
     ggufs = {p.name: convert(checkpoint, llama, p.gguf_type) for p in pairs}
     llama = runnable_llamacpp(llama, convert(checkpoint, llama, "q8_0"), args.threads)
-    engines = {p.name: kvflow_engine(checkpoint, p.kvflow_args, args.batch) for p in pairs}
+    engines = {
+        p.name: kvflow_engine(ggufs[p.name] if p.kvflow_reads_gguf else checkpoint, p.kvflow_args, args.batch)
+        for p in pairs
+    }
     for llm in engines.values():  # warm-up: oneDNN primitives, first-touch of the pools
         llm.generate([[1] * 16], SamplingParams(max_tokens=4, ignore_eos=True))
     ratios: dict[tuple[str, str], list[float]] = {}

@@ -206,32 +206,46 @@ def _cmd_quant_eval(args: argparse.Namespace) -> int:
 
     model = _model_dir(args)
     text = Path(args.text).read_text() if args.text else Path(textwrap.__file__).read_text()
-    common = {"dtype": args.dtype, "max_model_len": args.window + 1}
-    reference = LLM(model, **common)
-    candidate = LLM(
-        model,
-        **common,
-        quantization=args.quantization,
-        quantization_group_size=args.quantization_group_size,
-        quantize_lm_head=args.quantize_lm_head,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    common = {"dtype": args.dtype, "max_model_len": args.window + 1, "kv_cache_dtype": args.kv_cache_dtype}
+    reference = LLM(model, dtype=args.dtype, max_model_len=args.window + 1)
     ids = reference.get_tokenizer().encode(text)[: args.max_tokens]
-    report = compare(reference, candidate, ids, args.window, args.kv_cache_dtype, args.path)
+    if args.candidate:  # other checkpoints of the same model: GGUF files of several types, FP8, GPTQ ...
+        candidates = [(Path(c).name, LLM(c, **common)) for c in args.candidate]
+    else:
+        quantized = {
+            "quantization": args.quantization,
+            "quantization_group_size": args.quantization_group_size,
+            "quantize_lm_head": args.quantize_lm_head,
+        }
+        candidates = [(args.quantization, LLM(model, **common, **quantized))]
+    reports = [
+        compare(reference, llm, ids, args.window, args.kv_cache_dtype, args.path, label)
+        for label, llm in candidates
+    ]
     if args.json:
-        print(json.dumps(report, indent=1))
+        print(json.dumps(reports[0] if len(reports) == 1 else reports, indent=1))
         return 0
-    print(
-        f"quant-eval {model}: {args.quantization} weights (group {args.quantization_group_size}, "
-        f"LM head {'quantized' if args.quantize_lm_head else 'kept'}), {args.kv_cache_dtype} KV vs "
-        f"{args.dtype}, {report['positions']} positions scored on the {args.path} path"
+    what = (
+        ", ".join(label for label, _ in candidates)
+        if args.candidate
+        else f"{args.quantization} weights (group {args.quantization_group_size}, LM head "
+        f"{'quantized' if args.quantize_lm_head else 'kept'})"
     )
-    print(f"  mean KL {report['mean_kl']:.5f} nats, top-1 agreement {report['top1_agreement']:.2%}")
-    for p in report["paths"]:
+    print(
+        f"quant-eval {model}: {what}, {args.kv_cache_dtype} KV vs {args.dtype}, {reports[0]['positions']} "
+        f"positions scored on the {args.path} path"
+    )
+    for report in reports:
+        ref, cand = report["paths"]
         print(
-            f"  {p['label']:<10} perplexity {p['perplexity']:.3f}, "
-            f"decode {p['decode_tokens_per_s']:.1f} tok/s, weights {p['weight_bytes'] / 2**20:.1f} MiB"
+            f"  {cand['label']}: mean KL {report['mean_kl']:.5f} nats, "
+            f"top-1 agreement {report['top1_agreement']:.2%}"
         )
+        for p in (cand,) if report is not reports[0] else (ref, cand):
+            print(
+                f"    {p['label']:<24} perplexity {p['perplexity']:.3f}, "
+                f"decode {p['decode_tokens_per_s']:.1f} tok/s, weights {p['weight_bytes'] / 2**20:.1f} MiB"
+            )
     return 0
 
 
@@ -255,6 +269,14 @@ def _add_quant_eval_parser(sub: Any) -> None:
         "quant-eval", help="quality and speed of quantized weights against the unquantized model"
     )
     qe.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
+    qe.add_argument(
+        "--candidate",
+        action="append",
+        default=None,
+        help="a checkpoint directory or GGUF file of the same model to score against MODEL instead of "
+        "quantizing MODEL at load (repeat it to compare several, e.g. a model's Q8_0, Q4_K_M and Q4_0 "
+        "GGUF files against its bf16 checkpoint)",
+    )
     # quant-eval measures a quantized path against bfloat16, so its defaults are not the engine's
     # (no quantization, the checkpoint's dtype); the choices are the engine's Literal types.
     qe.add_argument(

@@ -186,7 +186,8 @@ class SpeculativeConfig:
         },
     )
     draft_model: str | None = field(
-        default=None, metadata={"help": "draft checkpoint directory (same vocabulary as the model)"}
+        default=None,
+        metadata={"help": "draft checkpoint directory or GGUF file (same vocabulary as the model)"},
     )
     num_speculative_tokens: int = field(default=3, metadata={"help": "draft tokens verified per step"})
     prompt_lookup_min: int = field(default=1, metadata={"help": "ngram: shortest suffix n-gram to match"})

@@ -127,13 +127,17 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
         run = calculator_evidence(
             args.context or DEFAULT_CONTEXT, args.concurrency or 1, args.output_len or DEFAULT_OUTPUT_LEN
         )
-    weight_dtype = args.weight_dtype or settings.weight_dtype or model.dtype
+    weight_dtype = args.weight_dtype or settings.weight_dtype or model.weight_dtype
     # Weight-only quantization leaves the KV cache in the model's dtype.
     float_dtype = settings.dtype if settings.dtype in DTYPE_BYTES else model.dtype
     kv_dtype = (
         args.kv_cache_dtype
         or settings.kv_cache_dtype
-        or (weight_dtype if weight_dtype not in ("int8", "int4") else float_dtype)
+        or (
+            weight_dtype
+            if weight_dtype in DTYPE_BYTES and weight_dtype not in ("int8", "int4")
+            else float_dtype
+        )
     )
     roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
     speeds = _quant_speeds(args, float_dtype)

@@ -106,10 +106,12 @@ class LiveDiagnosis:
         settings = _settings(window.metrics_after)
         model = ModelSpec.from_dir(window.model_dir)
         run = replace(evidence_from_bench(result), itl_gaps_ms=list(window.itl_ms))
-        weight_dtype = settings.weight_dtype or model.dtype
+        weight_dtype = settings.weight_dtype or model.weight_dtype
         float_dtype = settings.dtype if settings.dtype in DTYPE_BYTES else model.dtype
         kv_dtype = settings.kv_cache_dtype or (
-            weight_dtype if weight_dtype not in ("int8", "int4") else float_dtype
+            weight_dtype
+            if weight_dtype in DTYPE_BYTES and weight_dtype not in ("int8", "int4")
+            else float_dtype
         )
         roofline = Roofline(model, self.hardware(), weight_dtype, kv_dtype)
         diagnosis = Diagnosis(model, roofline, run, settings, measured=True)

@@ -24,7 +24,7 @@ A multimodal config.json (Gemma 3) is sized by its language model (kvflow/doctor
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from kvflow.arch_config import ArchConfig, load_hf_config, parse_arch_config
@@ -32,6 +32,8 @@ from kvflow.doctor import kv_kinds, v4_spec
 from kvflow.doctor.attention_params import mixer_params, norm_params
 from kvflow.doctor.moe_spec import MoEParams, expected_experts_touched, moe_params
 from kvflow.doctor.text_config import text_model_config
+from kvflow.doctor.weight_format import WeightFormat, gguf_weight_format, weight_format_from_config
+from kvflow.gguf.gguf_file import is_gguf_path, open_gguf
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 
 # Bytes per element of each storage format; int4 adds one 16-bit scale (and for asymmetric
@@ -74,6 +76,9 @@ class ModelSpec:
     # (layer_params counts every expert; the rest of a MoE layer is in layer_params too).
     moe_layer: MoEParams | None = None
     num_moe_layers: int = 0
+    # The checkpoint's own weight format where it is quantized (FP8 blocks, GPTQ/AWQ, MXFP4, a GGUF
+    # file's types): bytes per parameter by role (kvflow/doctor/weight_format.py); None: `dtype`.
+    weight_format: WeightFormat | None = None
 
     @classmethod
     def from_config(cls, config: dict[str, object], name: str = "model") -> ModelSpec:
@@ -104,12 +109,39 @@ class ModelSpec:
             dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
             moe_layer=moe,
             num_moe_layers=num_moe,
+            weight_format=weight_format_from_config(config),
         )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelSpec:
+        """From a checkpoint directory's config.json, or a GGUF file's metadata and tensor table."""
         path = Path(model_dir)
-        return cls.from_config(load_hf_config(path), name=path.name)
+        spec = cls.from_config(load_hf_config(path), name=path.name)
+        if is_gguf_path(path):
+            table = {n: (t.type_name, t.shape, t.num_bytes) for n, t in open_gguf(path).tensors.items()}
+            spec = replace(spec, weight_format=gguf_weight_format(table))
+        return spec
+
+    @property
+    def weight_dtype(self) -> str:
+        """The weights' storage as the checkpoint holds them: its format's name, else its dtype."""
+        return self.weight_format.name if self.weight_format is not None else self.dtype
+
+    def _uses_format(self, dtype: str | None) -> WeightFormat | None:
+        fmt = self.weight_format
+        return fmt if fmt is not None and (dtype is None or dtype == fmt.name) else None
+
+    def layer_bytes_per_param(self, dtype: str) -> float:
+        """Bytes per parameter of the decoder layers' linear weights stored as `dtype` (the
+        checkpoint's format by its name)."""
+        fmt = self._uses_format(dtype)
+        return fmt.layer_bytes if fmt is not None else weight_bytes_per_param(dtype)
+
+    @property
+    def routed_expert_params(self) -> int:
+        """Parameters of every routed expert of every MoE layer (0 for a dense model)."""
+        m = self.moe_layer
+        return 0 if m is None else self.num_moe_layers * m.num_experts * m.per_expert
 
     @property
     def num_params(self) -> int:
@@ -148,8 +180,15 @@ class ModelSpec:
 
     def weight_bytes(self, dtype: str | None = None, quantize_embeddings: bool = False) -> float:
         """Bytes of all weights; quantization applies to the linear layers (embedding and LM head stay
-        in the model dtype unless `quantize_embeddings`), as kvflow and GPTQ/AWQ checkpoints do."""
+        in the model dtype unless `quantize_embeddings`), as kvflow and GPTQ/AWQ checkpoints do. The
+        checkpoint's own format (dtype None or its name) counts each role at its bytes."""
+        fmt = self._uses_format(dtype)
         base = weight_bytes_per_param(self.dtype)
+        if fmt is not None:
+            experts = self.routed_expert_params
+            dense = (self.layer_params - experts) * fmt.layer_bytes + experts * fmt.expert_bytes
+            embed = self.embedding_params * fmt.embedding_bytes + self.lm_head_params * fmt.head_bytes
+            return dense + embed + self.norm_params * base
         per_param = weight_bytes_per_param(dtype or self.dtype)
         embed_like = self.embedding_params + self.lm_head_params
         embed_bytes = embed_like * (per_param if quantize_embeddings else base)
@@ -160,6 +199,12 @@ class ModelSpec:
         experts the batch touches, step_layer_params) and the LM head; of the embedding table only
         the rows gathered (negligible), so a tied model reads its table once, as the LM head."""
         base = weight_bytes_per_param(self.dtype)
+        fmt = self._uses_format(dtype)
+        if fmt is not None:
+            experts = self.routed_expert_params
+            read = self.step_layer_params(batch_size) - (self.layer_params - experts)  # experts touched
+            dense = (self.layer_params - experts) * fmt.layer_bytes + read * fmt.expert_bytes
+            return dense + self.embedding_params * fmt.head_bytes + self.norm_params * base
         per_param = weight_bytes_per_param(dtype or self.dtype)
         layers = self.step_layer_params(batch_size)
         return layers * per_param + self.embedding_params * base + self.norm_params * base

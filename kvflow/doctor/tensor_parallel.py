@@ -106,7 +106,7 @@ def estimate(
     linears = model.layer_params - layers * (norms + kv_proj)
     linears_rank = linears / n + layers * kv_proj_rank
     base = weight_bytes_per_param(model.dtype)
-    per_param = weight_bytes_per_param(roofline.weight_dtype)
+    per_param = model.layer_bytes_per_param(roofline.weight_dtype)
     replicated = (layers * norms + model.norm_params) * base
     embed_rank = (model.embedding_params + model.lm_head_params) / n * base
     weights_rank = linears_rank * per_param + embed_rank + replicated

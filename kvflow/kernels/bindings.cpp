@@ -5,8 +5,7 @@
 #include "decode_forward.h"
 
 torch::Tensor empty_huge_pages(int64_t nbytes);
-torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t block,
-                                c10::optional<torch::Tensor> bias);
+
 torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
                                      torch::Tensor slots, double scale, c10::optional<torch::Tensor> sinks);
 
@@ -85,6 +84,16 @@ void bind_decode_forward(py::module& m) {
             return l;
           },
           "a GGUF block type by its ggml type id (kvflow/quant/gguf_linear.py's tiles and params), K, N, bias, GEMV rows")
+      .def_static(
+          "fp8",
+          [](torch::Tensor q, torch::Tensor scales, int64_t block, OptTensor bias) {
+            auto l = make_linear(NativeLinear::Kind::kFp8, q, q.size(1));
+            l->scales = scales.contiguous();
+            l->group_size = block;
+            l->bias = bias;
+            return l;
+          },
+          "FP8 e4m3 bytes [N, K], fp32 scales [N, ceil(K / block)], block, bias (gemv_fp8.cpp)")
       .def_static(
           "concat",
           [](std::vector<std::shared_ptr<NativeLinear>> parts) {

@@ -44,7 +44,8 @@ namespace {
 constexpr int64_t kPrefillTileElements = 4 << 20;  // kvflow/quant/linear.py PREFILL_TILE_ELEMENTS
 constexpr int64_t kInt4TileRows = 16;              // kvflow/quant/linear.py INT4_TILE_ROWS
 constexpr int64_t kInt8TileRows = 16;              // kvflow/quant/linear.py INT8_TILE_ROWS
-constexpr int64_t kGgmlQ8_0 = 8;                   // ggml's type id of Q8_0 (kvflow/quant/gguf_linear.py)
+constexpr int64_t kGgmlQ8_0 = 8;
+constexpr int64_t kFp8MaxRows = 8;                 // gemv_fp8.cpp kMaxRows (kvflow/quant/fp8.py FP8_GEMV_MAX_ROWS)                   // ggml's type id of Q8_0 (kvflow/quant/gguf_linear.py)
 constexpr float kInt8Max = 127.0f;         // kvflow/attention/kv_layer.py INT8_MAX
 constexpr float kFp8E4m3Max = 448.0f;      // FP8_E4M3_MAX
 constexpr float kInt4Levels = 15.0f;       // INT4_LEVELS
@@ -145,6 +146,19 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
       for (const auto& part : parts) outs.push_back(part->forward(x_in));
       return at::cat(outs, 1);
     }
+    case Kind::kFp8:
+      if (M <= kFp8MaxRows) return skinny_linear_fp8(x_in, weight, scales, group_size, bias);
+      // More rows: row blocks widened to bf16 (e4m3 -> fp32, times the scale, rounded once) and
+      // multiplied, as kvflow/quant/fp8.py Fp8Linear.forward does.
+      return gemm_over_tiles(
+          x_in, out_features, in_features, 1,
+          [&](int64_t n0, int64_t n1) {
+            const torch::Tensor w = weight.slice(0, n0, n1).view(torch::kFloat8_e4m3fn).to(torch::kFloat32);
+            const torch::Tensor s =
+                scales.slice(0, n0, n1).repeat_interleave(group_size, 1).slice(1, 0, in_features);
+            return (w * s).to(torch::kBFloat16);
+          },
+          bias);
   }
   TORCH_CHECK(false, "unreachable");
 }
@@ -164,6 +178,7 @@ torch::Tensor NativeLinear::greedy(const torch::Tensor& x_in) const {
       if (ggml_type == kGgmlQ8_0) return skinny_linear_q8_0_greedy(x_in, weight, scales, out_features, bias);
       return skinny_linear_ggml_greedy(x_in, ggml_type, weight, scales, mins, supers, out_features, bias);
     case Kind::kConcat:
+    case Kind::kFp8:
       return argmax_rows(forward(x_in));
   }
   TORCH_CHECK(false, "unreachable");

@@ -40,6 +40,9 @@ torch::Tensor skinny_linear_q8_0_greedy(torch::Tensor x, torch::Tensor tiles, to
                                         int64_t out_features, c10::optional<torch::Tensor> bias);
 torch::Tensor dequantize_q8_0_rows(torch::Tensor tiles, torch::Tensor block_scales, int64_t in_features,
                                    int64_t out_features, int64_t n_begin, int64_t n_end);
+// FP8 e4m3 weights with block scales (gemv_fp8.cpp), up to kFp8MaxRows rows per call.
+torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t block,
+                                c10::optional<torch::Tensor> bias);
 torch::Tensor skinny_linear_ggml(torch::Tensor x, int64_t type, torch::Tensor values, torch::Tensor scales,
                                  torch::Tensor mins, torch::Tensor supers, int64_t out_features,
                                  c10::optional<torch::Tensor> bias);
@@ -65,7 +68,8 @@ struct NativeLinear {
   // kGgml: a GGUF block type (ggml_type: 8 = Q8_0 on int8 tiles, else gemv_ggml.cpp's); kConcat:
   // `parts` over the same input, outputs concatenated (a merged projection whose parts a GGUF file
   // stores in different types, e.g. q/k Q4_K beside v Q6_K).
-  enum class Kind { kBf16, kInt8, kInt4, kGgml, kConcat };
+  // kFp8: e4m3 bytes [N, K] with fp32 scales [N, ceil(K / group_size)] (kvflow/quant/fp8.py).
+  enum class Kind { kBf16, kInt8, kInt4, kGgml, kConcat, kFp8 };
   Kind kind;
   torch::Tensor weight;  // bf16 tiles [N_pad / 16, K / 2, 16, 2] | int8 tiles [N_pad / 16, K_pad / 4, 16, 4] | int4
                          // tiles [N_pad / 16, 8K]

@@ -53,6 +53,7 @@ def compare(
     window: int,
     kv_cache_dtype: str = "auto",
     path: ScoringPath = "prefill",
+    label: str = "quantized",
 ) -> dict[str, Any]:
     """The candidate runs with its own weights and, if given, a quantized KV cache; both score every
     position along `path` (teacher_forcing.py: prefill chunks, or decode rows as generation does)."""
@@ -74,7 +75,7 @@ def compare(
         PathStats(label, figures[key], decode_rate(llm, probe), model_bytes(llm))
         for label, key, llm in (
             ("reference", "perplexity_reference", reference),
-            ("quantized", "perplexity_served", candidate),
+            (label, "perplexity_served", candidate),
         )
     ]
     return {

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
 from kvflow.errors import ModelLoadError
-from kvflow.kernels import fp8_weight_kernel
+from kvflow.kernels import NativeDecoderClasses, fp8_weight_kernel
 from kvflow.layers.bf16_gemm import bf16_linear_blocks
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -119,6 +120,13 @@ class Fp8Linear(nn.Module):
 
     def prepare_for_inference(self) -> None:
         """Nothing to lay out: the bytes are read as the checkpoint stores them."""
+
+    def native(self, classes: NativeDecoderClasses) -> Any | None:
+        """This layer for the native decode forward (decode rows only: the GEMV, in passes of
+        FP8_GEMV_MAX_ROWS rows), or None without the kernel."""
+        if self._gemv is None:
+            return None
+        return classes.linear.fp8(self.qweight, self.scales, self.block, self.bias)
 
     def extra_repr(self) -> str:
         return (

@@ -10,6 +10,7 @@ import torch
 from kvflow.arch_config import load_hf_config, parse_arch_config
 from kvflow.config import SpeculativeConfig
 from kvflow.errors import ModelLoadError
+from kvflow.gguf.gguf_file import is_gguf_path
 from kvflow.models.loader import load_model
 from kvflow.spec_decode.draft_proposer import DraftModelProposer
 from kvflow.spec_decode.proposer import NgramProposer
@@ -34,9 +35,11 @@ def build_proposer(
         return None
     assert config.draft_model is not None
     draft_dir = Path(config.draft_model).expanduser()
-    if not draft_dir.is_dir():
-        raise ModelLoadError(f"draft model directory {str(draft_dir)!r} does not exist")
-    draft_tokenizer = Tokenizer.from_pretrained(draft_dir)
+    if not draft_dir.is_dir() and not is_gguf_path(draft_dir):
+        raise ModelLoadError(
+            f"draft model {str(draft_dir)!r} is neither a checkpoint directory nor a GGUF file"
+        )
+    draft_tokenizer = Tokenizer.for_model(draft_dir)
     if draft_tokenizer.backend.get_vocab() != tokenizer.backend.get_vocab():
         raise ModelLoadError(
             f"the draft model {draft_dir} has a different vocabulary ({draft_tokenizer.vocab_size} tokens) "

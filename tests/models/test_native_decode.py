@@ -226,3 +226,35 @@ def test_greedy_head_gives_the_argmax_of_the_logits(
     assert eager.llm_engine.model_runner.model.greedy_tokens(hidden) is None
     for fused, reference in zip(llm.generate(prompts, params), eager.generate(prompts, params), strict=True):
         assert fused.outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+def _checkpoint_format(kind: str, factory: Callable[..., Path], tmp_path: Path) -> Path:
+    """A GGUF file (Q4_K_M: Q4_K / Q6_K / fallback types mixed inside qkv; Q8_0: its tied head on the
+    Q8_0 tiles, greedy folded into the GEMV) or an FP8 block-scaled checkpoint of a tiny model."""
+    if kind == "fp8-block":
+        from quant.test_fp8_checkpoints import _write_pair
+
+        return _write_pair(factory("llama"), tmp_path, "block")[0]
+    from fixtures.gguf_files import q4_k_m, uniform, write_gguf
+
+    arch, rule = ("llama", q4_k_m) if kind == "gguf-q4_k_m" else ("qwen2", uniform("Q8_0"))
+    path = tmp_path / f"{kind}.gguf"
+    write_gguf(factory(arch, hidden_size=256, intermediate_size=512), path, rule)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["gguf-q4_k_m", "gguf-q8_0", "fp8-block"])
+def test_native_decode_on_checkpoint_formats_matches_python_path(
+    kind: str, tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    pytest.importorskip("gguf")
+    path = _checkpoint_format(kind, tiny_checkpoint_factory, tmp_path)
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(str(path), dtype="bfloat16", enforce_eager=eager, max_num_batched_tokens=1024)
+        assert llm.llm_engine.model_runner.native_decode is not eager
+        prompts, params = _prompts(llm.llm_engine.arch.vocab_size)
+        runs[eager] = llm.generate(prompts, params)
+    for python, native in zip(runs[True], runs[False], strict=True):
+        assert native.outputs[0].token_ids == python.outputs[0].token_ids
+        assert native.outputs[0].logprobs == python.outputs[0].logprobs
