@@ -87,7 +87,8 @@ def main() -> None:
             gbs = nbytes / t / 1e9
             bits = 8 * nbytes / (n * k)
             print(
-                f"  {name:9s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  {100 * gbs / probe:5.1f}% of the probe"
+                f"  {name:9s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  "
+                f"{100 * gbs / probe:5.1f}% of the probe"
             )
 
 

@@ -1,6 +1,7 @@
 """kvflow against llama.cpp on the same weights, side by side, engines alternated round by round.
 
-    python benchmarks/vs_llamacpp.py [--rounds 3] [--pairs bf16,int8,int4,q8_0,q4_0,q4_k_m] [--threads 2] [--batch 8]
+    python benchmarks/vs_llamacpp.py [--rounds 3] [--pairs bf16,int8,int4,q8_0,q4_0,q4_k_m]
+                                     [--threads 2] [--batch 8]
 
 On the Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py builds it):
 - llama.cpp is built once from the llama-cpp-python sdist pip downloads (CMake Release,
