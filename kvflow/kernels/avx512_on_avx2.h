@@ -218,6 +218,16 @@ KVFLOW_AVX2_INLINE m512i srli_epi32(m512i a, unsigned n) {
 KVFLOW_AVX2_INLINE m512i srli_epi16(m512i a, unsigned n) {
   return {_mm256_srli_epi16(a.lo, int(n)), _mm256_srli_epi16(a.hi, int(n))};
 }
+KVFLOW_AVX2_INLINE m512i shuffle_epi8(m512i table, m512i idx) {  // vpshufb: per 128-bit lane
+  return {_mm256_shuffle_epi8(table.lo, idx.lo), _mm256_shuffle_epi8(table.hi, idx.hi)};
+}
+KVFLOW_AVX2_INLINE m512i broadcast_i32x4(__m128i a) {
+  const __m256i both = _mm256_broadcastsi128_si256(a);
+  return {both, both};
+}
+KVFLOW_AVX2_INLINE m512i max_epi32(m512i a, m512i b) {
+  return {_mm256_max_epi32(a.lo, b.lo), _mm256_max_epi32(a.hi, b.hi)};
+}
 KVFLOW_AVX2_INLINE m512i slli_epi16(m512i a, unsigned n) {
   return {_mm256_slli_epi16(a.lo, int(n)), _mm256_slli_epi16(a.hi, int(n))};
 }
@@ -444,6 +454,9 @@ KVFLOW_AVX2_INLINE m512i dpbssd(m512i acc, const SignedWeights& w, m512i b) {
 #define _mm512_srli_epi32 kvflow_avx2::srli_epi32
 #define _mm512_srli_epi16 kvflow_avx2::srli_epi16
 #define _mm512_slli_epi16 kvflow_avx2::slli_epi16
+#define _mm512_shuffle_epi8 kvflow_avx2::shuffle_epi8
+#define _mm512_broadcast_i32x4 kvflow_avx2::broadcast_i32x4
+#define _mm512_max_epi32 kvflow_avx2::max_epi32
 #define _mm512_mask_mov_epi32 kvflow_avx2::mask_mov_epi32
 #define _mm512_cmpgt_epu32_mask kvflow_avx2::cmpgt_epu32_mask
 #define _mm512_reduce_add_epi32 kvflow_avx2::reduce_add_epi32

@@ -1,5 +1,6 @@
 // Weight-only GEMVs on llama.cpp's (ggml's) 4/5/6-bit block types, read as a GGUF file stores
-// their bits: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K (Q8_0 runs on gemv_int8.cpp's tiles). The
+// their bits: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 (gpt-oss's experts, from a GGUF
+// file or the Hugging Face checkpoint; Q8_0 runs on gemv_int8.cpp's tiles). The
 // values and scales are the file's, only re-laid per 16 rows at load (kvflow/quant/gguf_linear.py);
 // nothing is requantized.
 //
@@ -9,6 +10,10 @@
 //   Q4_1  s = d                         z = m (fp16)      Q5_1  s = d   z = m
 //   Q4_K / Q5_K  s = d * sc, z = -dmin * m: d, dmin fp16 per 256 inputs, sc, m 6-bit per 32
 //   Q6_K  s = d * sc (d fp16 per 256, sc int8 per 16), z = -32 s
+//   MXFP4 the 4-bit codes are e2m1 numbers, not levels: a byte shuffle maps code c to
+//         u = 2 e2m1(c) + 12 in 0..24 (ggml's doubled kvalues, offset to be unsigned), then
+//         s = 2^(e - 128) (the e8m0 scale per 32, halved for the doubling), z = -12 s
+//         (e = 0, a scale of 2^-128, reads as 0: no checkpoint has one)
 // s and z are computed in fp32 from the stored fields as ggml does (d * sc is exact in fp32).
 //
 // Layout: tiles of 16 output rows (N padded with zero rows), per tile and block of 32 inputs
@@ -17,8 +22,8 @@
 // Q6_K: 2): bit j of byte 4l + i holds bit 4 + p of q[l][4j + i], so that for quarter c and half h
 // (j = 2c + h) one shift and one AND put it in place beside the nibble. values: [T, K / 32, 256 +
 // 64 planes] uint8. Scales and minima per tile and group, 16 lanes each (one per row):
-//   scales  fp16 [T, K / 32, 16] (d: Q4_0/1, Q5_0/1) | uint8 (sc: Q4_K, Q5_K) | int8 [T, K / 16, 16]
-//   (sc: Q6_K); mins  fp16 [T, K / 32, 16] (m: Q4_1, Q5_1) | uint8 (m: Q4_K, Q5_K); supers  fp16
+//   scales  fp16 [T, K / 32, 16] (d: Q4_0/1, Q5_0/1) | uint8 (sc: Q4_K, Q5_K; e: MXFP4) | int8
+//   [T, K / 16, 16] (sc: Q6_K); mins  fp16 [T, K / 32, 16] (m: Q4_1, Q5_1) | uint8 (m: Q4_K, Q5_K); supers  fp16
 //   [T, K / 256, 2, 16] (d, dmin: Q4_K, Q5_K) | [T, K / 256, 1, 16] (d: Q6_K).
 //
 // skinny_linear_ggml: y[M, N] = x[M, K] @ W^T (+ bias), few rows (decode). The activations are
@@ -65,10 +70,13 @@ constexpr int64_t kMaxRowsPerPass = 4;
 #endif
 
 // ggml type ids (gguf.GGMLQuantizationType) of the formats below.
-enum GgmlType : int64_t { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14 };
+enum GgmlType : int64_t {
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39
+};
 
 // How a format's (s, z) per group are stored (header comment).
-enum class Params { kScaleOffset, kScaleMin, kSuperScaleMin, kSuperScaleOffset };
+enum class Params { kScaleOffset, kScaleMin, kSuperScaleMin, kSuperScaleOffset, kE8M0Offset };
+constexpr float kMxfp4Offset = 12;  // u = 2 e2m1 + 12: the doubled e2m1 values are -12 .. 12
 
 template <int64_t kType>
 struct Format;
@@ -86,6 +94,18 @@ template <>
 struct Format<kQ5_K> { static constexpr int kPlanes = 1, kGroups = 1; static constexpr Params kParams = Params::kSuperScaleMin; static constexpr float kOffset = 0; };
 template <>
 struct Format<kQ6_K> { static constexpr int kPlanes = 2, kGroups = 2; static constexpr Params kParams = Params::kSuperScaleOffset; static constexpr float kOffset = 32; };
+template <>
+struct Format<kMXFP4> { static constexpr int kPlanes = 0, kGroups = 1; static constexpr Params kParams = Params::kE8M0Offset; static constexpr float kOffset = kMxfp4Offset; };
+
+// Whether a format's 4-bit codes go through kCodeTable (MXFP4's e2m1) before the dot products.
+template <int64_t kType>
+constexpr bool kHasCodeTable = Format<kType>::kParams == Params::kE8M0Offset;
+// e2m1 code -> 2 e2m1 + 12 (codes 0-7: 0, .5, 1, 1.5, 2, 3, 4, 6; 8-15 the same negated), as bytes,
+// the same 16 in each 128-bit lane for vpshufb.
+inline __m512i code_table() {
+  const __m128i t = _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);
+  return _mm512_broadcast_i32x4(t);
+}
 
 inline __m512 load_fp16x16(const uint16_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
@@ -108,12 +128,17 @@ inline __m512i plane_bit(__m512i plane) {
 }
 
 // The levels of quarter kC (both halves) of one tile-block: 16 rows x 4 levels per register.
-template <int kPlanes, int kC>
+template <int kPlanes, int kC, bool kTable = false>
 inline void quarter_levels(const uint8_t* wb, const __m512i* planes, __m512i& lo, __m512i& hi) {
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const __m512i packed = _mm512_loadu_si512(wb + 64 * kC);
   lo = _mm512_and_si512(packed, nibble);
   hi = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  if constexpr (kTable) {
+    const __m512i table = code_table();
+    lo = _mm512_shuffle_epi8(table, lo);
+    hi = _mm512_shuffle_epi8(table, hi);
+  }
   if constexpr (kPlanes >= 1) {
     lo = _mm512_or_si512(lo, plane_bit<2 * kC, 4>(planes[0]));
     hi = _mm512_or_si512(hi, plane_bit<2 * kC + 1, 4>(planes[0]));
@@ -148,6 +173,13 @@ inline void group_params(const Tensors& w, int64_t t, int64_t b, int g, __m512& 
     const __m512 dm = _mm512_mul_ps(load_fp16x16(dd + kTileRows),
                                     load_u8x16(static_cast<const uint8_t*>(w.mins) + (t * blocks + b) * kTileRows));
     z = _mm512_sub_ps(_mm512_setzero_ps(), dm);
+  } else if constexpr (F::kParams == Params::kE8M0Offset) {  // MXFP4: s = 2^(e - 128)
+    const __m512i e = _mm512_cvtepu8_epi32(
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint8_t*>(w.scales) + (t * blocks + b) * kTileRows)));
+    // (e - 1) << 23 is 2^(e - 128) as fp32 for e >= 1 (e = 1: 0.0, not 2^-127; header comment).
+    const __m512i biased = _mm512_max_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), _mm512_setzero_si512());
+    s = _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23));
+    z = _mm512_mul_ps(s, _mm512_set1_ps(-F::kOffset));
   } else {  // kSuperScaleOffset: Q6_K, groups of 16
     const int64_t supers = w.K / kSuperBlock, sb = b * kBlock / kSuperBlock;
     const __m512 d = load_fp16x16(w.supers + (t * supers + sb) * kTileRows);
@@ -229,7 +261,7 @@ struct Gemv {
   inline void quarter(const uint8_t* wb, const __m512i* planes, int64_t m0, int64_t b,
                       __m512i (*dot)[MB]) const {
     __m512i lo, hi;
-    quarter_levels<F::kPlanes, kC>(wb, planes, lo, hi);
+    quarter_levels<F::kPlanes, kC, kHasCodeTable<kType>>(wb, planes, lo, hi);
     constexpr int g = F::kGroups == 2 ? kC / 2 : 0;
     for (int64_t m = 0; m < MB; ++m) {
       const int8_t* xq = x->q8.q.data() + (m0 + m) * x->q8.padded_k + b * kBlock + 8 * kC;
@@ -277,10 +309,11 @@ struct Gemv {
           __m512i planes[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
           for (int p = 0; p < F::kPlanes; ++p) planes[p] = _mm512_loadu_si512(wb + kNibbleBytes + p * kPlaneBytes);
           __m512i lo, hi;
-          quarter_levels<F::kPlanes, 0>(wb, planes, lo, hi); store(levels[0], lo); store(levels[1], hi);
-          quarter_levels<F::kPlanes, 1>(wb, planes, lo, hi); store(levels[2], lo); store(levels[3], hi);
-          quarter_levels<F::kPlanes, 2>(wb, planes, lo, hi); store(levels[4], lo); store(levels[5], hi);
-          quarter_levels<F::kPlanes, 3>(wb, planes, lo, hi); store(levels[6], lo); store(levels[7], hi);
+          constexpr bool kTable = kHasCodeTable<kType>;
+          quarter_levels<F::kPlanes, 0, kTable>(wb, planes, lo, hi); store(levels[0], lo); store(levels[1], hi);
+          quarter_levels<F::kPlanes, 1, kTable>(wb, planes, lo, hi); store(levels[2], lo); store(levels[3], hi);
+          quarter_levels<F::kPlanes, 2, kTable>(wb, planes, lo, hi); store(levels[4], lo); store(levels[5], hi);
+          quarter_levels<F::kPlanes, 3, kTable>(wb, planes, lo, hi); store(levels[6], lo); store(levels[7], hi);
           for (int g = 0; g < F::kGroups; ++g) {
             __m512 s, z;
             group_params<kType>(w, t, b, g, s, z);
@@ -324,6 +357,7 @@ Tensors check_tensors(int64_t type, const torch::Tensor& values, const torch::Te
     case kQ4_K: min_groups = K / kBlock; super_fields = 2; break;
     case kQ5_K: planes = 1; min_groups = K / kBlock; super_fields = 2; break;
     case kQ6_K: planes = 2; scale_groups = K / 16; super_fields = 1; break;
+    case kMXFP4: break;
     default: TORCH_CHECK(false, "ggml type ", type, " has no GEMV here (kvflow/kernels/gemv_ggml.cpp)");
   }
   TORCH_CHECK(values.size(2) == kNibbleBytes + planes * kPlaneBytes, "block bytes do not match ggml type ", type);
@@ -350,6 +384,7 @@ void with_type(int64_t type, const F& f) {
     case kQ4_K: return f(std::integral_constant<int64_t, kQ4_K>{});
     case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
+    case kMXFP4: return f(std::integral_constant<int64_t, kMXFP4>{});
     default: TORCH_CHECK(false, "ggml type ", type, " has no GEMV here");
   }
 }

@@ -19,6 +19,7 @@ that computes on those bytes.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,7 @@ from kvflow.arch_config import ArchConfig
 from kvflow.errors import ModelLoadError
 from kvflow.gguf.gguf_config import PERMUTED_QK_ARCHITECTURES
 from kvflow.gguf.gguf_file import GGUFFile, GGUFTensor
+from kvflow.quant.gguf_linear import KERNEL_TYPES, unpack_ggml
 
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -166,6 +168,16 @@ def _float_values(tensor: GGUFTensor) -> torch.Tensor:
 
 
 def _dequantized(path: Path, tensor: GGUFTensor) -> torch.Tensor:
+    """float32 values of a block-quantized tensor: the kernels' unpacking for their types (torch,
+    ~3x the gguf package's numpy on an embedding table), the gguf package's reference for the rest."""
+    if tensor.type_name in KERNEL_TYPES:
+        rows = torch.from_numpy(np.array(tensor.data, copy=True)).reshape(-1, tensor.data.shape[-1])
+        flat = (math.prod(tensor.shape[:-1]), tensor.shape[-1])
+        return (
+            unpack_ggml(tensor.type_name, rows, flat, f"{path}: {tensor.name}")
+            .dequantize()
+            .reshape(tensor.shape)
+        )
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 

@@ -13,7 +13,12 @@ Checkpoint layout: the experts of a layer come fused, `mlp.experts.gate_up_proj`
 `mlp.experts.down_proj` [E, I, hidden] with `down_proj_bias` [E, hidden]; the router is
 `mlp.router.{weight,bias}`. The loader slices them into kvflow's per-expert Linears [out, in]
 (gate rows then up rows), so int8/int4 weight quantization applies to the experts as to any MoE.
-The released checkpoints store the experts in MXFP4 (`*_blocks`, `*_scales`): a later format.
+The released checkpoints store the experts in MXFP4 (quantization_config quant_method mxfp4):
+`gate_up_proj_blocks` [E, 2I, hidden / 32, 16] and `gate_up_proj_scales` [E, 2I, hidden / 32] (rows
+interleaved gate / up as above), `down_proj_blocks` / `_scales` likewise; the rest stays bf16. In
+bf16 with the native kernels each expert becomes a GGUFLinear over its MXFP4 codes (4.25 bits per
+weight, gemv_ggml.cpp; swapped in by after_load, once the expert's bias is in); otherwise (float32,
+no kernels) the codes are dequantized into the expert's float weight.
 """
 
 from __future__ import annotations
@@ -26,9 +31,12 @@ from torch import nn
 
 from kvflow.arch_config import ArchConfig
 from kvflow.errors import ModelLoadError
+from kvflow.kernels import ggml_weight_kernels
 from kvflow.layers.fused_moe import SparseMoE
+from kvflow.layers.linear import Linear
 from kvflow.models.llama import DecoderLayer, LlamaFamilyForCausalLM
 from kvflow.models.moe import NATIVE_DECODE_UNSUPPORTED_MOE
+from kvflow.quant.gguf_linear import GGUFLinear, select_rows, unpack_mxfp4_blocks
 
 if TYPE_CHECKING:
     from kvflow.models.loader import TensorReader
@@ -57,6 +65,8 @@ class GptOssForCausalLM(LlamaFamilyForCausalLM):
             return False
         layer, expert, proj, kind = match.groups()
         source = f"model.layers.{layer}.mlp.experts.{proj}" + ("_bias" if kind == "bias" else "")
+        if kind == "weight" and source not in reader.files and f"{source}_blocks" in reader.files:
+            return self._load_mxfp4(name, param, reader, used, source, int(expert))
         if source not in reader.files:
             raise ModelLoadError(f"checkpoint is missing tensor {source!r} (needed for {name})")
         fused = self._fused(reader, source)[int(expert)]  # weight [in, out] (x @ W), bias [out]
@@ -83,5 +93,36 @@ class GptOssForCausalLM(LlamaFamilyForCausalLM):
             cache[source] = reader.read(source)
         return cache[source]
 
+    def _load_mxfp4(
+        self, name: str, param: torch.Tensor, reader: TensorReader, used: set[str], source: str, expert: int
+    ) -> bool:
+        """One expert's weight from the layer's MXFP4 blocks and scales (module docstring)."""
+        blocks = self._fused(reader, f"{source}_blocks")[expert]
+        scales = self._fused(reader, f"{source}_scales")[expert]
+        weight = unpack_mxfp4_blocks(blocks, scales)
+        if source.endswith("gate_up_proj"):  # interleaved rows: gate 0, 2, 4, ...; up 1, 3, 5, ...
+            n = weight.q.shape[0]
+            weight = select_rows(weight, torch.cat((torch.arange(0, n, 2), torch.arange(1, n, 2))))
+        if tuple(weight.q.shape) != tuple(param.shape):
+            raise ModelLoadError(
+                f"shape mismatch for {name}: expected {tuple(param.shape)} from config.json, got "
+                f"{tuple(weight.q.shape)} from {source}_blocks"
+            )
+        used.update((f"{source}_blocks", f"{source}_scales"))
+        kernels = ggml_weight_kernels() if param.dtype == torch.bfloat16 else None
+        if kernels is None:
+            param.copy_(weight.dequantize().to(param.dtype))
+            return True
+        pending: dict[str, object] = self.__dict__.setdefault("_mxfp4_pending", {})
+        pending[name.removesuffix(".weight")] = (weight, kernels)
+        return True
+
     def after_load(self) -> None:
         self.__dict__.pop("_fused_cache", None)
+        # The MXFP4 experts' layers, now that their biases are loaded.
+        for path, (weight, kernels) in self.__dict__.pop("_mxfp4_pending", {}).items():
+            linear = self.get_submodule(path)
+            assert isinstance(linear, Linear)
+            parent, _, attr = path.rpartition(".")
+            bias = linear.bias.data if linear.bias is not None else None
+            setattr(self.get_submodule(parent), attr, GGUFLinear(weight, bias, kernels))

@@ -30,6 +30,7 @@ from kvflow.models.registry import MODEL_REGISTRY
 from kvflow.quant.apply import quantize_model
 from kvflow.quant.checkpoint_formats import (
     TENSOR_SUFFIXES,
+    UNPACKERS,
     CheckpointQuant,
     parse_quantization_config,
 )
@@ -216,7 +217,9 @@ class WeightSource:
             return self.gguf.is_packed(sources)
         quant, available = self.checkpoint_quant, set(self.reader.files)
         bases = [s.removesuffix(".weight") for s in sources]
-        return quant is not None and all(is_prequantized(b, available, quant) for b in bases)
+        if quant is None or quant.method not in UNPACKERS:  # mxfp4: the family reads its own tensors
+            return False
+        return all(is_prequantized(b, available, quant) for b in bases)
 
     def build_packed(self, sources: list[str], linear: Linear, used: set[str]) -> nn.Module:
         """The layer replacing `linear` (bias already loaded), built from its sources' blocks."""

@@ -89,7 +89,11 @@ class ShardLayout:
                         f"each rank's {what} holds {width} input columns, not a multiple of {g}; choose "
                         "a tensor_parallel_size or quantization_group_size that divides it"
                     )
-        if checkpoint_quant is not None and checkpoint_quant.method in ("fp8", "compressed-tensors-fp8"):
+        if checkpoint_quant is not None and checkpoint_quant.method in (
+            "fp8",
+            "compressed-tensors-fp8",
+            "mxfp4",
+        ):
             raise ConfigError(
                 f"tensor parallelism over {checkpoint_quant.method} checkpoints is not supported yet: run "
                 "them with tensor_parallel_size 1"

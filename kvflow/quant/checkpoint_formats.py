@@ -105,8 +105,11 @@ def parse_quantization_config(config: Mapping[str, Any]) -> CheckpointQuant | No
                 "weights with [rows, cols] block scales"
             )
         return CheckpointQuant("fp8", 8, int(block[1]), True, block_rows=int(block[0]))
+    if method == "mxfp4":  # gpt-oss's experts (kvflow/models/gpt_oss.py reads them); the rest is bf16
+        return CheckpointQuant("mxfp4", 4, 32, True)
     raise ModelLoadError(
-        f"quantization_config.quant_method {method!r} is not supported (gptq, awq, compressed-tensors, fp8)"
+        f"quantization_config.quant_method {method!r} is not supported (gptq, awq, compressed-tensors, fp8, "
+        "mxfp4)"
     )
 
 

@@ -12,6 +12,9 @@ ggml's block types, per row (K inputs), as llama.cpp's ggml-quants.c lays them o
     Q6_K  210 B / 256: 128 B low nibbles (per 128: byte j = q[j] | q[j + 64] << 4), 64 B high
           2-bit pairs (per 128: byte j bits 2s: q[32 s + j] >> 4), 16 x int8 sc per 16, d
                                                                   W = d sc (q - 32)
+    MXFP4 17 B / 32: e (e8m0), 16 B of e2m1 codes (Q4_0's nibble order)   W = e2m1(q) 2^(e - 127)
+          gpt-oss's Hugging Face checkpoint: `*_blocks` [.., N, K / 32, 16] (byte j: codes 2j,
+          2j + 1) and `*_scales` [.., N, K / 32] (e): the same numbers (unpack_mxfp4_blocks)
 Unpacking gives levels q [N, K] and the stored fields per group; packing re-lays them per 16
 output rows for the GEMVs (kvflow/kernels/gemv_int8.cpp for Q8_0, gemv_ggml.cpp for the rest), whose
 headers give the layouts. The bits are the file's: the GEMV computes with the same (levels, d,
@@ -42,7 +45,10 @@ from kvflow.quant.linear import (
 )
 
 # ggml type ids (gguf.GGMLQuantizationType) of the types with a kernel here.
-GGML_TYPE_IDS = {"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}
+GGML_TYPE_IDS = {
+    **{"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8},
+    **{"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39},
+}
 KERNEL_TYPES = frozenset(GGML_TYPE_IDS)
 # Bytes per block and values per block of each.
 _BLOCK_BYTES = {
@@ -54,11 +60,15 @@ _BLOCK_BYTES = {
     "Q4_K": 144,
     "Q5_K": 176,
     "Q6_K": 210,
+    "MXFP4": 17,
 }
 _BLOCK_VALUES = {t: 256 if t.endswith("_K") else 32 for t in _BLOCK_BYTES}
 # High bit planes beside the nibbles (gemv_ggml.cpp).
-_PLANES = {"Q4_0": 0, "Q4_1": 0, "Q4_K": 0, "Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2}
-_OFFSETS = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32}  # W = s (q - offset) types
+_PLANES = {"Q4_0": 0, "Q4_1": 0, "Q4_K": 0, "Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2, "MXFP4": 0}
+_OFFSETS = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "MXFP4": 12}  # W = s (level - offset) types
+# MXFP4: e2m1 code -> 2 e2m1 + 12 (gemv_ggml.cpp's byte table): the level the kernel multiplies.
+MXFP4_LEVELS = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.uint8)
+E8M0_BIAS = 127
 GROUP = 32  # inputs per nibble block and per activation scale
 SUPER_BLOCK = 256  # K-quants' QK_K
 EMPTY = torch.empty(0, dtype=torch.float16)
@@ -76,9 +86,17 @@ class UnpackedGGML:
     mins: torch.Tensor | None = None
     supers: torch.Tensor | None = None
 
+    def levels(self) -> torch.Tensor:
+        """The levels the kernels multiply: q, or (MXFP4) its codes through MXFP4_LEVELS."""
+        return MXFP4_LEVELS[self.q.long()] if self.type_name == "MXFP4" else self.q
+
     def group_affine(self) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(s, z [N, K / g] float32, g): W = s q + z per group of g inputs, as the kernels compute."""
+        """(s, z [N, K / g] float32, g): W = s levels + z per group of g inputs, as the kernels compute."""
         t = self.type_name
+        if t == "MXFP4":  # s = 2^(e - 128): e2m1 = (level - 12) / 2
+            exponent = self.scales.to(torch.int32) - (E8M0_BIAS + 1)
+            s = torch.ldexp(torch.ones(exponent.shape), exponent)
+            return s, -_OFFSETS[t] * s, GROUP
         if t in ("Q4_K", "Q5_K"):
             assert self.supers is not None and self.mins is not None
             d, dmin = (self.supers[..., i].float().repeat_interleave(SUPER_BLOCK // GROUP, 1) for i in (0, 1))
@@ -97,7 +115,7 @@ class UnpackedGGML:
         """W [N, K] float32 (the reference the kernels are checked against)."""
         s, z, g = self.group_affine()
         n, k = self.q.shape
-        q = self.q.view(torch.int8) if self.type_name == "Q8_0" else self.q
+        q = self.q.view(torch.int8) if self.type_name == "Q8_0" else self.levels()
         w = q.float().reshape(n, k // g, g) * s[..., None] + z[..., None]
         return w.reshape(n, k)
 
@@ -147,6 +165,10 @@ def unpack_ggml(type_name: str, data: torch.Tensor, shape: tuple[int, int], name
     t = type_name
     if t == "Q8_0":
         return UnpackedGGML(t, blocks[..., 2:].reshape(n, k).contiguous(), _fp16(blocks[..., :2]))
+    if t == "MXFP4":
+        return UnpackedGGML(
+            t, _nibbles_half_split(blocks[..., 1:], 16).reshape(n, k).contiguous(), blocks[..., 0]
+        )
     if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         d = _fp16(blocks[..., 0:2])
         has_min = t.endswith("_1")
@@ -173,6 +195,34 @@ def unpack_ggml(type_name: str, data: torch.Tensor, shape: tuple[int, int], name
     sc = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
     d = _fp16(blocks[..., 208:210])
     return UnpackedGGML(t, q.contiguous(), sc, None, d[..., None])
+
+
+def unpack_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> UnpackedGGML:
+    """gpt-oss's MXFP4 tensors of one projection (blocks [N, K / 32, 16] uint8, byte j holding codes
+    2j (low nibble) and 2j + 1; scales [N, K / 32] e8m0) in the common form."""
+    n, groups, half = blocks.shape
+    if half != GROUP // 2 or tuple(scales.shape) != (n, groups):
+        raise ModelLoadError(
+            f"MXFP4 blocks {list(blocks.shape)} and scales {list(scales.shape)}: expected [N, K / 32, 16] "
+            "and [N, K / 32]"
+        )
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(n, groups * GROUP)
+    return UnpackedGGML("MXFP4", codes.contiguous(), scales.contiguous())
+
+
+def select_rows(w: UnpackedGGML, rows: torch.Tensor) -> UnpackedGGML:
+    """The projection's output rows `rows` [n] in that order (every field is per row)."""
+
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows].contiguous()
+
+    return replace(
+        w,
+        q=w.q[rows].contiguous(),
+        scales=w.scales[rows].contiguous(),
+        mins=pick(w.mins),
+        supers=pick(w.supers),
+    )
 
 
 def concat_rows(parts: list[UnpackedGGML]) -> UnpackedGGML:

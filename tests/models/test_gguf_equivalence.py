@@ -63,7 +63,8 @@ def _reference_tokens(checkpoint: Path, weights: dict[str, torch.Tensor], tmp_pa
 
 def _kvflow_tokens(path: Path, **engine: object) -> list[list[int]]:
     llm = LLM(str(path), dtype="float32", **engine)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, ignore_eos=True)
+    # min_tokens bans EOS exactly as transformers' min_new_tokens does.
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_NEW_TOKENS, min_tokens=NUM_NEW_TOKENS)
     vocab = llm.llm_engine.arch.vocab_size
     return [o.outputs[0].token_ids for o in llm.generate(_prompts(vocab), params)]
 

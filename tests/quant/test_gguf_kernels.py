@@ -118,6 +118,23 @@ def test_native_forward_and_greedy_match_the_module() -> None:
         assert torch.equal(native.greedy(x), torch.argmax(layer(x).float(), dim=-1))
 
 
+def test_gpt_oss_mxfp4_blocks_are_the_ggml_type_in_another_byte_order() -> None:
+    """gpt-oss's checkpoint tensors (`*_blocks`: codes 2j and 2j + 1 in byte j; `*_scales`) give
+    the same numbers as transformers' dequantization (convert_moe_packed_tensors's rule: the e2m1
+    table times 2^(scale - 127))."""
+    from kvflow.quant.gguf_linear import unpack_mxfp4_blocks
+
+    torch.manual_seed(0)
+    blocks = torch.randint(0, 256, (24, 8, 16), dtype=torch.uint8)
+    scales = torch.randint(118, 130, (24, 8), dtype=torch.uint8)
+    e2m1 = torch.tensor(
+        [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    )
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(24, 8, 32).long()
+    expected = torch.ldexp(e2m1[codes], scales.long()[..., None] - 127).reshape(24, 256)
+    assert torch.equal(unpack_mxfp4_blocks(blocks, scales).dequantize(), expected)
+
+
 def test_merged_parts_of_one_type_stack_their_rows() -> None:
     parts = [unpack_ggml("Q5_K", _quantized("Q5_K", n, 256, seed=n)[0], (n, 256)) for n in (24, 8)]
     merged = concat_rows(parts)
@@ -150,7 +167,7 @@ def test_gemv_is_exact_given_its_int8_activations(type_name: str) -> None:
     x = torch.randn(5, k).to(torch.bfloat16)
     xq, dx = _int8_activations(x)
     s, z, g = unpacked.group_affine()
-    levels = unpacked.q.view(torch.int8) if type_name == "Q8_0" else unpacked.q
+    levels = unpacked.q.view(torch.int8) if type_name == "Q8_0" else unpacked.levels()
     q = levels.double().reshape(n, k // g, g)
     dots = torch.einsum("ngi,mgi->mng", q, xq.double().reshape(5, k // g, g))  # [M, N, groups]
     dx_group = dx.double().repeat_interleave(32 // g if g < 32 else 1, dim=1)  # [M, groups]
