@@ -106,9 +106,9 @@ def pack_int8_tiles(q: torch.Tensor) -> torch.Tensor:
     q + 128 (kvflow/kernels/gemv_int8.cpp), in_pad = in rounded up to 32. Padding weights are 0."""
     out, inp = q.shape
     tiles, padded_in = -(-out // INT8_TILE_ROWS), -(-inp // INT8_ACTIVATION_BLOCK) * INT8_ACTIVATION_BLOCK
-    padded = torch.zeros(tiles * INT8_TILE_ROWS, padded_in, dtype=torch.int16)
-    padded[:out, :inp] = q.to(torch.int16)
-    unsigned = (padded + INT8_WEIGHT_OFFSET).to(torch.uint8)
+    # q + 128 as a byte is q's two's-complement byte with its top bit flipped (no int16 detour).
+    unsigned = torch.full((tiles * INT8_TILE_ROWS, padded_in), INT8_WEIGHT_OFFSET, dtype=torch.uint8)
+    unsigned[:out, :inp] = q.contiguous().view(torch.uint8) ^ INT8_WEIGHT_OFFSET
     # [t, l, p, i] (row 16t + l, input 4p + i) -> [t, p, l, i]
     quads = unsigned.view(tiles, INT8_TILE_ROWS, padded_in // INT8_TILE_QUAD, INT8_TILE_QUAD)
     return quads.permute(0, 2, 1, 3).contiguous()

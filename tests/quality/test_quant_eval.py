@@ -93,3 +93,26 @@ def test_quant_eval_decode_path_command(
         assert reports[scoring]["path"] == scoring and reports[scoring]["positions"] == 80
     assert reports["decode"]["mean_kl"] <= 1.25 * reports["prefill"]["mean_kl"] + 0.01
     assert reports["decode"]["top1_agreement"] >= reports["prefill"]["top1_agreement"] - 0.1
+
+
+def test_quant_eval_compares_gguf_files_of_the_model(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--candidate: other files of the same model (here its Q8_0 and Q4_K_M GGUF files) scored against
+    the bf16 checkpoint, one report each; the coarser file is the further one."""
+    pytest.importorskip("gguf")
+    from fixtures.gguf_files import q4_k_m, uniform, write_gguf
+
+    checkpoint = tiny_checkpoint_factory(
+        "qwen2", dtype=torch.bfloat16, hidden_size=256, intermediate_size=512
+    )
+    files = {name: tmp_path / f"model-{name}.gguf" for name in ("Q8_0", "Q4_K_M")}
+    write_gguf(checkpoint, files["Q8_0"], uniform("Q8_0"))
+    write_gguf(checkpoint, files["Q4_K_M"], q4_k_m)
+    args = ["quant-eval", str(checkpoint), "--window", "63", "--max-tokens", "200", "--json"]
+    assert main([*args, "--candidate", str(files["Q8_0"]), "--candidate", str(files["Q4_K_M"])]) == 0
+    q8, q4 = json.loads(capsys.readouterr().out)
+    assert q8["positions"] == q4["positions"] == 199
+    assert [q8["paths"][1]["label"], q4["paths"][1]["label"]] == ["model-Q8_0.gguf", "model-Q4_K_M.gguf"]
+    assert 0.0 <= q8["mean_kl"] < q4["mean_kl"] and q8["top1_agreement"] >= 0.8
+    assert q4["paths"][1]["weight_bytes"] < q8["paths"][1]["weight_bytes"] < q8["paths"][0]["weight_bytes"]
