@@ -3,7 +3,7 @@
 llama.cpp's converter (convert_hf_to_gguf.py) writes each architecture's hyperparameters under
 `{arch}.*` keys; this inverts that for the architectures kvflow runs, so the rest of kvflow parses
 one config format (kvflow/arch_config.py):
-    general.architecture      llama (Llama, Mistral), qwen2, qwen3, qwen3moe
+    general.architecture      llama (Llama, Mistral), qwen2, qwen3, qwen3moe, gpt-oss
     {arch}.embedding_length   hidden_size           {arch}.block_count           num_hidden_layers
     {arch}.feed_forward_length intermediate_size    {arch}.context_length        max_position_embeddings
     {arch}.attention.head_count / head_count_kv / key_length / layer_norm_rms_epsilon
@@ -12,6 +12,7 @@ one config format (kvflow/arch_config.py):
     tensor rope_freqs.weight  Llama 3.1's per-frequency divisors (its "llama3" rope_scaling, which
                               the converter bakes into a tensor): rope_type "freq_factors"
     no tensor output.weight   tie_word_embeddings
+    tensor blk.0.attn_q.bias  attention_bias
     the token_embd rows       vocab_size (the file's metadata may omit it)
 The dtype the file "is" (config.json's torch_dtype) is float32 for an all-F32 file and bfloat16
 otherwise: the quantized and 16-bit types compute in bf16 on kvflow's kernels.
@@ -32,7 +33,13 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "gpt-oss": "GptOssForCausalLM",
 }
+# gpt-oss's fixed settings that its GGUF files do not carry (llama.cpp's gpt-oss graph hard-codes
+# them too): the SwiGLU clamp, and YaRN without rounding its correction range (the released
+# config.json's rope_scaling.truncate false). Sliding and full layers alternate, sliding first
+# (kvflow/arch_kinds.py's default, llama.cpp's swa pattern of 2).
+GPT_OSS_SWIGLU_LIMIT = 7.0
 # Architectures whose converter permutes the rows of attn_q / attn_k into ggml's interleaved rope
 # order (rope type NORM); the loader permutes them back (kvflow/models/gguf_loader.py).
 PERMUTED_QK_ARCHITECTURES = ("llama",)
@@ -71,8 +78,18 @@ def gguf_hf_config(gguf: GGUFFile) -> dict[str, Any]:
         else "bfloat16",
         "hidden_act": "silu",
     }
-    if arch == "llama":
-        cfg["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    # q/k/v/o biases where the file has them (gpt-oss; Qwen2's q/k/v come with its architecture).
+    cfg["attention_bias"] = "blk.0.attn_q.bias" in gguf.tensors
+    if arch == "gpt-oss":
+        cfg.update(
+            intermediate_size=int(gguf.arch_field("expert_feed_forward_length")),
+            num_local_experts=int(gguf.arch_field("expert_count")),
+            num_experts_per_tok=int(gguf.arch_field("expert_used_count")),
+            sliding_window=int(gguf.arch_field("attention.sliding_window")),
+            swiglu_limit=GPT_OSS_SWIGLU_LIMIT,
+        )
+        if cfg["rope_parameters"]["rope_type"] == "yarn":
+            cfg["rope_parameters"]["truncate"] = False
     if arch == "qwen3moe":
         cfg.update(
             num_experts=int(gguf.arch_field("expert_count")),

@@ -47,14 +47,24 @@ _NAME_RULES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"model\.layers\.(\d+)\.self_attn\.([qkv])_proj\.(weight|bias)", r"blk.\1.attn_\2.\3"),
         (r"model\.layers\.(\d+)\.self_attn\.o_proj\.(weight|bias)", r"blk.\1.attn_output.\2"),
         (r"model\.layers\.(\d+)\.self_attn\.([qk])_norm\.weight", r"blk.\1.attn_\2_norm.weight"),
+        (r"model\.layers\.(\d+)\.self_attn\.sinks", r"blk.\1.attn_sinks.weight"),
         (r"model\.layers\.(\d+)\.mlp\.(gate|up|down)_proj\.weight", r"blk.\1.ffn_\2.weight"),
-        (r"model\.layers\.(\d+)\.mlp\.gate\.weight", r"blk.\1.ffn_gate_inp.weight"),
+        (r"model\.layers\.(\d+)\.mlp\.(?:gate|router)\.(weight|bias)", r"blk.\1.ffn_gate_inp.\2"),
         (
-            r"model\.layers\.(\d+)\.mlp\.experts\.(?P<expert>\d+)\.(gate|up|down)_proj\.weight",
-            r"blk.\1.ffn_\3_exps.weight",
+            r"model\.layers\.(\d+)\.mlp\.experts\.(?P<expert>\d+)\.(gate|up|down)_proj\.(weight|bias)",
+            r"blk.\1.ffn_\3_exps.\4",
         ),
     )
 )
+# Architectures whose converter names a tensor otherwise (gpt-oss: the norm after attention).
+_ARCH_RULES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
+    "gpt-oss": (
+        (
+            re.compile(r"model\.layers\.(\d+)\.post_attention_layernorm\.weight"),
+            r"blk.\1.post_attention_norm.weight",
+        ),
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -68,9 +78,10 @@ class StoredTensor:
     data: torch.Tensor
 
 
-def gguf_name(hf_name: str) -> tuple[str, int | None] | None:
-    """The GGUF tensor (and expert index) holding `hf_name`, or None for a name GGUF has no rule for."""
-    for pattern, replacement in _NAME_RULES:
+def gguf_name(hf_name: str, architecture: str = "") -> tuple[str, int | None] | None:
+    """The GGUF tensor (and expert index) holding `hf_name` in a file of `architecture`, or None for a
+    name GGUF has no rule for."""
+    for pattern, replacement in (*_ARCH_RULES.get(architecture, ()), *_NAME_RULES):
         match = pattern.fullmatch(hf_name)
         if match is not None:
             expert = match.groupdict().get("expert")
@@ -89,19 +100,19 @@ class GGUFTensorReader:
         self.dequantized: dict[str, tuple[str, int, int]] = {}
         self.files: dict[str, Path] = {}
         for name in _hf_names(cfg):
-            found = gguf_name(name)
+            found = gguf_name(name, gguf.architecture)
             if found is not None and found[0] in gguf.tensors:
                 self.files[name] = gguf.path
 
     def _locate(self, hf_name: str) -> tuple[GGUFTensor, int | None]:
-        found = gguf_name(hf_name)
+        found = gguf_name(hf_name, self.gguf.architecture)
         if found is None or found[0] not in self.gguf.tensors:
             raise ModelLoadError(f"{self.gguf.path}: no GGUF tensor holds {hf_name!r}")
         return self.gguf.tensors[found[0]], found[1]
 
     def missing_detail(self, hf_name: str) -> str:
         """Which GGUF tensor the file lacks for `hf_name` (the loader's missing-tensor error)."""
-        found = gguf_name(hf_name)
+        found = gguf_name(hf_name, self.gguf.architecture)
         if found is None:
             return f"no GGUF tensor name is known for it ({self.gguf.path})"
         return f"the GGUF file {self.gguf.path} has no tensor {found[0]!r}"
@@ -197,12 +208,14 @@ def _hf_names(cfg: ArchConfig) -> list[str]:
         p = f"model.layers.{i}"
         names += [f"{p}.input_layernorm.weight", f"{p}.post_attention_layernorm.weight"]
         names += [f"{p}.self_attn.{x}_proj.{w}" for x in "qkvo" for w in ("weight", "bias")]
-        names += [f"{p}.self_attn.{x}_norm.weight" for x in "qk"]
-        names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")] + [f"{p}.mlp.gate.weight"]
+        names += [f"{p}.self_attn.{x}_norm.weight" for x in "qk"] + [f"{p}.self_attn.sinks"]
+        names += [f"{p}.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+        names += [f"{p}.mlp.{r}.{w}" for r in ("gate", "router") for w in ("weight", "bias")]
         if cfg.moe is not None:
             names += [
-                f"{p}.mlp.experts.{e}.{x}_proj.weight"
+                f"{p}.mlp.experts.{e}.{x}_proj.{w}"
                 for e in range(cfg.moe.num_experts)
                 for x in ("gate", "up", "down")
+                for w in ("weight", "bias")
             ]
     return names

@@ -18,7 +18,9 @@ The released checkpoints store the experts in MXFP4 (quantization_config quant_m
 interleaved gate / up as above), `down_proj_blocks` / `_scales` likewise; the rest stays bf16. In
 bf16 with the native kernels each expert becomes a GGUFLinear over its MXFP4 codes (4.25 bits per
 weight, gemv_ggml.cpp; swapped in by after_load, once the expert's bias is in); otherwise (float32,
-no kernels) the codes are dequantized into the expert's float weight.
+no kernels) the codes are dequantized into the expert's float weight. A GGUF file holds the experts
+split (llama.cpp's converter: `ffn_gate_exps`, `ffn_up_exps`, `ffn_down_exps` [E, out, in], biases
+alike): `checkpoint_sources` names an expert's parts and the loader reads them like any projection.
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ class GptOssForCausalLM(LlamaFamilyForCausalLM):
         router = _ROUTER_PARAM.match(param_name)
         if router is not None:
             return [f"model.{router.group(1)}.router.{router.group(2)}"]
+        expert = _EXPERT_PARAM.match(param_name)
+        if expert is not None:  # a reader with one tensor per projection (a GGUF file's, split by
+            # llama.cpp's converter into gate, up and down): gate rows, then up rows
+            layer, index, proj, kind = expert.groups()
+            base = f"model.layers.{layer}.mlp.experts.{index}"
+            parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
+            return [f"{base}.{part}.{kind}" for part in parts]
         return None
 
     def load_param(self, name: str, param: torch.Tensor, reader: TensorReader, used: set[str]) -> bool:
@@ -67,6 +76,9 @@ class GptOssForCausalLM(LlamaFamilyForCausalLM):
         source = f"model.layers.{layer}.mlp.experts.{proj}" + ("_bias" if kind == "bias" else "")
         if kind == "weight" and source not in reader.files and f"{source}_blocks" in reader.files:
             return self._load_mxfp4(name, param, reader, used, source, int(expert))
+        split = self.checkpoint_sources(name) or []
+        if source not in reader.files and split and all(s in reader.files for s in split):
+            return False  # the loader reads the split tensors (checkpoint_sources), packed or not
         if source not in reader.files:
             raise ModelLoadError(f"checkpoint is missing tensor {source!r} (needed for {name})")
         fused = self._fused(reader, source)[int(expert)]  # weight [in, out] (x @ W), bias [out]

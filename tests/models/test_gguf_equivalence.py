@@ -92,12 +92,29 @@ def test_each_ggml_type_matches_transformers(
         ("mistral", {"sliding_window": None}),  # MQA; llama.cpp converts Mistral to "llama"
         ("qwen3", {}),  # q/k norms, head_dim 32 x 4 heads != hidden
         ("qwen3_moe", {"decoder_sparse_step": 1}),  # experts stacked [8, out, in]; every layer routed
+        # Sinks, sliding / full layers, biased experts split gate / up / down, YaRN without truncation;
+        # the SwiGLU clamp a GGUF file cannot carry is llama.cpp's fixed 7.0.
+        ("gpt_oss", {"swiglu_limit": 7.0}),
     ],
 )
 def test_architectures_in_a_q4_k_m_mix_match_transformers(
     arch: str, overrides: dict[str, object], tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
     checkpoint, path, weights = _gguf(tiny_checkpoint_factory, tmp_path, arch, q4_k_m, **overrides)
+    assert _kvflow_tokens(path) == _reference_tokens(checkpoint, weights, tmp_path)
+
+
+def _mxfp4_experts(name: str) -> str:
+    """gpt-oss's GGUF files as llama.cpp's converter writes them: MXFP4 experts, Q8_0 elsewhere."""
+    return "MXFP4" if "_exps." in name else "Q8_0"
+
+
+def test_gpt_oss_with_mxfp4_experts_matches_transformers(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
+) -> None:
+    checkpoint, path, weights = _gguf(
+        tiny_checkpoint_factory, tmp_path, "gpt_oss", _mxfp4_experts, swiglu_limit=7.0
+    )
     assert _kvflow_tokens(path) == _reference_tokens(checkpoint, weights, tmp_path)
 
 
@@ -108,6 +125,8 @@ def test_architectures_in_a_q4_k_m_mix_match_transformers(
         # transformers' GGUF loader ignores rope_freqs (Llama 3.1 scaling) and qwen3's
         # attention.key_length (head_dim != hidden / heads): those are checked above only.
         ("llama", {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}),
+        # Not gpt-oss: transformers 5.24 reads its rope.scaling.* keys from the wrong part of the field
+        # (`parts[0]`, the key's length) and fails on every gpt-oss GGUF file.
     ],
 )
 def test_transformers_gguf_loader_agrees(
@@ -138,6 +157,9 @@ def test_chunked_prefill_and_prefix_hits_on_a_gguf_model(
 AGREEMENT_FLOOR = {"gemv": 0.75, "blocks": 0.95}
 
 
+# gpt-oss is left out here: its tiny random model routes on near ties, so that even float32 against
+# bf16 on the same weights agrees on 37/48 teacher-forced tokens (measured); its GGUF file is checked
+# token-exact in float32 above, and its MXFP4 experts in bf16 in tests/quant/test_mxfp4_checkpoints.py.
 @pytest.mark.parametrize("arch", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize("path_kind", ["gemv", "blocks"])
 def test_bf16_on_the_files_blocks_agrees_with_the_dequantized_model(
