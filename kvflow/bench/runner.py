@@ -132,13 +132,16 @@ def discover(config: BenchConfig) -> ServerInfo:
 
 
 def load_tokenizer(config: BenchConfig, info: ServerInfo) -> BenchTokenizer | None:
+    from kvflow.gguf.gguf_file import is_gguf_path
     from kvflow.tokenizer import Tokenizer
 
+    # A checkpoint directory's tokenizer.json, or the tokenizer a GGUF file carries (the file a
+    # llama-server or a kvflow server serves: `root` of kvflow's /v1/models).
     for candidate in (config.tokenizer, info.root):
-        if candidate and (Path(candidate) / "tokenizer.json").is_file():
-            return Tokenizer.from_pretrained(candidate)
+        if candidate and ((Path(candidate) / "tokenizer.json").is_file() or is_gguf_path(candidate)):
+            return Tokenizer.for_model(candidate)
     if config.tokenizer:
-        raise ValueError(f"no tokenizer.json in {config.tokenizer}")
+        raise ValueError(f"no tokenizer.json in {config.tokenizer} (nor is it a GGUF file)")
     return None
 
 
