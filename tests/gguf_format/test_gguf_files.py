@@ -159,3 +159,25 @@ def test_kvflow_generate_runs_a_gguf_file(gguf_file: tuple[Path, Path]) -> None:
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "GGUF model.gguf" in result.stderr and "TTFT" in result.stderr
+
+
+def test_bench_counts_tokens_with_the_files_tokenizer(gguf_file: tuple[Path, Path]) -> None:
+    """`kvflow bench --tokenizer model.gguf` (against a llama-server of that file), or the GGUF a
+    kvflow server names as its root: the file's own tokenizer counts the tokens."""
+    from kvflow.bench.datasets import DatasetSpec
+    from kvflow.bench.arrivals import LoadSpec
+    from kvflow.bench.runner import BenchConfig, ServerInfo, load_tokenizer
+
+    path, checkpoint = gguf_file
+    common = {
+        "base_url": "http://127.0.0.1:1/v1",
+        "dataset": DatasetSpec(name="random", num_requests=1),
+        "load": LoadSpec(concurrency=1),
+    }
+    for config, info in (
+        (BenchConfig(**common, tokenizer=str(path)), ServerInfo("m", None, None)),
+        (BenchConfig(**common), ServerInfo("m", None, str(path))),
+    ):
+        tokenizer = load_tokenizer(config, info)
+        assert tokenizer is not None
+        assert tokenizer.encode("Hello world") == Tokenizer.from_pretrained(checkpoint).encode("Hello world")
