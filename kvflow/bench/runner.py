@@ -47,7 +47,7 @@ class BenchConfig:
     endpoint: Endpoint = field(default="completions", metadata={"help": "the OpenAI endpoint to load"})
     tokenizer: str | None = field(
         default=None,
-        metadata={"help": "model dir with tokenizer.json, or a GGUF file; unset: the server's model if local"},
+        metadata={"help": "model dir with tokenizer.json, or a GGUF file; unset: the server's, if local"},
     )
     slo: dict[str, float] = field(default_factory=dict)
     warmup: int = field(default=2, metadata={"help": "requests sent first and excluded"})

@@ -164,8 +164,8 @@ def test_kvflow_generate_runs_a_gguf_file(gguf_file: tuple[Path, Path]) -> None:
 def test_bench_counts_tokens_with_the_files_tokenizer(gguf_file: tuple[Path, Path]) -> None:
     """`kvflow bench --tokenizer model.gguf` (against a llama-server of that file), or the GGUF a
     kvflow server names as its root: the file's own tokenizer counts the tokens."""
-    from kvflow.bench.datasets import DatasetSpec
     from kvflow.bench.arrivals import LoadSpec
+    from kvflow.bench.datasets import DatasetSpec
     from kvflow.bench.runner import BenchConfig, ServerInfo, load_tokenizer
 
     path, checkpoint = gguf_file
