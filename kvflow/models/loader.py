@@ -23,7 +23,7 @@ from kvflow.config import QuantConfig
 from kvflow.errors import ModelLoadError
 from kvflow.gguf.gguf_file import is_gguf_path, open_gguf
 from kvflow.layers.linear import Linear
-from kvflow.models.gguf_linear import GGUFLinearBuilder
+from kvflow.models.gguf_builder import GGUFLinearBuilder
 from kvflow.models.gguf_loader import GGUFTensorReader
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.registry import MODEL_REGISTRY
