@@ -1,8 +1,10 @@
 """The tokenizer a GGUF file carries, rebuilt as a Hugging Face `tokenizers` model.
 
 llama.cpp's converter stores the vocabulary under `tokenizer.ggml.*`:
-    model          "gpt2": byte-level BPE (Llama 3, Qwen2/2.5/3, Mistral Nemo, ...); "llama":
-                   SentencePiece (Llama 2, Mistral 7B), not read here (pass --tokenizer)
+    model          "gpt2": byte-level BPE (Llama 3, Qwen2/2.5/3/3.5, gpt-oss, ...); "llama":
+                   SentencePiece BPE (Llama 2, Mistral 7B, Phi-3): pieces with scores, "▁" for a
+                   space, <0xNN> byte pieces for what the vocabulary lacks; rebuilt as
+                   transformers rebuilds a SentencePiece model (merges from the scores, byte fallback)
     tokens         the vocabulary in id order, byte-level encoded ("Ġthe") as in tokenizer.json
     merges         "a b" pairs in rank order
     token_type     per token: 1 normal, 2 unknown, 3 control (a special added token), 4 user-defined
@@ -34,6 +36,10 @@ _LLAMA3_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+_QWEN35_REGEX = (  # Qwen3.5's: letters take combining marks (\p{M}) along
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 _QWEN2_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -54,7 +60,11 @@ PRE_TOKENIZERS: Mapping[str, PreTokenizerSpec] = {
     "llama3": PreTokenizerSpec(_LLAMA3_REGEX, ignore_merges=True),
     "smaug-bpe": PreTokenizerSpec(_LLAMA3_REGEX),
     "qwen2": PreTokenizerSpec(_QWEN2_REGEX, nfc=True),
+    "qwen35": PreTokenizerSpec(
+        _QWEN35_REGEX
+    ),  # no NFC: a combining mark stays its own token (llama.cpp's vectors)
 }
+SPM_SPACE = "\u2581"  # SentencePiece's "▁": a space, and the prefix of a word
 
 
 @dataclass(frozen=True)
@@ -71,13 +81,17 @@ def gguf_tokenizer_parts(gguf: GGUFFile) -> GGUFTokenizerParts:
     kind = gguf.field("tokenizer.ggml.model", None)
     if kind is None:
         raise ModelLoadError(f"{gguf.path}: the GGUF file carries no tokenizer; pass --tokenizer DIR")
-    if kind != "gpt2":
+    if kind not in ("gpt2", "llama"):
         raise ModelLoadError(
-            f"{gguf.path}: its tokenizer is of kind {kind!r}; kvflow rebuilds byte-level BPE ('gpt2') "
-            "tokenizers from GGUF metadata: pass --tokenizer DIR (the model's tokenizer.json) for this one"
+            f"{gguf.path}: its tokenizer is of kind {kind!r}; kvflow rebuilds byte-level BPE ('gpt2') and "
+            "SentencePiece ('llama') tokenizers from GGUF metadata: pass --tokenizer DIR (the model's "
+            "tokenizer.json) for this one"
         )
     tokens: list[str] = list(gguf.field("tokenizer.ggml.tokens"))
     types: list[int] = list(gguf.field("tokenizer.ggml.token_type", [1] * len(tokens)))
+    if kind == "llama":
+        backend = _sentencepiece_bpe(gguf, tokens, types)
+        return _finish(gguf, backend, tokens, types)
     pre_name = str(gguf.field("tokenizer.ggml.pre", "default"))
     if pre_name not in PRE_TOKENIZERS:
         raise ModelLoadError(
@@ -86,6 +100,13 @@ def gguf_tokenizer_parts(gguf: GGUFFile) -> GGUFTokenizerParts:
         )
     spec = PRE_TOKENIZERS[pre_name]
     backend = _byte_level_bpe(tokens, list(gguf.field("tokenizer.ggml.merges", [])), spec)
+    return _finish(gguf, backend, tokens, types)
+
+
+def _finish(
+    gguf: GGUFFile, backend: BackendTokenizer, tokens: list[str], types: list[int]
+) -> GGUFTokenizerParts:
+    """Added tokens, BOS by the post-processor where the file asks for it, the named tokens."""
     added = [
         AddedToken(tok, special=t == TOKEN_TYPE_CONTROL, normalized=False)
         for tok, t in zip(tokens, types, strict=True)
@@ -121,6 +142,45 @@ def _byte_level_bpe(tokens: list[str], merges: list[str], spec: PreTokenizerSpec
             ]
         )
     backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece_bpe(gguf: GGUFFile, tokens: list[str], types: list[int]) -> BackendTokenizer:
+    """A SentencePiece BPE vocabulary (pieces, scores) as a `tokenizers` BPE: a merge for every
+    piece that splits into two pieces of the vocabulary, ranked by the merged piece's score (the
+    rule transformers' SentencePieceExtractor applies, and sentencepiece's BPE encodes by); pieces it
+    cannot reach fall back to their UTF-8 bytes (<0xNN>). Spaces become "▁", and a text starts with
+    one unless the file says otherwise (tokenizer.ggml.add_space_prefix)."""
+    scores: list[float] = list(gguf.field("tokenizer.ggml.scores", [0.0] * len(tokens)))
+    vocab: dict[str, int] = {}
+    for index, token in enumerate(tokens):
+        vocab.setdefault(token, index)
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece, index in vocab.items():
+        if types[index] != 1:  # only normal pieces are merge results
+            continue
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[index], vocab[left], vocab[right], left, right))
+    ranked.sort()
+    merges = [(left, right) for *_, left, right in ranked]
+    unk_id = gguf.field("tokenizer.ggml.unknown_token_id", None)
+    unk = tokens[int(unk_id)] if unk_id is not None else None
+    bpe = models.BPE(vocab=vocab, merges=merges, unk_token=unk, fuse_unk=True, byte_fallback=True)
+    backend = BackendTokenizer(bpe)
+    steps: list[normalizers.Normalizer] = [normalizers.Replace(" ", SPM_SPACE)]
+    if bool(gguf.field("tokenizer.ggml.add_space_prefix", True)):
+        steps.insert(0, normalizers.Prepend(SPM_SPACE))
+    backend.normalizer = normalizers.Sequence(steps)
+    backend.decoder = decoders.Sequence(
+        [
+            decoders.Replace(SPM_SPACE, " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(" ", 1, 0),
+        ]
+    )
     return backend
 
 
