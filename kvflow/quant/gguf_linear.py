@@ -137,8 +137,8 @@ def _fp16(b: torch.Tensor) -> torch.Tensor:
     return b.contiguous().view(torch.float16).squeeze(-1)
 
 
-def _nibbles_half_split(qs: torch.Tensor, half: int) -> torch.Tensor:
-    """[..., half] bytes -> [..., 2 half] levels: byte j holds value j (low) and j + half (high)."""
+def _nibbles_half_split(qs: torch.Tensor) -> torch.Tensor:
+    """[..., h] bytes -> [..., 2h] levels: byte j holds value j (low nibble) and j + h (high)."""
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
@@ -167,14 +167,14 @@ def unpack_ggml(type_name: str, data: torch.Tensor, shape: tuple[int, int], name
         return UnpackedGGML(t, blocks[..., 2:].reshape(n, k).contiguous(), _fp16(blocks[..., :2]))
     if t == "MXFP4":
         return UnpackedGGML(
-            t, _nibbles_half_split(blocks[..., 1:], 16).reshape(n, k).contiguous(), blocks[..., 0]
+            t, _nibbles_half_split(blocks[..., 1:]).reshape(n, k).contiguous(), blocks[..., 0]
         )
     if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         d = _fp16(blocks[..., 0:2])
         has_min = t.endswith("_1")
         m = _fp16(blocks[..., 2:4]) if has_min else None
         at = 4 if has_min else 2
-        q = _nibbles_half_split(blocks[..., -16:], 16)
+        q = _nibbles_half_split(blocks[..., -16:])
         if t.startswith("Q5"):
             qh = blocks[..., at : at + 4]
             # _bits orders (bit s, byte j); value 8 j + s is bit s of byte j (qh is a little-endian uint32)
@@ -183,13 +183,13 @@ def unpack_ggml(type_name: str, data: torch.Tensor, shape: tuple[int, int], name
     if t in ("Q4_K", "Q5_K"):
         supers = torch.stack([_fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])], -1)
         sc, mn = _k_scales(blocks[..., 4:16])
-        q = _nibbles_half_split(blocks[..., -128:].reshape(n, k // 256, 4, 32), 32)  # [N, S, 4 x 64]
+        q = _nibbles_half_split(blocks[..., -128:].reshape(n, k // 256, 4, 32))  # [N, S, 4 x 64]
         if t == "Q5_K":
             hi = _bits(blocks[..., 16:48], 1, 8)  # value 32 i + j = bit i of byte j
             q = q.reshape(n, k // 256, 256) | (hi << 4)
         return UnpackedGGML(t, q.reshape(n, k).contiguous(), sc.reshape(n, -1), mn.reshape(n, -1), supers)
     # Q6_K
-    ql = _nibbles_half_split(blocks[..., 0:128].reshape(n, k // 256, 2, 64), 64)  # [N, S, 2, 128]
+    ql = _nibbles_half_split(blocks[..., 0:128].reshape(n, k // 256, 2, 64))  # [N, S, 2, 128]
     qh = _bits(blocks[..., 128:192].reshape(n, k // 256, 2, 32), 2, 4)  # [N, S, 2, 128]
     q = (ql | (qh << 4)).reshape(n, k)
     sc = blocks[..., 192:208].contiguous().view(torch.int8).reshape(n, -1)
