@@ -33,6 +33,21 @@ from kvflow.quant.weights import Int8Weight  # noqa: E402
 BLOCK = 128  # DeepSeek / Qwen3-FP8's weight_block_size
 
 
+def alternated_median_times(
+    layers: dict[str, list[torch.nn.Module]], x: torch.Tensor, reps: int
+) -> dict[str, float]:
+    """Median seconds per call of each engine's layers on `x`, the engines alternated per repetition
+    and each repetition cycling through all copies (a working set larger than the caches)."""
+    times: dict[str, list[float]] = {name: [] for name in layers}
+    for _ in range(reps):
+        for name, mods in layers.items():
+            start = time.perf_counter()
+            for m in mods:
+                m(x)
+            times[name].append((time.perf_counter() - start) / len(mods))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -67,16 +82,10 @@ def main() -> None:
     probe = measure_bandwidth_gbs()
     for rows in (1, 8):
         x = torch.randn(rows, k).to(torch.bfloat16)
-        times: dict[str, list[float]] = {name: [] for name in layers}
-        for _ in range(args.reps):
-            for name, mods in layers.items():
-                start = time.perf_counter()
-                for m in mods:
-                    m(x)
-                times[name].append((time.perf_counter() - start) / len(mods))
+        times = alternated_median_times(layers, x, args.reps)
         print(f"rows {rows} (N {n}, K {k}; read-bandwidth probe {probe:.1f} GB/s)")
         for name in layers:
-            t = statistics.median(times[name])
+            t = times[name]
             gbs = n * k * bytes_per[name] / t / 1e9
             share = 100 * gbs / probe
             print(f"  {name:5s} {t * 1e6:8.1f} us  {gbs:6.1f} GB/s of weights  {share:5.1f}% of the probe")

@@ -13,9 +13,7 @@ K must be a multiple of 256 for the K-quants (e.g. --k 4864, down_proj's).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +25,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from fixtures.ggml_quants import K_QUANTIZERS  # noqa: E402
+from fp8_gemv import alternated_median_times  # noqa: E402
 from offline_throughput import measure_bandwidth_gbs  # noqa: E402
 
 from kvflow.kernels import ggml_weight_kernels  # noqa: E402
@@ -73,16 +72,10 @@ def main() -> None:
     probe = measure_bandwidth_gbs()
     for rows in (1, 8):
         x = torch.randn(rows, k).to(torch.bfloat16)
-        times: dict[str, list[float]] = {name: [] for name in layers}
-        for _ in range(args.reps):
-            for name, mods in layers.items():
-                start = time.perf_counter()
-                for m in mods:
-                    m(x)
-                times[name].append((time.perf_counter() - start) / len(mods))
+        times = alternated_median_times(layers, x, args.reps)
         print(f"rows {rows} (N {n}, K {k}; read-bandwidth probe {probe:.1f} GB/s)")
         for name, mods in layers.items():
-            t = statistics.median(times[name])
+            t = times[name]
             nbytes = _bytes_read(mods[0])
             gbs = nbytes / t / 1e9
             bits = 8 * nbytes / (n * k)
