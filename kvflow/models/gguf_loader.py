@@ -69,8 +69,8 @@ _ARCH_RULES: dict[str, tuple[tuple[re.Pattern[str], str], ...]] = {
 
 @dataclass(frozen=True)
 class StoredTensor:
-    """A tensor's rows as stored: `data` [rows, bytes per row] uint8 (a view of the file, copied only
-    where permuted), `shape` [rows, K] in weights."""
+    """A tensor's rows as stored: `data` [rows, bytes per row] uint8 (copied out of the mapped file),
+    `shape` [rows, K] in weights."""
 
     name: str  # the GGUF name (with the expert index where sliced)
     type_name: str
@@ -98,15 +98,17 @@ class GGUFTensorReader:
         self._permuted = gguf.architecture in PERMUTED_QK_ARCHITECTURES
         # GGUF name -> (type, bytes in the file, values) of each block-quantized tensor read as floats.
         self.dequantized: dict[str, tuple[str, int, int]] = {}
-        self.files: dict[str, Path] = {}
+        # Hugging Face name -> (GGUF name, expert index), resolved once for every name in the file.
+        self._names: dict[str, tuple[str, int | None]] = {}
         for name in _hf_names(cfg):
             found = gguf_name(name, gguf.architecture)
             if found is not None and found[0] in gguf.tensors:
-                self.files[name] = gguf.path
+                self._names[name] = found
+        self.files: dict[str, Path] = dict.fromkeys(self._names, gguf.path)
 
     def _locate(self, hf_name: str) -> tuple[GGUFTensor, int | None]:
-        found = gguf_name(hf_name, self.gguf.architecture)
-        if found is None or found[0] not in self.gguf.tensors:
+        found = self._names.get(hf_name)
+        if found is None:
             raise ModelLoadError(f"{self.gguf.path}: no GGUF tensor holds {hf_name!r}")
         return self.gguf.tensors[found[0]], found[1]
 
@@ -143,7 +145,7 @@ class GGUFTensorReader:
 
     def read(self, hf_name: str) -> torch.Tensor:
         """The tensor's values: F32 / F16 / BF16 as stored, block-quantized types dequantized to float32
-        (by the gguf package, llama.cpp's reference)."""
+        (_dequantized)."""
         tensor, expert = self._locate(hf_name)
         if tensor.type_name in _FLOAT_TYPES:
             values = _float_values(tensor)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -210,16 +210,20 @@ class WeightSource:
     reader: TensorReader
     checkpoint_quant: CheckpointQuant | None = None
     gguf: GGUFLinearBuilder | None = None
+    # The reader's tensor names as a set, built once: asked per parameter (18k in a 128-expert MoE).
+    available: set[str] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.available = set(self.reader.files)
 
     def is_packed(self, sources: list[str]) -> bool:
         """Whether the projection made of `sources` is built from its stored blocks (not as floats)."""
         if self.gguf is not None:
             return self.gguf.is_packed(sources)
-        quant, available = self.checkpoint_quant, set(self.reader.files)
-        bases = [s.removesuffix(".weight") for s in sources]
+        quant = self.checkpoint_quant
         if quant is None or quant.method not in UNPACKERS:  # mxfp4: the family reads its own tensors
             return False
-        return all(is_prequantized(b, available, quant) for b in bases)
+        return all(is_prequantized(s.removesuffix(".weight"), self.available, quant) for s in sources)
 
     def build_packed(self, sources: list[str], linear: Linear, used: set[str]) -> nn.Module:
         """The layer replacing `linear` (bias already loaded), built from its sources' blocks."""
@@ -227,10 +231,10 @@ class WeightSource:
         if self.gguf is not None:
             used.update(sources)
             return self.gguf.build(sources, bias)
-        quant, available = self.checkpoint_quant, set(self.reader.files)
+        quant = self.checkpoint_quant
         assert quant is not None
         bases = [s.removesuffix(".weight") for s in sources]
-        parts = [unpack_source(b, quant, self.reader.read, available) for b in bases]
+        parts = [unpack_source(b, quant, self.reader.read, self.available) for b in bases]
         used.update(f"{b}.{suffix}" for b in bases for suffix in TENSOR_SUFFIXES[quant.method])
         return build_linear(parts, bias, linear.weight.dtype)
 
@@ -271,7 +275,7 @@ def _load_params(
     reader = source.reader
     used: set[str] = set()
     packed_sources: dict[str, list[str]] = {}  # module path -> its weight's sources, stored packed
-    available = set(reader.files)
+    available = source.available
     # Families with their own checkpoint names (experts, routers) map those themselves.
     family_sources = getattr(model, "checkpoint_sources", None)
     # Families whose checkpoint tensors need more than a concatenation (gpt-oss's fused experts).
