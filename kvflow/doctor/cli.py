@@ -13,7 +13,7 @@ from kvflow.assets import bundled_model_dir
 from kvflow.doctor.evidence import RunEvidence, calculator_evidence, evidence_from_bench
 from kvflow.doctor.findings import Diagnosis, diagnose
 from kvflow.doctor.hardware import NAMED, named_hardware
-from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec
+from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec, default_kv_dtype
 from kvflow.doctor.quant_speed import load_speeds, measure_speeds
 from kvflow.doctor.report import doctor_json, html_report, text_report
 from kvflow.doctor.roofline import Roofline
@@ -130,15 +130,7 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
     weight_dtype = args.weight_dtype or settings.weight_dtype or model.weight_dtype
     # Weight-only quantization leaves the KV cache in the model's dtype.
     float_dtype = settings.dtype if settings.dtype in DTYPE_BYTES else model.dtype
-    kv_dtype = (
-        args.kv_cache_dtype
-        or settings.kv_cache_dtype
-        or (
-            weight_dtype
-            if weight_dtype in DTYPE_BYTES and weight_dtype not in ("int8", "int4")
-            else float_dtype
-        )
-    )
+    kv_dtype = args.kv_cache_dtype or settings.kv_cache_dtype or default_kv_dtype(weight_dtype, float_dtype)
     roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
     speeds = _quant_speeds(args, float_dtype)
     diagnosis = Diagnosis(model, roofline, run, settings, measured=result is not None, quant_speeds=speeds)

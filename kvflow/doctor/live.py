@@ -22,7 +22,7 @@ from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.evidence import evidence_from_bench
 from kvflow.doctor.findings import diagnose
 from kvflow.doctor.hardware import Hardware, named_hardware
-from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec
+from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec, default_kv_dtype
 from kvflow.doctor.report import doctor_json, html_report
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import ENGINE_INFO_METRICS, EngineSettings
@@ -108,11 +108,7 @@ class LiveDiagnosis:
         run = replace(evidence_from_bench(result), itl_gaps_ms=list(window.itl_ms))
         weight_dtype = settings.weight_dtype or model.weight_dtype
         float_dtype = settings.dtype if settings.dtype in DTYPE_BYTES else model.dtype
-        kv_dtype = settings.kv_cache_dtype or (
-            weight_dtype
-            if weight_dtype in DTYPE_BYTES and weight_dtype not in ("int8", "int4")
-            else float_dtype
-        )
+        kv_dtype = settings.kv_cache_dtype or default_kv_dtype(weight_dtype, float_dtype)
         roofline = Roofline(model, self.hardware(), weight_dtype, kv_dtype)
         diagnosis = Diagnosis(model, roofline, run, settings, measured=True)
         doc = doctor_json(diagnosis, diagnose(diagnosis))

@@ -55,6 +55,15 @@ INT8_CHANNEL_OVERHEAD = 2.0  # one bf16 scale per output channel (negligible, co
 GDN_FLOPS_PER_STATE_VALUE = 7
 
 
+def default_kv_dtype(weight_dtype: str, float_dtype: str) -> str:
+    """The KV dtype when nothing names one: the weights' storage dtype, except that weight-only
+    formats (int8 / int4 at load, a checkpoint's own format such as fp8-block or gguf) leave the
+    cache in the model's float dtype."""
+    return (
+        weight_dtype if weight_dtype in DTYPE_BYTES and weight_dtype not in ("int8", "int4") else float_dtype
+    )
+
+
 def weight_bytes_per_param(dtype: str) -> float:
     if dtype == "int4":
         return DTYPE_BYTES["int4"] + GROUP_OVERHEAD_BYTES / INT4_GROUP_SIZE

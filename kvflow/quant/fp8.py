@@ -122,8 +122,8 @@ class Fp8Linear(nn.Module):
         """Nothing to lay out: the bytes are read as the checkpoint stores them."""
 
     def native(self, classes: NativeDecoderClasses) -> Any | None:
-        """This layer for the native decode forward (decode rows only: the GEMV, in passes of
-        FP8_GEMV_MAX_ROWS rows), or None without the kernel."""
+        """This layer for the native decode forward (the GEMV up to FP8_GEMV_MAX_ROWS rows, widened
+        row blocks past it, as `forward`), or None without the kernel."""
         if self._gemv is None:
             return None
         return classes.linear.fp8(self.qweight, self.scales, self.block, self.bias)

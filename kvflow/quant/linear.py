@@ -279,7 +279,7 @@ class ConcatLinear(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
     def native(self, classes: NativeDecoderClasses) -> Any | None:
-        """The parts concatenated in the native forward, where each part has a native form (GGUF
-        parts of different types); None otherwise (act-order parts with their own input orders)."""
+        """The parts concatenated in the native forward (GGUF parts of different types; act-order
+        int4 parts, each applying its own input order), None where a part has only a torch path."""
         natives = [getattr(part, "native", lambda _: None)(classes) for part in self.parts]
         return None if any(n is None for n in natives) else classes.linear.concat(natives)
