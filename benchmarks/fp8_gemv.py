@@ -1,11 +1,11 @@
-"""The FP8 decode GEMV (kvflow/kernels/gemv_fp8.cpp) against kvflow's bf16 and int8 GEMVs and the
-bandwidth roofline, on one projection shape, single row and 8 rows, in one run.
+"""The FP8 decode GEMV (kvflow/kernels/gemv_fp8.cpp) against kvflow's bf16, int8 and int4 GEMVs and
+the bandwidth roofline, on one projection shape, single row and 8 rows, in one run.
 
     python benchmarks/fp8_gemv.py [--n 4864] [--k 896] [--layers 24] [--reps 30]
 
 `--layers` copies of the weight are cycled so the working set (layers x N x K bytes) exceeds the
-caches, as a decode step's weights do. GB/s = weight bytes read per call / median time (scales and
-activations left out); the probe is a torch sum over a buffer as large (offline_throughput's
+caches, as a decode step's weights do. GB/s = the bytes each kernel reads per call (weights, scales,
+zero points; activations left out) / median time; the probe is a torch sum over a buffer as large (offline_throughput's
 measure_bandwidth_gbs). Engines alternate per repetition.
 """
 
@@ -27,10 +27,16 @@ from offline_throughput import measure_bandwidth_gbs  # noqa: E402
 
 from kvflow.layers.linear import Linear  # noqa: E402
 from kvflow.quant.fp8 import FP8_DTYPE, Fp8Linear, UnpackedFp8  # noqa: E402
-from kvflow.quant.linear import Int8Linear  # noqa: E402
-from kvflow.quant.weights import Int8Weight  # noqa: E402
+from kvflow.quant.linear import Int4Linear, Int8Linear  # noqa: E402
+from kvflow.quant.weights import Int8Weight, quantize_int4  # noqa: E402
 
 BLOCK = 128  # DeepSeek / Qwen3-FP8's weight_block_size
+
+
+def _bytes_read(module: torch.nn.Module) -> int:
+    """Bytes of every buffer and parameter the layer's kernel streams (the bias left out)."""
+    tensors = [*module.named_buffers(), *module.named_parameters()]
+    return sum(b.numel() * b.element_size() for name, b in tensors if name != "bias")
 
 
 def alternated_median_times(
@@ -59,7 +65,7 @@ def main() -> None:
     args = parser.parse_args()
     n, k = args.n, args.k
     gen = torch.Generator().manual_seed(0)
-    layers: dict[str, list[torch.nn.Module]] = {"bf16": [], "int8": [], "fp8": []}
+    layers: dict[str, list[torch.nn.Module]] = {"bf16": [], "int8": [], "int4 g32": [], "fp8": []}
     for _ in range(args.layers):
         w = torch.randn(n, k, generator=gen) * 0.02
         lin = Linear(k, n, False, torch.bfloat16)
@@ -72,23 +78,25 @@ def main() -> None:
                 Int8Weight(torch.round(w / scale8[:, None]).to(torch.int8), scale8), None, torch.bfloat16
             )
         )
+        layers["int4 g32"].append(Int4Linear(quantize_int4(w, 32), None, torch.bfloat16))
         blocks = -(-k // BLOCK)
         s = torch.stack(
             [w[:, j * BLOCK : (j + 1) * BLOCK].abs().amax(dim=1) / 448 for j in range(blocks)], dim=1
         )
         q = (w / s.repeat_interleave(BLOCK, 1)[:, :k]).to(FP8_DTYPE).view(torch.uint8)
         layers["fp8"].append(Fp8Linear(UnpackedFp8(q, s, BLOCK), None, torch.bfloat16))
-    bytes_per = {"bf16": 2.0, "int8": 1.0, "fp8": 1.0}
     probe = measure_bandwidth_gbs()
     for rows in (1, 8):
         x = torch.randn(rows, k).to(torch.bfloat16)
         times = alternated_median_times(layers, x, args.reps)
         print(f"rows {rows} (N {n}, K {k}; read-bandwidth probe {probe:.1f} GB/s)")
-        for name in layers:
+        for name, mods in layers.items():
             t = times[name]
-            gbs = n * k * bytes_per[name] / t / 1e9
+            nbytes = _bytes_read(mods[0])
+            gbs = nbytes / t / 1e9
             share = 100 * gbs / probe
-            print(f"  {name:5s} {t * 1e6:8.1f} us  {gbs:6.1f} GB/s of weights  {share:5.1f}% of the probe")
+            bits = 8 * nbytes / (n * k)
+            print(f"  {name:8s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  {share:5.1f}% of the probe")
 
 
 if __name__ == "__main__":
