@@ -5,8 +5,8 @@ the bandwidth roofline, on one projection shape, single row and 8 rows, in one r
 
 `--layers` copies of the weight are cycled so the working set (layers x N x K bytes) exceeds the
 caches, as a decode step's weights do. GB/s = the bytes each kernel reads per call (weights, scales,
-zero points; activations left out) / median time; the probe is a torch sum over a buffer as large (offline_throughput's
-measure_bandwidth_gbs). Engines alternate per repetition.
+zero points; activations left out) / median time; the probe is a torch sum over a buffer as large
+(offline_throughput's measure_bandwidth_gbs). Engines alternate per repetition.
 """
 
 from __future__ import annotations
@@ -96,7 +96,9 @@ def main() -> None:
             gbs = nbytes / t / 1e9
             share = 100 * gbs / probe
             bits = 8 * nbytes / (n * k)
-            print(f"  {name:8s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  {share:5.1f}% of the probe")
+            print(
+                f"  {name:8s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  {share:5.1f}% of the probe"
+            )
 
 
 if __name__ == "__main__":
