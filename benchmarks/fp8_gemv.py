@@ -97,7 +97,7 @@ def main() -> None:
             share = 100 * gbs / probe
             bits = 8 * nbytes / (n * k)
             print(
-                f"  {name:8s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  {share:5.1f}% of the probe"
+                f"  {name:8s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  {share:5.1f}% of probe"
             )
 
 
