@@ -15,7 +15,11 @@ CT    weight_packed [N, K/P]      dim 0 [o0, o1)              dim 1 [i0/P, i1/P)
       weight_scale  [N, G]        dim 0 [o0, o1)              dim 1 [i0/g, i1/g)
       weight_zero_point [N/P, G]  dim 0 [o0/P, o1/P)          dim 1 [i0/g, i1/g)
       weight_shape [2]            [o1 - o0, K]                [N, i1 - i0]
-Per-channel scales and zeros (one group) stay whole when inputs are split. Boundaries must fall on
+FP8   weight [N, K]           dim 0 [o0, o1)              dim 1 [i0, i1)    (a dense weight's slice)
+      weight_scale_inv [N/bn, K/bk]  dim 0 [o0/bn, o1/bn)  dim 1 [i0/bk, i1/bk)
+CT8   weight_scale [N, 1] / [1]      dim 0 [o0, o1)        whole
+Per-channel scales and zeros (one group) stay whole when inputs are split; a per-tensor scale (a
+dimension of one) is read whole whichever way (sharded_reader.py). Boundaries must fall on
 words and groups (checked at plan time: `check_alignment`); GPTQ act-order (desc_act) orders the
 inputs by group, so its row-parallel layers cannot be split by input range and are refused.
 """
@@ -54,9 +58,11 @@ def packed_slice(
     full_in: int,
 ) -> PackedSlice:
     """[start, end) are outputs (column-parallel) or inputs (row-parallel) of the projection."""
+    n = end - start
+    if quant.method in ("fp8", "compressed-tensors-fp8"):
+        return _fp8_slice(quant, suffix, column_parallel, start, n)
     p = BITS_PER_WORD // quant.bits
     g = _group(quant)
-    n = end - start
     if column_parallel:
         table = {
             "gptq": {"qweight": (1, start, n), "qzeros": (1, start // p, n // p), "scales": (1, start, n)},
@@ -94,10 +100,44 @@ def packed_slice(
     return PackedSlice(dim, grouped[0], grouped[1])
 
 
+def _fp8_slice(quant: CheckpointQuant, suffix: str, column_parallel: bool, start: int, n: int) -> PackedSlice:
+    """FP8's scales (the e4m3 `weight` is sliced as a dense weight): block scales by block, per-channel
+    scales by output row, a per-tensor scale whole."""
+    if quant.method == "fp8":  # weight_scale_inv [ceil(N / bn), ceil(K / bk)]
+        if column_parallel:
+            return PackedSlice(0, start // quant.block_rows, -(-n // quant.block_rows))
+        return PackedSlice(1, start // quant.group_size, -(-n // quant.group_size))
+    return PackedSlice(0, start, n) if column_parallel else PackedSlice()  # weight_scale [N, 1] or [1]
+
+
+def check_fp8_alignment(
+    quant: CheckpointQuant, column_widths: dict[str, int], row_widths: dict[str, int]
+) -> None:
+    """Refuse a tensor_parallel_size whose slices would cut an FP8 scale block: each rank's outputs
+    a multiple of the block's rows, its inputs of the block's columns (per-channel and per-tensor
+    scales split anywhere)."""
+    if quant.method != "fp8":
+        return
+    for widths, step, what in (
+        (column_widths, quant.block_rows, "outputs"),
+        (row_widths, quant.group_size, "input columns"),
+    ):
+        for name, width in widths.items():
+            if width % step:
+                raise ConfigError(
+                    f"fp8 checkpoint: each rank's {name} would hold {width} {what}, not a multiple of the "
+                    f"weight_block_size's {step}: a scale block would be split across ranks; choose "
+                    "another tensor_parallel_size"
+                )
+
+
 def check_alignment(
     quant: CheckpointQuant, column_widths: dict[str, int], row_widths: dict[str, int]
 ) -> None:
     """Refuse a tensor_parallel_size whose slices would cut a packed word or a group."""
+    if quant.method in ("fp8", "compressed-tensors-fp8"):
+        check_fp8_alignment(quant, column_widths, row_widths)
+        return
     p = BITS_PER_WORD // quant.bits
     g = _group(quant)
     packed_outputs = quant.method in ("gptq", "awq") or not quant.symmetric  # zeros (or weights) along N

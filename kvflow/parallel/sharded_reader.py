@@ -72,7 +72,7 @@ def _read_part(view: Any, part: TensorSlice, name: str) -> torch.Tensor:
 def _read_packed(view: Any, part: PackedSlice) -> torch.Tensor:
     if part.shape_value is not None:  # compressed-tensors' weight_shape: this rank's [N, K]
         return torch.tensor(part.shape_value, dtype=_dtype_of(view))
-    if part.dim is None:
+    if part.dim is None or view.get_shape()[part.dim] == 1:  # whole, or a per-tensor scale
         return view[:]
     end = part.start + part.length
     tensor = view[part.start : end] if part.dim == 0 else view[:, part.start : end]

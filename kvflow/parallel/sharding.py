@@ -49,7 +49,7 @@ class TensorSlice:
 
 _PACKED_PROJECTION = re.compile(
     r"\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)\."
-    r"(qweight|qzeros|scales|g_idx|weight_packed|weight_scale|weight_zero_point|weight_shape)$"
+    r"(qweight|qzeros|scales|g_idx|weight_packed|weight_scale|weight_scale_inv|weight_zero_point|weight_shape)$"
 )
 
 
@@ -89,13 +89,9 @@ class ShardLayout:
                         f"each rank's {what} holds {width} input columns, not a multiple of {g}; choose "
                         "a tensor_parallel_size or quantization_group_size that divides it"
                     )
-        if checkpoint_quant is not None and checkpoint_quant.method in (
-            "fp8",
-            "compressed-tensors-fp8",
-            "mxfp4",
-        ):
+        if checkpoint_quant is not None and checkpoint_quant.method == "mxfp4":
             raise ConfigError(
-                f"tensor parallelism over {checkpoint_quant.method} checkpoints is not supported yet: run "
+                "tensor parallelism over mxfp4 checkpoints (gpt-oss's experts) is not supported yet: run "
                 "them with tensor_parallel_size 1"
             )
         if checkpoint_quant is not None:

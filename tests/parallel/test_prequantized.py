@@ -2,8 +2,10 @@
 tiny llama, packed by the format's definition, read packed slice by slice on two ranks, gives
 TP=1's outputs within the bf16 rounding argument of test_tp_equivalence.py (the int4 kernels
 compute in bf16); likewise an AWQ (GEMM, zero points) checkpoint, whose qweight is packed along the
-outputs, and a compressed-tensors one. Act-order row-parallel splits, and splits that would cut a
-packed word or a group, are refused."""
+outputs, and a compressed-tensors one; FP8 checkpoints (block scales, and compressed-tensors per
+channel), whose e4m3 weights slice as dense ones and whose scales by block or by row. Act-order
+row-parallel splits, and splits that would cut a packed word, a group or a scale block, are
+refused."""
 
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ from kvflow.config import ConfigError
 from kvflow.engine.engine import LLMEngine
 from kvflow.parallel.sharding import ShardLayout
 from kvflow.quant.checkpoint_formats import CheckpointQuant, parse_quantization_config
+from kvflow.quant.fp8 import FP8_DTYPE, Fp8Linear
 from kvflow.quant.linear import Int4Linear
 
 GROUP = 32
@@ -223,3 +226,77 @@ def test_compressed_tensors_checkpoint_two_ranks_match_one(
     gaps = _logprob_gaps(expected, _run(engines[-1], work))
     assert len(gaps) > 100
     assert max(gaps) <= W4A16_NOISE_MARGIN * max(_logprob_gaps(float32, bfloat16))
+
+
+FP8_MAX = 448.0  # e4m3's largest finite value
+FP8_BLOCK = 32  # rows and columns per scale block: each rank's 64-wide slices hold whole blocks
+
+
+def fp8_block_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [N, K] -> DeepSeek's fp8 tensors: e4m3 `weight` and `weight_scale_inv` [N / b, K / b],
+    absmax / 448 per b x b block (N and K multiples of b here)."""
+    n, k, b = *weight.shape, FP8_BLOCK
+    blocks = weight.float().reshape(n // b, b, k // b, b)
+    scale = blocks.abs().amax(dim=(1, 3)) / FP8_MAX  # [N / b, K / b]
+    q = (blocks / scale[:, None, :, None]).reshape(n, k).to(FP8_DTYPE)
+    return {"weight": q, "weight_scale_inv": scale}
+
+
+def fp8_channel_tensors(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """w [N, K] -> compressed-tensors float-quantized per channel: `weight` e4m3, `weight_scale` [N, 1]."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    return {"weight": (w / scale).to(FP8_DTYPE), "weight_scale": scale.to(torch.bfloat16)}
+
+
+FP8_FORMATS = {
+    "block": (
+        fp8_block_tensors,
+        {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [FP8_BLOCK] * 2},
+    ),
+    "channel": (
+        fp8_channel_tensors,
+        {
+            "quant_method": "compressed-tensors",
+            "format": "float-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "weights": {"num_bits": 8, "type": "float", "strategy": "channel"},
+                }
+            },
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(FP8_FORMATS))
+def test_fp8_checkpoints_two_ranks_match_one(
+    layout: str, tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, engines: list[LLMEngine]
+) -> None:
+    """The e4m3 bytes are kept on each rank (Fp8Linear, 1 byte per weight); the ranks' different bf16
+    summation orders are the only difference from one rank, bounded as for the dense model."""
+    tensors_of, config = FP8_FORMATS[layout]
+    src = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
+    out = quantized_checkpoint(src, tmp_path / layout, tensors_of, config)
+    work = _workload(512, logprobs=5)
+    float32 = _run(LLMEngine.from_kwargs(model=str(src), dtype="float32", **ENGINE), work)
+    bfloat16 = _run(LLMEngine.from_kwargs(model=str(src), dtype="bfloat16", **ENGINE), work)
+    expected = _run(LLMEngine.from_kwargs(model=str(out), **ENGINE), work)
+    engines.append(LLMEngine.from_kwargs(model=str(out), tensor_parallel_size=2, **ENGINE))
+    rank0 = engines[-1].model_runner.model
+    assert sum(isinstance(m, Fp8Linear) for m in rank0.modules()) == 4 * 2  # qkv, o, gate_up, down x 2
+    gaps = _logprob_gaps(expected, _run(engines[-1], work))
+    assert len(gaps) > 100
+    assert max(gaps) <= max(_logprob_gaps(float32, bfloat16))
+
+
+def test_fp8_splits_that_cut_a_scale_block_are_refused(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    arch = load_arch_config(tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE))
+    # Per rank: 64 query and MLP outputs, 32 KV outputs (one head), 64 o_proj / down_proj inputs.
+    ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("fp8", 8, 64, True, block_rows=32))
+    with pytest.raises(ConfigError, match="k_proj/v_proj would hold 32 outputs, not a multiple of .* 64"):
+        ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("fp8", 8, 64, True, block_rows=64))
+    with pytest.raises(ConfigError, match="64 input columns, not a multiple of the weight_block_size's 128"):
+        ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("fp8", 8, 128, True, block_rows=32))
+    ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("compressed-tensors-fp8", 8, -1, True))

@@ -122,27 +122,6 @@ def test_fp8_block_scales_of_the_wrong_shape_name_the_tensor(
         LLM(str(quantized), dtype="float32")
 
 
-def test_tensor_parallel_over_fp8_is_refused_clearly() -> None:
-    from kvflow.arch_config import parse_arch_config
-    from kvflow.config import ConfigError
-    from kvflow.parallel.sharding import ShardLayout
-    from kvflow.quant.checkpoint_formats import CheckpointQuant
-
-    arch = parse_arch_config(
-        {
-            "architectures": ["LlamaForCausalLM"],
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "num_hidden_layers": 2,
-            "vocab_size": 512,
-        }
-    )
-    with pytest.raises(ConfigError, match="fp8 checkpoints is not supported yet"):
-        ShardLayout.plan(arch, 0, 2, None, CheckpointQuant("fp8", 8, 128, True, block_rows=128))
-
-
 def test_bf16_decode_through_the_fp8_gemv_agrees_with_the_dequantized_model(
     tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
