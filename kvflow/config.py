@@ -99,6 +99,18 @@ class CacheConfig:
             "fp8_e4m3, int8, int4 (more blocks for the same memory)"
         },
     )
+    kv_offload_path: str | None = field(
+        default=None,
+        metadata={
+            "help": "directory of a KV offload tier on disk: full prefix-cache blocks evicted from the pool "
+            "are written there and read back on a later prefix miss instead of recomputing the prefill; "
+            "survives restarts (kvflow/kv_offload/)"
+        },
+    )
+    kv_offload_size: float = field(
+        default=16.0,
+        metadata={"help": "GiB the KV offload tier may hold on disk (least recently used go first)"},
+    )
     linear_state_checkpoint_interval: int | None = field(
         default=None,
         metadata={
@@ -111,6 +123,10 @@ class CacheConfig:
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ConfigError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_offload_size <= 0:
+            raise ConfigError(f"kv_offload_size must be > 0 GiB, got {self.kv_offload_size}")
+        if self.kv_offload_path is not None and not self.enable_prefix_caching:
+            raise ConfigError("kv_offload_path needs prefix caching (the tier keys blocks by prefix hashes)")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -83,6 +83,11 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # Constrained rows' allowed tokens (structured output), attached by the engine; None: no such row.
     grammar_bitmask: GrammarBitmask | None = None
+    # KV offload tier (kvflow/kv_offload/restores.py), in this order before the forward pass:
+    # cached blocks evicted this step, to copy out to the tier: (block_id, block_hash);
+    kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
+    # blocks read back from the tier, to copy into the request's new blocks: (block_id, payload).
+    kv_restores: list[tuple[int, bytes]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

@@ -47,6 +47,10 @@ class RequestTimeline:
     finished_time: float | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    # Of those, read back from the KV offload tier (kvflow/kv_offload/), and the seconds the reads
+    # took (the request waited that long in the queue, others running meanwhile); None: no restore.
+    num_restored_tokens: int = 0
+    kv_restore_time: float | None = None
     # Structured output: seconds between arrival and its grammar being ready (compiled off the engine
     # thread, or a cache hit); part of queue_time. None for unconstrained requests.
     grammar_compile_time: float | None = None

@@ -25,6 +25,10 @@ from kvflow.engine.model_setup import (
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.scheduler import RequestUpdate, Scheduler
 from kvflow.errors import InvalidRequestError, PromptTooLongError
+from kvflow.kv_offload.block_bytes import BlockBytes, OffloadIO
+from kvflow.kv_offload.disk_tier import DiskKVTier
+from kvflow.kv_offload.fingerprint import tier_fingerprint
+from kvflow.kv_offload.restores import RestoreTracker
 from kvflow.outputs import ModelRunnerOutput, RequestOutput, TokenLogprobs
 from kvflow.parallel.errors import WorkerDiedError
 from kvflow.parallel.executor import TensorParallelDriver
@@ -101,6 +105,7 @@ class LLMEngine:
             kv_cache_config=self.kv_cache_config,
         )
         self.model_runner = self._make_model_runner(loaded, kv_store)
+        self.kv_offload_tier = self._attach_kv_offload(kv_store)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = build_proposer(
             config.speculative_config,
@@ -149,6 +154,30 @@ class LLMEngine:
         self.kv_bytes_per_token = bytes_per_token
         self.num_kv_blocks = num_blocks
         return num_blocks
+
+    def _attach_kv_offload(self, kv_store: KVStore) -> DiskKVTier | None:
+        """The KV offload tier (`kv_offload_path`), wired to the scheduler (restores) and the runner
+        (block copies); None without one."""
+        cache = self.config.cache_config
+        if cache.kv_offload_path is None:
+            return None
+        if self.parallel is not None:
+            raise ConfigError(
+                "kv_offload_path with tensor parallelism is not supported yet: each rank holds a part of "
+                "every block; run the tier with tensor_parallel_size 1"
+            )
+        blocks = BlockBytes(kv_store)
+        settings = {
+            "dtype": str(self.dtype),
+            "kv_cache_dtype": cache.kv_cache_dtype,
+            "block_size": cache.block_size,
+            "quantization": dataclasses.asdict(self.config.quant_config),
+        }
+        fingerprint = tier_fingerprint(self.config.model_config.model, settings, blocks.layout)
+        tier = DiskKVTier(cache.kv_offload_path, int(cache.kv_offload_size * 2**30), fingerprint)
+        self.model_runner.kv_offload = OffloadIO(blocks, tier)
+        self.scheduler.attach_kv_offload(RestoreTracker(tier))
+        return tier
 
     def _make_model_runner(self, loaded: LoadedModel, kv_store: KVStore) -> ModelRunner:
         """This process's runner; under tensor parallelism the driver's, which steps the other ranks too."""
@@ -267,6 +296,8 @@ class LLMEngine:
         scheduler_output = self.scheduler.schedule()
         if self.structured.num_pending and scheduler_output.is_empty:
             self.structured.wait_for_compile(GRAMMAR_IDLE_WAIT_S)  # nothing else to run: don't spin
+        if scheduler_output.is_empty and self.scheduler.waiting:
+            self.scheduler.wait_for_restores(GRAMMAR_IDLE_WAIT_S)  # a tier read: the same
         grammar_bitmask = self.structured.fill_bitmask(scheduler_output, self.scheduler.requests)
         if grammar_bitmask is not None:  # filled in the mask thread while the forward pass runs
             scheduler_output = dataclasses.replace(scheduler_output, grammar_bitmask=grammar_bitmask)

@@ -22,12 +22,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.errors import InvalidRequestError, KVFlowError, PromptTooLongError
 from kvflow.kv_cache.block_pool import IntegrityError
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.manager import KVCacheManager
+from kvflow.kv_offload.restores import ReadyRestore, RestoreTracker
 from kvflow.outputs import ModelRunnerOutput
 from kvflow.request import Request, RequestStatus
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -54,9 +56,11 @@ class Scheduler:
         sliding_window: int | None = None,
         clock: Callable[[], float] = time.monotonic,
         kv_cache_config: KVCacheConfig | None = None,
+        kv_offload: RestoreTracker | None = None,
     ) -> None:
         """`kv_cache_config`: the model's cache groups (kvflow/kv_cache/kv_cache_config.py); without
-        one, every layer is full attention, or of one `sliding_window`."""
+        one, every layer is full attention, or of one `sliding_window`. `kv_offload`: the KV offload
+        tier's restores (kvflow/kv_offload/restores.py), or None without a tier."""
         self.scheduler_config = scheduler_config
         self.block_size = cache_config.block_size
         self.max_model_len = max_model_len
@@ -77,6 +81,15 @@ class Scheduler:
         self._finished_in_schedule: list[Request] = []
         # Speculative decoding acceptance since the engine last read it.
         self.spec_stats = SpecDecodeStats()
+        self.kv_offload: RestoreTracker | None = None
+        self._kv_restores: list[tuple[int, bytes]] = []  # this step's, for SchedulerOutput
+        if kv_offload is not None:
+            self.attach_kv_offload(kv_offload)
+
+    def attach_kv_offload(self, kv_offload: RestoreTracker) -> None:
+        """Use a KV offload tier from now on: record evictions, plan restores."""
+        self.kv_offload = kv_offload
+        self.kv_cache_manager.block_pool.evicted = []
 
     # ----------------------------------------------------------------------------------- admission
 
@@ -116,11 +129,17 @@ class Scheduler:
             # Admitting while preempting would only hand the freed blocks to a newer request.
             self._schedule_waiting(budget, now, scheduled)
         finished_ids, self._finished_request_ids = self._finished_request_ids, []
+        pool = self.kv_cache_manager.block_pool
+        kv_saves, kv_restores = pool.evicted or [], self._kv_restores
+        if self.kv_offload is not None:
+            pool.evicted, self._kv_restores = [], []
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=sum(s.num_tokens for s in scheduled),
             preempted_request_ids=preempted_ids,
             finished_request_ids=finished_ids,
+            kv_saves=kv_saves,
+            kv_restores=kv_restores,
         )
 
     def _schedule_running(
@@ -198,8 +217,13 @@ class Scheduler:
                 else None
             )
             num_hit_tokens = hit.num_tokens if hit is not None else 0
-            num_new = min(request.num_tokens - num_hit_tokens, budget)
-            if not manager.allocate_slots(request, num_new, hit):
+            restore = self._plan_restore(request, num_hit_tokens) if hit is not None else None
+            if restore is False:  # its blocks are being read from the offload tier: step over it
+                skipped.append(self.waiting.popleft())
+                continue
+            num_restored = len(restore.payloads) * self.block_size if restore else 0
+            num_new = min(request.num_tokens - num_hit_tokens - num_restored, budget)
+            if not manager.allocate_slots(request, num_restored + num_new, hit):
                 if self.running:
                     break  # FCFS: wait for running requests to free blocks
                 # Even an empty pool cannot hold this chunk (its earlier outputs outgrew the pool).
@@ -207,14 +231,50 @@ class Scheduler:
                 self._finished_in_schedule.append(request)
                 continue
             self.waiting.popleft()
+            if restore:
+                self._commit_restore(request, num_hit_tokens, restore)
             if request.timeline.first_scheduled_time is None:  # first admission
-                request.timeline.num_cached_prompt_tokens = num_hit_tokens
-            request.num_computed_tokens = num_hit_tokens
+                request.timeline.num_cached_prompt_tokens = num_hit_tokens + num_restored
+            request.num_computed_tokens = num_hit_tokens + num_restored
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             scheduled.append(self._make_scheduled(request, num_new, now))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
+
+    def _plan_restore(self, request: Request, num_hit_tokens: int) -> ReadyRestore | Literal[False] | None:
+        """The offload tier's blocks past the pool's hit (None: no tier, or nothing there; False:
+        being read). Capped like a pool hit: the last prompt token is always computed."""
+        if self.kv_offload is None:
+            return None
+        hashes = self.kv_cache_manager.hash_request_blocks(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        ready = self.kv_offload.plan(
+            request.request_id, hashes, num_hit_tokens // self.block_size, max_blocks
+        )
+        if ready is None:
+            return False
+        if not ready.payloads:
+            self.kv_offload.discard(request.request_id)
+            return None
+        return ready
+
+    def _commit_restore(self, request: Request, num_hit_tokens: int, restore: ReadyRestore) -> None:
+        """Hand the restored blocks' bytes to this step (they land in the blocks just allocated)."""
+        assert self.kv_offload is not None
+        self.kv_offload.commit(request.request_id)
+        table = self.kv_cache_manager.block_table(request.request_id)
+        first = num_hit_tokens // self.block_size
+        self._kv_restores.extend(
+            zip(table[first : first + len(restore.payloads)], restore.payloads, strict=True)
+        )
+        request.timeline.num_restored_tokens += len(restore.payloads) * self.block_size
+        request.timeline.kv_restore_time = (request.timeline.kv_restore_time or 0.0) + restore.seconds
+
+    def wait_for_restores(self, timeout: float) -> None:
+        """With nothing else to run, wait for a tier read instead of spinning."""
+        if self.kv_offload is not None:
+            self.kv_offload.wait(timeout)
 
     def _make_scheduled(
         self, request: Request, num_new: int, now: float, num_spec: int = 0
@@ -324,6 +384,8 @@ class Scheduler:
         request.status = status
         request.stop_reason = stop_reason
         request.timeline.finished_time = self.clock()
+        if self.kv_offload is not None:
+            self.kv_offload.discard(request.request_id)
         del self.requests[request.request_id]
         self._finished_request_ids.append(request.request_id)
 

@@ -62,6 +62,10 @@ class BlockPool:
             (block.block_id, block) for block in self.blocks[1:]
         )
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
+        # When not None (a KV offload tier is on, kvflow/kv_offload/): (block_id, block_hash) of every
+        # cached block evicted to be handed out again, for the step to save before it is overwritten.
+        # Only evictions for reuse: a block evict_free_cached_blocks drops holds no valid K/V.
+        self.evicted: list[tuple[int, bytes]] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -84,6 +88,8 @@ class BlockPool:
         new_blocks = []
         for _ in range(num_blocks):
             _, block = self.free_block_queue.popitem(last=False)
+            if self.evicted is not None and block.block_hash is not None:
+                self.evicted.append((block.block_id, block.block_hash))
             self._evict(block)
             block.ref_cnt = 1
             new_blocks.append(block)

@@ -30,6 +30,7 @@ from kvflow.server.api import build_app
 from kvflow.server.connections import header_deadline_protocol
 from kvflow.server.dashboard.doctor_window import LiveDoctor
 from kvflow.server.dashboard.setup import attach_dashboard
+from kvflow.server.kv_offload_metrics import register_kv_offload_metrics
 from kvflow.server.limits import RequestLimits
 from kvflow.server.metrics import EngineMetrics
 from kvflow.server.serving import ServingContext
@@ -47,6 +48,8 @@ def build_context(
     engine = LLMEngine.from_kwargs(model=model, **engine_kwargs)
     name = config.served_model_name or model
     metrics = EngineMetrics(name, engine.max_model_len, engine_info(engine))
+    if engine.kv_offload_tier is not None:
+        register_kv_offload_metrics(metrics.registry, engine.kv_offload_tier, name)
     observer: StepObserver = metrics.observe_step
     if config.quality_probe_rate > 0:
         probe = start_quality_probe(engine, config.quality_probe_rate, metrics)

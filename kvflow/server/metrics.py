@@ -290,4 +290,6 @@ def timing_fields(
         "output_tokens": num_output_tokens,
         "preemptions": t.num_preemptions,
         "grammar_compile_ms": ms(t.grammar_compile_time),
+        "restored_prompt_tokens": t.num_restored_tokens,
+        "kv_restore_ms": ms(t.kv_restore_time),
     }

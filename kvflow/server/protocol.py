@@ -201,10 +201,18 @@ class DetokenizeRequest(_Request):
 # --------------------------------------------------------------------------------------- responses
 
 
+class PromptTokensDetails(BaseModel):
+    """OpenAI's breakdown of the prompt tokens: `cached_tokens` were not computed for this request
+    (prefix-cache hits in the KV pool, and blocks read back from the KV offload tier)."""
+
+    cached_tokens: int = 0
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):

@@ -33,7 +33,7 @@ from kvflow.outputs import RequestOutput
 from kvflow.request import Request
 from kvflow.server.errors import sse_error, to_api_error
 from kvflow.server.metrics import timing_fields
-from kvflow.server.protocol import StreamOptions, UsageInfo, _SamplingFields
+from kvflow.server.protocol import PromptTokensDetails, StreamOptions, UsageInfo, _SamplingFields
 from kvflow.server.serving import PromptInput, ServingContext, choice_index, wants_timing
 
 StreamChoiceT = TypeVar("StreamChoiceT", bound=BaseModel)
@@ -142,16 +142,28 @@ class StreamUsage:
     num_prompt_tokens: list[int]  # per prompt
     n: int
     num_completion_tokens: dict[int, int] = field(default_factory=dict)  # choice index -> tokens so far
+    num_cached_tokens: dict[int, int] = field(default_factory=dict)  # prompt index -> its cache hit
 
     def update(self, index: int, output: RequestOutput) -> None:
         self.num_completion_tokens[index] = len(output.outputs[0].token_ids)  # cumulative count
+        if index % self.n == 0:
+            self.num_cached_tokens[index // self.n] = output.num_cached_tokens
 
     def of_choice(self, index: int) -> UsageInfo:
         """One choice so far (continuous usage): its prompt, its tokens."""
-        return _usage(self.num_prompt_tokens[index // self.n], self.num_completion_tokens[index])
+        prompt = index // self.n
+        return _usage(
+            self.num_prompt_tokens[prompt],
+            self.num_completion_tokens[index],
+            self.num_cached_tokens.get(prompt, 0),
+        )
 
     def total(self) -> UsageInfo:
-        return _usage(sum(self.num_prompt_tokens), sum(self.num_completion_tokens.values()))
+        return _usage(
+            sum(self.num_prompt_tokens),
+            sum(self.num_completion_tokens.values()),
+            sum(self.num_cached_tokens.values()),
+        )
 
 
 class ChoiceStream:
@@ -204,19 +216,22 @@ def sse(payload: BaseModel) -> str:
     return f"data: {payload.model_dump_json(exclude_none=True)}\n\n"
 
 
-def _usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+def _usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> UsageInfo:
     return UsageInfo(
         prompt_tokens=num_prompt_tokens,
         completion_tokens=num_completion_tokens,
         total_tokens=num_prompt_tokens + num_completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
     )
 
 
 def usage_of(finals: list[RequestOutput], n: int) -> UsageInfo:
-    """Prompt tokens count once per prompt (not per choice), as OpenAI and vLLM count them."""
+    """Prompt tokens count once per prompt (not per choice), as OpenAI and vLLM count them; so do
+    their cached tokens (the first choice's: the others hit the same prefix)."""
     prompt = sum(len(f.prompt_token_ids) for f in finals[::n])
     completion = sum(len(f.outputs[0].token_ids) for f in finals)
-    return _usage(prompt, completion)
+    cached = sum(f.num_cached_tokens for f in finals[::n])
+    return _usage(prompt, completion, cached)
 
 
 def output_timing(output: RequestOutput) -> dict[str, Any]:

@@ -22,6 +22,7 @@ import torch
 
 from kvflow.attention.kv_store import KVStore
 from kvflow.config import ConfigError
+from kvflow.kv_offload.block_bytes import OffloadIO
 from kvflow.models.llama import LlamaFamilyForCausalLM
 from kvflow.models.native_decoder import build_native_decoder
 from kvflow.outputs import ModelRunnerOutput, TokenLogprobs
@@ -73,6 +74,8 @@ class ModelRunner:
         # This step's structured-output masks (SchedulerOutput.grammar_bitmask), as a tensor when read.
         self._grammar_bitmask: GrammarBitmask | None = None
         self._grammar_bitmask_tensor: torch.Tensor | None = None
+        # The KV offload tier's block copies (kvflow/kv_offload/block_bytes.py); None without a tier.
+        self.kv_offload: OffloadIO | None = None
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
         seed = req.sampling_params.seed
@@ -116,6 +119,8 @@ class ModelRunner:
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in scheduler_output.finished_request_ids:
             self._generators.pop(request_id, None)
+        if self.kv_offload is not None:
+            self.kv_offload.apply(scheduler_output.kv_saves, scheduler_output.kv_restores)
         if scheduler_output.is_empty:
             return ModelRunnerOutput()
         self._grammar_bitmask, self._grammar_bitmask_tensor = scheduler_output.grammar_bitmask, None

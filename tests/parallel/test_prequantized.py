@@ -295,7 +295,7 @@ def test_fp8_splits_that_cut_a_scale_block_are_refused(tiny_checkpoint_factory: 
     arch = load_arch_config(tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE))
     # Per rank: 64 query and MLP outputs, 32 KV outputs (one head), 64 o_proj / down_proj inputs.
     ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("fp8", 8, 64, True, block_rows=32))
-    with pytest.raises(ConfigError, match="k_proj/v_proj would hold 32 outputs, not a multiple of .* 64"):
+    with pytest.raises(ConfigError, match=r"k_proj/v_proj would hold 32 outputs, not a multiple of .* 64"):
         ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("fp8", 8, 64, True, block_rows=64))
     with pytest.raises(ConfigError, match="64 input columns, not a multiple of the weight_block_size's 128"):
         ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("fp8", 8, 128, True, block_rows=32))

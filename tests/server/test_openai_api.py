@@ -224,3 +224,27 @@ def test_request_id_header_and_side_endpoints(server: LiveServer) -> None:
         assert rendered == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
         assert http.get("/version").json()["version"]
         assert httpx.get(server.base_url + "/metrics").headers["content-type"].startswith("text/plain")
+
+
+def test_cached_tokens_in_usage_the_openai_way(client: openai.OpenAI, server: LiveServer) -> None:
+    """usage.prompt_tokens_details.cached_tokens: 0 for a new prompt, the prefix-cache hit (whole
+    blocks, short of the last token) when the same prompt returns; streamed usage says the same."""
+    prompt = "cached tokens: " + " ".join(str(i) for i in range(60))
+    first = client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+    again = client.completions.create(model=server.model, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage is not None and again.usage is not None
+    assert first.usage.prompt_tokens_details is not None and again.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert 0 < cached < again.usage.prompt_tokens
+    stream = client.completions.create(
+        model=server.model,
+        prompt=prompt,
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage and usage[-1].prompt_tokens_details is not None
+    assert usage[-1].prompt_tokens_details.cached_tokens == cached
