@@ -6,7 +6,8 @@ The Qwen2.5-0.5B-shaped random checkpoint (benchmarks/offline_throughput.py buil
 conversation's first turn has a `--history`-token prompt; the pool holds about a quarter of the
 conversations, so by the time a conversation returns (its history + the answer + 32 new tokens)
 the pool has evicted it. Two engines, identical but for `kv_offload_path`, take the turns
-alternately (engine A's turn, then engine B's, conversation by conversation): TTFT of the first and
+alternately (engine A's turn, then engine B's, conversation by conversation; a third, whose pool
+holds everything, is the token reference): TTFT of the first and
 returning turns per engine, median and p99 over the returning turns, how many of their prompt
 tokens came back from the tier, and the tier's read time against the prefill it replaced. Greedy
 tokens of both engines are compared (they must be identical).
@@ -64,6 +65,11 @@ def main() -> None:
         engines = {
             "pool only": LLM(str(path), **common),
             "pool + tier": LLM(str(path), kv_offload_path=tier_dir, **common),
+            # Holds every conversation: its returning turns are pool hits on the KV computed in the
+            # earlier turns, as the tier's restores are (the token reference for the tier).
+            "pool for all": LLM(
+                str(path), **{**common, "num_kv_blocks": blocks_per_conversation * args.conversations + 8}
+            ),
         }
         vocab = engines["pool only"].get_tokenizer().vocab_size
         rng = random.Random(0)
@@ -109,8 +115,16 @@ def main() -> None:
             f"{tier.stats.blocks_stored} blocks written, {tier.stats.blocks_read} read, "
             f"{tier.stats.bytes_read / max(tier.stats.read_seconds, 1e-9) / 1e9:.2f} GB/s read"
         )
-        same = tokens["pool only"] == tokens["pool + tier"]
-        print(f"  greedy tokens identical across engines: {same}")
+        # Recomputing a history in one prefill rounds its answer tokens' K/V differently (bf16 GEMM)
+        # than the decode steps that first computed them, so "pool only" may part ways with both.
+        same = tokens["pool for all"] == tokens["pool + tier"]
+        print(
+            f"  greedy tokens, pool + tier vs pool for all (both reuse the first turns' KV): identical {same}"
+        )
+        print(
+            "  greedy tokens, pool only vs pool for all: identical",
+            tokens["pool only"] == tokens["pool for all"],
+        )
         tier.close()
 
 
