@@ -28,7 +28,7 @@ from offline_throughput import measure_bandwidth_gbs  # noqa: E402
 from kvflow.layers.linear import Linear  # noqa: E402
 from kvflow.quant.fp8 import FP8_DTYPE, Fp8Linear, UnpackedFp8  # noqa: E402
 from kvflow.quant.linear import Int4Linear, Int8Linear  # noqa: E402
-from kvflow.quant.weights import Int8Weight, quantize_int4  # noqa: E402
+from kvflow.quant.weights import quantize_int4, quantize_int8  # noqa: E402
 
 BLOCK = 128  # DeepSeek / Qwen3-FP8's weight_block_size
 
@@ -54,6 +54,25 @@ def alternated_median_times(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def report_gemv_shares(layers: dict[str, list[torch.nn.Module]], n: int, k: int, reps: int) -> None:
+    """Time every engine's [N, K] layers at 1 and 8 rows, alternated, and print each one's bits per
+    weight, time, GB/s of the bytes its kernel reads and share of the read-bandwidth probe."""
+    probe = measure_bandwidth_gbs()
+    for rows in (1, 8):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        times = alternated_median_times(layers, x, reps)
+        print(f"rows {rows} (N {n}, K {k}; read-bandwidth probe {probe:.1f} GB/s)")
+        for name, mods in layers.items():
+            t = times[name]
+            nbytes = _bytes_read(mods[0])
+            gbs = nbytes / t / 1e9
+            bits = 8 * nbytes / (n * k)
+            print(
+                f"  {name:9s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  "
+                f"{100 * gbs / probe:5.1f}% of the probe"
+            )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -72,12 +91,7 @@ def main() -> None:
         lin.weight.data.copy_(w.to(torch.bfloat16))
         lin.prepare_for_inference()
         layers["bf16"].append(lin)
-        scale8 = w.abs().amax(dim=1) / 127
-        layers["int8"].append(
-            Int8Linear(
-                Int8Weight(torch.round(w / scale8[:, None]).to(torch.int8), scale8), None, torch.bfloat16
-            )
-        )
+        layers["int8"].append(Int8Linear(quantize_int8(w), None, torch.bfloat16))
         layers["int4 g32"].append(Int4Linear(quantize_int4(w, 32), None, torch.bfloat16))
         blocks = -(-k // BLOCK)
         s = torch.stack(
@@ -85,20 +99,7 @@ def main() -> None:
         )
         q = (w / s.repeat_interleave(BLOCK, 1)[:, :k]).to(FP8_DTYPE).view(torch.uint8)
         layers["fp8"].append(Fp8Linear(UnpackedFp8(q, s, BLOCK), None, torch.bfloat16))
-    probe = measure_bandwidth_gbs()
-    for rows in (1, 8):
-        x = torch.randn(rows, k).to(torch.bfloat16)
-        times = alternated_median_times(layers, x, args.reps)
-        print(f"rows {rows} (N {n}, K {k}; read-bandwidth probe {probe:.1f} GB/s)")
-        for name, mods in layers.items():
-            t = times[name]
-            nbytes = _bytes_read(mods[0])
-            gbs = nbytes / t / 1e9
-            share = 100 * gbs / probe
-            bits = 8 * nbytes / (n * k)
-            print(
-                f"  {name:8s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  {share:5.1f}% of probe"
-            )
+    report_gemv_shares(layers, n, k, args.reps)
 
 
 if __name__ == "__main__":

@@ -25,8 +25,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "tests"))
 
 from fixtures.ggml_quants import K_QUANTIZERS  # noqa: E402
-from fp8_gemv import alternated_median_times  # noqa: E402
-from offline_throughput import measure_bandwidth_gbs  # noqa: E402
+from fp8_gemv import report_gemv_shares  # noqa: E402
 
 from kvflow.kernels import ggml_weight_kernels  # noqa: E402
 from kvflow.quant.gguf_linear import GGUFLinear, unpack_ggml  # noqa: E402
@@ -42,10 +41,6 @@ def _gguf_layer(type_name: str, w: np.ndarray) -> GGUFLinear:
     kernels = ggml_weight_kernels()
     assert kernels is not None, "the native kernels did not build"
     return GGUFLinear(unpack_ggml(type_name, torch.from_numpy(np.array(data)), w.shape), None, kernels)
-
-
-def _bytes_read(module: torch.nn.Module) -> int:
-    return sum(b.numel() * b.element_size() for name, b in module.named_buffers() if name != "bias")
 
 
 def main() -> None:
@@ -69,20 +64,7 @@ def main() -> None:
         layers["int4 g32"].append(Int4Linear(quantize_int4(wt, 32), None, torch.bfloat16))
         for t in types:
             layers[t].append(_gguf_layer(t, w))
-    probe = measure_bandwidth_gbs()
-    for rows in (1, 8):
-        x = torch.randn(rows, k).to(torch.bfloat16)
-        times = alternated_median_times(layers, x, args.reps)
-        print(f"rows {rows} (N {n}, K {k}; read-bandwidth probe {probe:.1f} GB/s)")
-        for name, mods in layers.items():
-            t = times[name]
-            nbytes = _bytes_read(mods[0])
-            gbs = nbytes / t / 1e9
-            bits = 8 * nbytes / (n * k)
-            print(
-                f"  {name:9s} {bits:5.2f} bits/w {t * 1e6:8.1f} us  {gbs:6.1f} GB/s  "
-                f"{100 * gbs / probe:5.1f}% of the probe"
-            )
+    report_gemv_shares(layers, n, k, args.reps)
 
 
 if __name__ == "__main__":

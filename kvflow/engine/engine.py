@@ -44,9 +44,10 @@ from kvflow.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int]
-# With only grammar-waiting requests, how long one step blocks for a compile to finish: short enough
-# that the async engine's commands (new requests, aborts) are still read promptly.
-GRAMMAR_IDLE_WAIT_S = 0.01
+# With only requests that wait (a grammar compiling, blocks read from the KV offload tier), how long
+# one step blocks for either to finish: short enough that the async engine's commands (new requests,
+# aborts) are still read promptly.
+IDLE_WAIT_S = 0.01
 
 
 class LLMEngine:
@@ -295,9 +296,9 @@ class LLMEngine:
             self._poll_grammars()
         scheduler_output = self.scheduler.schedule()
         if self.structured.num_pending and scheduler_output.is_empty:
-            self.structured.wait_for_compile(GRAMMAR_IDLE_WAIT_S)  # nothing else to run: don't spin
+            self.structured.wait_for_compile(IDLE_WAIT_S)  # nothing else to run: don't spin
         if scheduler_output.is_empty and self.scheduler.waiting:
-            self.scheduler.wait_for_restores(GRAMMAR_IDLE_WAIT_S)  # a tier read: the same
+            self.scheduler.wait_for_restores(IDLE_WAIT_S)
         grammar_bitmask = self.structured.fill_bitmask(scheduler_output, self.scheduler.requests)
         if grammar_bitmask is not None:  # filled in the mask thread while the forward pass runs
             scheduler_output = dataclasses.replace(scheduler_output, grammar_bitmask=grammar_bitmask)

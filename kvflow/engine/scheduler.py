@@ -22,14 +22,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Literal
 
 from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.errors import InvalidRequestError, KVFlowError, PromptTooLongError
 from kvflow.kv_cache.block_pool import IntegrityError
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.manager import KVCacheManager
-from kvflow.kv_offload.restores import ReadyRestore, RestoreTracker
+from kvflow.kv_offload.disk_tier import TierRead
+from kvflow.kv_offload.restores import NOTHING, RestoreTracker
 from kvflow.outputs import ModelRunnerOutput
 from kvflow.request import Request, RequestStatus
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -217,11 +217,11 @@ class Scheduler:
                 else None
             )
             num_hit_tokens = hit.num_tokens if hit is not None else 0
-            restore = self._plan_restore(request, num_hit_tokens) if hit is not None else None
-            if restore is False:  # its blocks are being read from the offload tier: step over it
+            restore = self._plan_restore(request, num_hit_tokens) if hit is not None else NOTHING
+            if restore is None:  # its blocks are being read from the offload tier: step over it
                 skipped.append(self.waiting.popleft())
                 continue
-            num_restored = len(restore.payloads) * self.block_size if restore else 0
+            num_restored = len(restore.payloads) * self.block_size
             num_new = min(request.num_tokens - num_hit_tokens - num_restored, budget)
             if not manager.allocate_slots(request, num_restored + num_new, hit):
                 if self.running:
@@ -231,7 +231,7 @@ class Scheduler:
                 self._finished_in_schedule.append(request)
                 continue
             self.waiting.popleft()
-            if restore:
+            if restore.payloads:
                 self._commit_restore(request, num_hit_tokens, restore)
             if request.timeline.first_scheduled_time is None:  # first admission
                 request.timeline.num_cached_prompt_tokens = num_hit_tokens + num_restored
@@ -242,24 +242,16 @@ class Scheduler:
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
 
-    def _plan_restore(self, request: Request, num_hit_tokens: int) -> ReadyRestore | Literal[False] | None:
-        """The offload tier's blocks past the pool's hit (None: no tier, or nothing there; False:
-        being read). Capped like a pool hit: the last prompt token is always computed."""
+    def _plan_restore(self, request: Request, num_hit_tokens: int) -> TierRead | None:
+        """The offload tier's blocks past the pool's hit (none without a tier; None: being read).
+        Capped like a pool hit: the last prompt token is always computed."""
         if self.kv_offload is None:
-            return None
-        hashes = self.kv_cache_manager.hash_request_blocks(request)
+            return NOTHING
         max_blocks = (request.num_tokens - 1) // self.block_size
-        ready = self.kv_offload.plan(
-            request.request_id, hashes, num_hit_tokens // self.block_size, max_blocks
-        )
-        if ready is None:
-            return False
-        if not ready.payloads:
-            self.kv_offload.discard(request.request_id)
-            return None
-        return ready
+        first_block = num_hit_tokens // self.block_size
+        return self.kv_offload.plan(request.request_id, request.block_hashes, first_block, max_blocks)
 
-    def _commit_restore(self, request: Request, num_hit_tokens: int, restore: ReadyRestore) -> None:
+    def _commit_restore(self, request: Request, num_hit_tokens: int, restore: TierRead) -> None:
         """Hand the restored blocks' bytes to this step (they land in the blocks just allocated)."""
         assert self.kv_offload is not None
         self.kv_offload.commit(request.request_id)

@@ -122,25 +122,40 @@ struct E4m3Tables {
   __m512i lo0, lo1, hi0, hi1;  // bf16 low / high bytes of magnitudes 0..63 and 64..127
 };
 
-uint16_t bf16_bits(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof(bits));
-  return static_cast<uint16_t>(bits >> 16);  // exact: every e4m3 magnitude fits bf16's mantissa
+// The tables' bytes, built once per process (a GEMV call only loads them into registers).
+struct E4m3TableBytes {
+  alignas(64) uint8_t lo[128];
+  alignas(64) uint8_t hi[128];
+};
+
+const E4m3TableBytes& e4m3_table_bytes() {
+  static const E4m3TableBytes table = [] {
+    E4m3TableBytes t{};
+    for (int i = 0; i < 128; ++i) {
+      uint16_t b = 0x7fc0;  // 0x7f: e4m3's NaN
+      if (i != 0x7f) {
+        const float v = e4m3_to_float(static_cast<uint8_t>(i));
+        uint32_t bits;
+        std::memcpy(&bits, &v, sizeof(bits));
+        b = static_cast<uint16_t>(bits >> 16);  // exact: every e4m3 magnitude fits bf16's mantissa
+      }
+      t.lo[i] = static_cast<uint8_t>(b & 0xff);
+      t.hi[i] = static_cast<uint8_t>(b >> 8);
+    }
+    return t;
+  }();
+  return table;
 }
 
 E4m3Tables e4m3_tables() {
-  alignas(64) uint8_t lo[128], hi[128];
-  for (int i = 0; i < 128; ++i) {
-    const uint16_t b = i == 0x7f ? uint16_t{0x7fc0} : bf16_bits(e4m3_to_float(static_cast<uint8_t>(i)));
-    lo[i] = static_cast<uint8_t>(b & 0xff);
-    hi[i] = static_cast<uint8_t>(b >> 8);
-  }
-  return {_mm512_load_si512(lo), _mm512_load_si512(lo + 64), _mm512_load_si512(hi), _mm512_load_si512(hi + 64)};
+  const E4m3TableBytes& t = e4m3_table_bytes();
+  return {_mm512_load_si512(t.lo), _mm512_load_si512(t.lo + 64), _mm512_load_si512(t.hi),
+          _mm512_load_si512(t.hi + 64)};
 }
 
-// x [M, K] fp32 -> [M, K_pad] bf16 in the order the unpacked weights come in: per 64-input chunk,
+// x [M, K] bf16 -> [M, K_pad] bf16 in the order the unpacked weights come in: per 64-input chunk,
 // unpacklo holds inputs 16j + 0..7 and unpackhi 16j + 8..15 of each 128-bit lane j (zeros past K).
-std::vector<uint16_t> x_table_layout(const float* xs, int64_t M, int64_t K, int64_t K_pad) {
+std::vector<uint16_t> x_table_layout(const uint16_t* xs, int64_t M, int64_t K, int64_t K_pad) {
   std::vector<uint16_t> out(static_cast<size_t>(M * K_pad), 0);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < K_pad; c += kChunk)
@@ -148,7 +163,7 @@ std::vector<uint16_t> x_table_layout(const float* xs, int64_t M, int64_t K, int6
         for (int64_t j = 0; j < 4; ++j)
           for (int64_t i = 0; i < 8; ++i) {
             const int64_t k = c + 16 * j + 8 * half + i;
-            if (k < K) out[m * K_pad + c + 32 * half + 8 * j + i] = bf16_bits(xs[m * K + k]);
+            if (k < K) out[m * K_pad + c + 32 * half + 8 * j + i] = xs[m * K + k];
           }
   return out;
 }
@@ -257,11 +272,9 @@ torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor 
               "fp32 scale [N, ceil(K / block)] expected");
   q = q.contiguous();
   scale = scale.contiguous();
-  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
   torch::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
   auto out = torch::empty({M, N}, torch::kFloat32);
-  const float* xs = xf.data_ptr<float>();
   const uint8_t* qs = q.data_ptr<uint8_t>();
   const float* ss = scale.data_ptr<float>();
   const float* bs = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
@@ -271,7 +284,9 @@ torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor 
 #if defined(__AVX512F__)
   if (table_form_applies(K, block)) {
     const int64_t K_pad = (K + kChunk - 1) / kChunk * kChunk;
-    const std::vector<uint16_t> xp = x_table_layout(xs, M, K, K_pad);
+    const torch::Tensor xb = x.contiguous();  // the bf16 activations as they are: no fp32 round trip
+    const std::vector<uint16_t> xp =
+        x_table_layout(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, K_pad);
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
       const uint16_t* x = xp.data();
       switch (M) {
@@ -288,6 +303,8 @@ torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor 
     return out.to(torch::kBFloat16);
   }
 #endif
+  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  const float* xs = xf.data_ptr<float>();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     switch (M) {
       case 1: gemv_rows<1>(qs, ss, xs, bs, ys, n0, n1, N, K, KB, block); break;

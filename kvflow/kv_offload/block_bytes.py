@@ -39,19 +39,15 @@ class BlockBytes:
         reason = offloadable_kinds_error(store)
         if reason is not None:
             raise ConfigError(f"the KV offload tier cannot serve this model: {reason}")
-        layers = [*store.layers, *store.latent_layers]
+        tensors = [t for layer in [*store.layers, *store.latent_layers] for t in layer.tensors]
+        num_slots = store.num_blocks * store.block_size
+        if not tensors or any(t.shape[0] != num_slots for t in tensors):
+            raise ConfigError("the KV offload tier needs every KV tensor paged by slot ([num_slots, ...])")
         # Each tensor as [num_blocks, bytes per block] uint8 (a view: no copy).
-        self._rows = [
-            t.view(store.num_blocks, -1).view(torch.uint8)
-            for layer in layers
-            for t in layer.tensors
-            if t.shape[0] == store.num_blocks * store.block_size
-        ]
-        if not self._rows:
-            raise ConfigError("the KV offload tier found no paged KV tensors in this model's store")
+        self._rows = [t.view(store.num_blocks, -1).view(torch.uint8) for t in tensors]
         self.block_bytes = sum(r.shape[1] for r in self._rows)
         # Each tensor's dtype and shape: part of the tier's fingerprint (fingerprint.py).
-        self.layout = [[str(t.dtype), list(t.shape)] for layer in layers for t in layer.tensors]
+        self.layout = [[str(t.dtype), list(t.shape)] for t in tensors]
 
     def read(self, block_id: int) -> bytes:
         """Block `block_id`'s bytes, every tensor's row in order."""

@@ -48,8 +48,18 @@ logger = logging.getLogger(__name__)
 MAGIC = b"KVFLOWKV"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sH32sQI")  # magic, version, fingerprint, payload bytes, crc32
+HEADER_BYTES = _HEADER.size
 SUFFIX = ".kvblock"
 _TMP_SUFFIX = ".tmp"
+
+
+@dataclass(frozen=True)
+class TierRead:
+    """Blocks read back in order (a prefix of those asked for: the read stops at the first block
+    missing or damaged) and the seconds the read took."""
+
+    payloads: list[bytes]
+    seconds: float
 
 
 @dataclass
@@ -183,19 +193,20 @@ class DiskKVTier:
 
     # ------------------------------------------------------------------------------------ reads
 
-    def load_async(self, block_hashes: Sequence[bytes]) -> Future[list[bytes]]:
-        """Read blocks in order on the reader thread; the result stops before the first block that
-        is missing or damaged (the rest is recomputed)."""
+    def load_async(self, block_hashes: Sequence[bytes]) -> Future[TierRead]:
+        """Read blocks in order on the reader thread (TierRead: up to the first missing or damaged
+        block; the rest is recomputed)."""
         return self._reader.submit(self._load_all, list(block_hashes))
 
-    def _load_all(self, block_hashes: list[bytes]) -> list[bytes]:
+    def _load_all(self, block_hashes: list[bytes]) -> TierRead:
+        start = time.perf_counter()
         payloads = []
         for block_hash in block_hashes:
             payload = self.load(block_hash)
             if payload is None:
                 break
             payloads.append(payload)
-        return payloads
+        return TierRead(payloads, time.perf_counter() - start)
 
     def load(self, block_hash: bytes) -> bytes | None:
         name = self.name(block_hash)

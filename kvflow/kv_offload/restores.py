@@ -15,61 +15,53 @@ queues them to the tier's writer thread.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
 
-from kvflow.kv_offload.disk_tier import DiskKVTier
+from kvflow.kv_offload.disk_tier import DiskKVTier, TierRead
 
-
-@dataclass
-class PendingRestore:
-    first_block: int  # the request's block index of the first block read (the pool's hit ends there)
-    future: Future[list[bytes]]  # the payloads read, in order (a prefix of those asked for)
-    started: float
-    finished: float | None = None
+NOTHING = TierRead([], 0.0)
 
 
 @dataclass(frozen=True)
-class ReadyRestore:
-    payloads: list[bytes]
-    seconds: float  # from the read's start to its end
+class PendingRestore:
+    first_block: int  # the request's block index of the first block read (the pool's hit ends there)
+    future: Future[TierRead]
 
 
 @dataclass
 class RestoreTracker:
     tier: DiskKVTier
-    clock: Callable[[], float] = time.monotonic
     _pending: dict[str, PendingRestore] = field(default_factory=dict)
 
     def plan(
         self, request_id: str, block_hashes: list[bytes], first_block: int, max_blocks: int
-    ) -> ReadyRestore | None:
+    ) -> TierRead | None:
         """What the tier adds past the pool's hit of `first_block` blocks (at most `max_blocks` in
-        all): None while blocks are being read (step over the request), else the blocks read (empty:
+        all): None while blocks are being read (step over the request), else the blocks read (none:
         nothing to restore)."""
         pending = self._pending.get(request_id)
         if pending is not None and pending.first_block != first_block:
             # The pool's hit moved while the blocks were read (evicted, or computed by another
             # request): the payloads no longer continue it. Drop them; the prefix is recomputed.
             self.discard(request_id)
-            return ReadyRestore([], 0.0)
+            return NOTHING
         if pending is None:
             wanted = block_hashes[first_block:max_blocks]
             n = self.tier.num_consecutive(wanted)
             if n == 0:
-                return ReadyRestore([], 0.0)
-            pending = PendingRestore(first_block, self.tier.load_async(wanted[:n]), self.clock())
-            pending.future.add_done_callback(lambda _: setattr(pending, "finished", self.clock()))
+                return NOTHING
+            pending = PendingRestore(first_block, self.tier.load_async(wanted[:n]))
             self._pending[request_id] = pending
-        if not pending.future.done() or pending.finished is None:
+        if not pending.future.done():
             return None
         try:
-            payloads = pending.future.result()
+            read = pending.future.result()
         except Exception:  # the reader failed as a whole: recompute (the tier logged and counted it)
-            payloads = []
-        return ReadyRestore(payloads, pending.finished - pending.started)
+            read = NOTHING
+        if not read.payloads:  # every block missing or damaged: nothing to commit
+            self.discard(request_id)
+        return read
 
     def commit(self, request_id: str) -> None:
         """The request was admitted with its restored blocks."""
@@ -78,10 +70,6 @@ class RestoreTracker:
     def discard(self, request_id: str) -> None:
         """A request finished or aborted while (or after) its blocks were read."""
         self._pending.pop(request_id, None)
-
-    @property
-    def num_reading(self) -> int:
-        return sum(not p.future.done() for p in self._pending.values())
 
     def wait(self, timeout: float) -> None:
         """Block until a read finishes or `timeout` passes (an engine with nothing else to run)."""

@@ -9,11 +9,11 @@ import os
 import time
 from pathlib import Path
 
-from kvflow.kv_offload.disk_tier import DiskKVTier
+from kvflow.kv_offload.disk_tier import HEADER_BYTES, DiskKVTier
 
 FINGERPRINT = hashlib.sha256(b"model A, bf16, block 16").digest()
 OTHER = hashlib.sha256(b"model B").digest()
-PAYLOAD = 1000  # bytes per block in these tests; a file is 54 bytes of header more
+PAYLOAD = 1000  # bytes per block in these tests; a file is HEADER_BYTES more
 
 
 def _hash(i: int) -> bytes:
@@ -25,7 +25,7 @@ def _payload(i: int) -> bytes:
 
 
 def _tier(path: Path, blocks: float = 100, fingerprint: bytes = FINGERPRINT) -> DiskKVTier:
-    return DiskKVTier(path, int(blocks * (PAYLOAD + 54)), fingerprint)
+    return DiskKVTier(path, int(blocks * (PAYLOAD + HEADER_BYTES)), fingerprint)
 
 
 def test_blocks_round_trip_and_consecutive_hits_stop_at_a_gap(tmp_path: Path) -> None:
@@ -34,7 +34,8 @@ def test_blocks_round_trip_and_consecutive_hits_stop_at_a_gap(tmp_path: Path) ->
         tier.store(_hash(i), _payload(i))
     tier.flush()
     assert tier.num_consecutive([_hash(i) for i in range(6)]) == 3
-    assert tier.load_async([_hash(i) for i in range(6)]).result() == [_payload(i) for i in range(3)]
+    read = tier.load_async([_hash(i) for i in range(6)]).result()
+    assert read.payloads == [_payload(i) for i in range(3)] and read.seconds > 0
     assert tier.stats.blocks_read == 3 and tier.stats.blocks_stored == 4
     assert tier.load(_hash(3)) is None  # never stored
 

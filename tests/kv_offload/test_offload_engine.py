@@ -37,11 +37,15 @@ def _conversations(vocab: int, n: int = 4) -> list[list[int]]:
     return [[rng.randrange(3, vocab) for _ in range(44 + i)] for i in range(n)]
 
 
+def _second_prompts(firsts: list[list[int]], turn1: list[RequestOutput]) -> list[list[int]]:
+    """Each conversation returning: its first prompt, its answer, and a new message."""
+    return [p + list(o.outputs[0].token_ids) + [5, 6, 7, 8, 9] for p, o in zip(firsts, turn1, strict=True)]
+
+
 def _two_turns(llm: LLM, firsts: list[list[int]]) -> tuple[list[RequestOutput], list[RequestOutput]]:
-    """Every conversation's first turn, then every second turn (first prompt + its answer + more)."""
+    """Every conversation's first turn, then every second turn."""
     turn1 = [llm.generate(p, GREEDY)[0] for p in firsts]
-    seconds = [p + list(o.outputs[0].token_ids) + [5, 6, 7, 8, 9] for p, o in zip(firsts, turn1, strict=True)]
-    return turn1, [llm.generate(p, GREEDY)[0] for p in seconds]
+    return turn1, [llm.generate(p, GREEDY)[0] for p in _second_prompts(firsts, turn1)]
 
 
 def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
@@ -53,13 +57,17 @@ def checkpoint(tiny_checkpoint_factory: Callable[..., Path]) -> Path:
     return tiny_checkpoint_factory("llama", dtype=torch.float32)
 
 
-@pytest.fixture(scope="module")
-def reference(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
+def _reference(checkpoint: Path, **kwargs: Any) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens of both turns with a pool that holds everything (no eviction, no tier)."""
-    llm = LLM(str(checkpoint), num_kv_blocks=400, **ENGINE)
+    llm = LLM(str(checkpoint), num_kv_blocks=400, **{**ENGINE, **kwargs})
     firsts = _conversations(llm.get_tokenizer().vocab_size)
     turn1, turn2 = _two_turns(llm, firsts)
     return _tokens(turn1), _tokens(turn2)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint: Path) -> tuple[list[list[int]], list[list[int]]]:
+    return _reference(checkpoint)
 
 
 def _offload_llm(checkpoint: Path, tier: Path, **kwargs: Any) -> LLM:
@@ -84,6 +92,14 @@ def test_second_turns_restore_from_the_tier_with_identical_tokens(
     assert tier.stats.blocks_stored > 0 and tier.stats.write_errors == 0
 
 
+def test_int8_kv_blocks_round_trip_with_their_scales(checkpoint: Path, tmp_path: Path) -> None:
+    """A quantized pool's block is its data and its scales: both come back, tokens unchanged."""
+    llm = _offload_llm(checkpoint, tmp_path / "tier", kv_cache_dtype="int8")
+    turn1, turn2 = _two_turns(llm, _conversations(llm.get_tokenizer().vocab_size))
+    assert (_tokens(turn1), _tokens(turn2)) == _reference(checkpoint, kv_cache_dtype="int8")
+    assert sum(o.metrics.num_restored_tokens for o in turn2) > 0
+
+
 def test_a_restarted_engine_keeps_the_hits(
     checkpoint: Path, reference: tuple[list[list[int]], list[list[int]]], tmp_path: Path
 ) -> None:
@@ -97,7 +113,7 @@ def test_a_restarted_engine_keeps_the_hits(
     tier.flush()
     del first
     again = _offload_llm(checkpoint, tmp_path / "tier")
-    seconds = [p + list(o.outputs[0].token_ids) + [5, 6, 7, 8, 9] for p, o in zip(firsts, turn1, strict=True)]
+    seconds = _second_prompts(firsts, turn1)
     turn2 = [again.generate(p, GREEDY)[0] for p in seconds]
     assert _tokens(turn2) == reference[1]
     assert all(o.metrics.num_restored_tokens > 0 for o in turn2)
@@ -116,7 +132,7 @@ def test_damaged_files_and_a_vanished_directory_cost_a_recompute(
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0xFF
         f.write_bytes(bytes(data))
-    seconds = [p + list(o.outputs[0].token_ids) + [5, 6, 7, 8, 9] for p, o in zip(firsts, turn1, strict=True)]
+    seconds = _second_prompts(firsts, turn1)
     turn2 = [llm.generate(p, GREEDY)[0] for p in seconds]
     assert _tokens(turn2) == reference[1]
     assert tier.stats.read_errors > 0  # each damaged block was met, dropped and recomputed
@@ -127,7 +143,7 @@ def test_damaged_files_and_a_vanished_directory_cost_a_recompute(
     assert tier.stats.write_errors > 0
 
 
-def test_a_tier_smaller_than_a_block_and_tensor_parallel_are_refused_or_harmless(
+def test_a_tier_smaller_than_a_block_is_harmless_and_bad_sizes_are_refused(
     checkpoint: Path, reference: tuple[list[list[int]], list[list[int]]], tmp_path: Path
 ) -> None:
     tiny = _offload_llm(checkpoint, tmp_path / "tiny", kv_offload_size=1e-9)  # ~1 byte: nothing fits
