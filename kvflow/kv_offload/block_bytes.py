@@ -79,6 +79,7 @@ class OffloadIO:
     def apply(self, kv_saves: list[tuple[int, bytes]], kv_restores: list[tuple[int, bytes]]) -> None:
         # Saves first: a block evicted this step may be one a restore is about to fill.
         for block_id, block_hash in kv_saves:
-            self.tier.store(block_hash, self.blocks.read(block_id))
+            if not self.tier.refresh(block_hash):  # copy out only what the tier lacks
+                self.tier.store(block_hash, self.blocks.read(block_id))
         for block_id, payload in kv_restores:
             self.blocks.write(block_id, payload)

@@ -132,14 +132,19 @@ class DiskKVTier:
 
     # ----------------------------------------------------------------------------------- writes
 
-    def store(self, block_hash: bytes, payload: bytes) -> None:
-        """Queue a block for writing (returns at once); a block the tier holds is only refreshed."""
+    def refresh(self, block_hash: bytes) -> bool:
+        """Mark a block the tier holds as recently used; False when it does not hold it."""
         name = self.name(block_hash)
         with self._lock:
-            if name in self._index:
-                self._index.move_to_end(name)
-                return
-        self._writes.put((name, payload))
+            if name not in self._index:
+                return False
+            self._index.move_to_end(name)
+            return True
+
+    def store(self, block_hash: bytes, payload: bytes) -> None:
+        """Queue a block for writing (returns at once); a block the tier holds is only refreshed."""
+        if not self.refresh(block_hash):
+            self._writes.put((self.name(block_hash), payload))
 
     def flush(self) -> None:
         """Wait until every queued write is on disk (or failed)."""

@@ -45,10 +45,11 @@ def test_the_size_bound_evicts_the_least_recently_used(tmp_path: Path) -> None:
     for i in range(3):
         tier.store(_hash(i), _payload(i))
     tier.flush()
-    assert tier.load(_hash(0)) == _payload(0)  # 0 is now the most recently used
+    assert tier.load(_hash(0)) == _payload(0)  # a read makes 0 recently used
+    assert tier.refresh(_hash(1)) and not tier.refresh(_hash(7))  # so does a refresh (1; 7 is not held)
     tier.store(_hash(3), _payload(3))
     tier.flush()
-    assert [_hash(i) in tier for i in range(4)] == [True, False, True, True]
+    assert [_hash(i) in tier for i in range(4)] == [True, True, False, True]
     assert tier.stats.blocks_evicted == 1 and tier.num_blocks == 3
     assert len(list(tmp_path.iterdir())) == 3
 
