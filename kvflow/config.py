@@ -10,6 +10,7 @@ CLI's parser, stay torch-free.
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -82,6 +83,70 @@ class ModelConfig:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+KV_EVENT_PUBLISHERS = ("null", "zmq")
+
+# `--kv-events-config`: vLLM's JSON, key for key (`vllm/config/kv_events.py` KVEventsConfig), so a
+# deployment's flags move between vLLM and kvflow unchanged (kvflow/kv_events/).
+
+
+@dataclass(frozen=True)
+class KVEventsConfig:
+    enable_kv_cache_events: bool = False
+    # "zmq" publishes; "null" (vLLM's default) records nothing.
+    publisher: str = "null"
+    # The PUB socket. An address with "*" (or ipc://, inproc://) is bound, any other is connected
+    # to: the stable side binds (vLLM's rule).
+    endpoint: str = "tcp://*:5557"
+    # An optional ROUTER socket: a subscriber that missed batches sends the first sequence number it
+    # lacks (8 bytes, big-endian) and gets every buffered batch from there, then the end marker.
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark (messages queued per subscriber)
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""  # the first frame of every message; subscribers filter on its prefix
+
+    def __post_init__(self) -> None:
+        if self.publisher not in KV_EVENT_PUBLISHERS:
+            raise ConfigError(
+                f"kv_events_config: publisher must be one of {KV_EVENT_PUBLISHERS}, got {self.publisher!r}"
+            )
+        for name in ("buffer_steps", "hwm", "max_queue_size"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"kv_events_config: {name} must be >= 1, got {getattr(self, name)}")
+        for name in ("endpoint", "replay_endpoint"):
+            address = getattr(self, name)
+            if address is not None and not address.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(
+                    f"kv_events_config: {name} must be a tcp://, ipc:// or inproc:// address, got {address!r}"
+                )
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher == "zmq"
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        try:
+            values: Any = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"kv_events_config is not valid JSON ({exc}): {text!r}") from None
+        if not isinstance(values, dict):
+            raise ConfigError(f"kv_events_config must be a JSON object, got {text!r}")
+        known = {f.name: f.type for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - set(known))
+        if unknown:
+            raise ConfigError(f"kv_events_config: unknown keys {unknown}; known: {sorted(known)}")
+        expected = {"enable_kv_cache_events": bool, "publisher": str, "endpoint": str, "topic": str}
+        for key, value in values.items():
+            want = expected.get(key, int if key in ("buffer_steps", "hwm", "max_queue_size") else str)
+            if key == "replay_endpoint" and value is None:
+                continue
+            if not isinstance(value, want) or (want is int and isinstance(value, bool)):
+                kind = {bool: "true or false", int: "an integer", str: "a string"}[want]
+                raise ConfigError(f"kv_events_config: {key} must be {kind}, got {value!r}")
+        return cls(**values)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
@@ -111,6 +176,14 @@ class CacheConfig:
         default=16.0,
         metadata={"help": "GiB the KV offload tier may hold on disk (least recently used go first)"},
     )
+    kv_events_config: str | None = field(
+        default=None,
+        metadata={
+            "help": "publish KV cache events (blocks stored / removed) for a KV-aware router, as vLLM does: "
+            'its JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": '
+            '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (kvflow/kv_events/)'
+        },
+    )
     linear_state_checkpoint_interval: int | None = field(
         default=None,
         metadata={
@@ -127,6 +200,9 @@ class CacheConfig:
             raise ConfigError(f"kv_offload_size must be > 0 GiB, got {self.kv_offload_size}")
         if self.kv_offload_path is not None and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_path needs prefix caching (the tier keys blocks by prefix hashes)")
+        events = None if self.kv_events_config is None else KVEventsConfig.from_json(self.kv_events_config)
+        if events is not None and events.publishes and not self.enable_prefix_caching:
+            raise ConfigError("kv_events_config needs prefix caching (events name prefix-cache blocks)")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ConfigError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -38,6 +38,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # paged attention + KV formats; layers; sampling; structured output (grammars, masks)
     ("attention", "layers", "sample", "structured"),
     ("kv_cache",),  # block bookkeeping and the cache kinds (pure Python): the KV store sizes its pools by it
+    ("kv_events",),  # what the prefix cache stores and evicts, published for KV-aware routers (no torch)
     ("kernels",),  # native CPU kernels with torch fallbacks
     (  # plain types and torch-free utilities, imported by all
         "errors",

@@ -22,7 +22,8 @@ DEFAULT_CAPACITY_PERCENTILE = 90.0
 # those dataclasses cannot say themselves: CLI defaults for the fields they require in Python, and
 # flag names and help for DatasetSpec's and LoadSpec's fields, which carry no metadata.
 BENCH_FLAGS: FieldOverrides = {"base_url": {"default": "http://127.0.0.1:8000/v1"}}
-BENCH_NOT_FLAGS = ("dataset", "load", "slo", "progress")  # their own flags: the groups below, --slo, --quiet
+# Their own flags: the groups below, --slo, --quiet, --replica-metrics.
+BENCH_NOT_FLAGS = ("dataset", "load", "slo", "progress", "replica_metrics")
 DATASET_FLAGS: FieldOverrides = {
     "name": {"flag": "--dataset", "default": "random", "help": f"{', '.join(DATASETS)}, or jsonl:PATH"},
     "num_requests": {"default": 32, "help": "requests measured"},
@@ -53,6 +54,14 @@ def add_bench_parser(sub: Any) -> None:
     requests = bench.add_argument_group(BenchConfig.__name__)
     add_dataclass_args(requests, BenchConfig, exclude=BENCH_NOT_FLAGS, overrides=BENCH_FLAGS)
     requests.add_argument("--slo", default=None, help="e.g. ttft_ms=500,tpot_ms=50 (also itl_p99_ms, e2e_ms)")
+    requests.add_argument(
+        "--replica-metrics",
+        nargs="+",
+        default=(),
+        metavar="URL",
+        help="behind a router: each replica's /metrics, reported per replica (kvflow doctor names the "
+        "bottleneck)",
+    )
     workload = bench.add_argument_group(DatasetSpec.__name__)
     add_dataclass_args(workload, DatasetSpec, exclude=DATASET_NOT_FLAGS, overrides=DATASET_FLAGS)
     load = bench.add_argument_group(LoadSpec.__name__)
@@ -87,6 +96,7 @@ def _config(args: argparse.Namespace, load: LoadSpec) -> BenchConfig:
         load=load,
         slo=parse_slo(args.slo),
         progress=not args.quiet,
+        replica_metrics=tuple(args.replica_metrics),
         **dataclass_kwargs(args, BenchConfig, exclude=BENCH_NOT_FLAGS),
     )
 

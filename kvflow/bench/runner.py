@@ -22,6 +22,7 @@ from kvflow.bench.datasets import BenchTokenizer, Conversation, DatasetSpec, Wor
 from kvflow.bench.events import RequestRecord
 from kvflow.bench.gauges import GaugeSamples, sample_gauges
 from kvflow.bench.metrics import aggregate, request_metrics
+from kvflow.bench.replicas import ReplicaScrapes
 from kvflow.bench.server_metrics import Snapshot, scrape
 from kvflow.bench.server_view import server_section
 
@@ -80,6 +81,9 @@ class BenchConfig:
         },
     )
     progress: bool = True
+    # The /metrics of each replica behind a router at base_url (kvflow bench --replica-metrics):
+    # scraped around the run like the server's own, reported per replica (`replicas` in the result).
+    replica_metrics: tuple[str, ...] = ()
 
     @property
     def server_root(self) -> str:
@@ -216,6 +220,7 @@ class Runner:
         self.warnings: list[str] = []
         self.before: Snapshot | None = None  # /metrics around the measured part of the run
         self.after: Snapshot | None = None
+        self.replicas = ReplicaScrapes(config.replica_metrics)
         self._seen_prefix_blocks: set[int] = set()  # chained hashes of prompt blocks sent so far
         self.gauges = GaugeSamples()  # /metrics gauges sampled during the measured requests
 
@@ -284,11 +289,13 @@ class Runner:
                 await self.run_conversation(http, conversation, i, True, None)
             metrics_url = self.config.server_root + "/metrics"
             self.before = scrape(metrics_url, headers)
-            sampler = None
+            self.replicas.scrape_before(headers)
+            samplers = []
             if self.before is not None and self.config.metrics_interval > 0:
-                sampler = asyncio.create_task(
-                    sample_gauges(http, metrics_url, self.config.metrics_interval, self.gauges)
-                )
+                samplers.append(sample_gauges(http, metrics_url, self.config.metrics_interval, self.gauges))
+            if self.config.metrics_interval > 0:
+                samplers += self.replicas.samplers(http, self.config.metrics_interval)
+            sampler = asyncio.gather(*samplers) if samplers else None
             progress = Progress(workload.num_requests, self.config.progress)
             try:
                 duration = await run_load(
@@ -303,6 +310,7 @@ class Runner:
                     with contextlib.suppress(asyncio.CancelledError):
                         await sampler
             self.after = scrape(metrics_url, headers)
+            self.replicas.scrape_after(headers)
         return duration
 
 
@@ -429,6 +437,8 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     result["server"] = server_section(
         runner.before, runner.after, client_ttft, runner.gauges, timings, result["completed"]
     )
+    if config.replica_metrics:
+        result["replicas"] = runner.replicas.sections()
     result["server_info"] = info.as_json()
     result["errors"] = dict(Counter(r.error for r in measured if r.error is not None))
     result["warnings"] = runner.warnings
@@ -451,5 +461,6 @@ def _config_dict(config: BenchConfig, info: ServerInfo) -> dict[str, Any]:
         "ignore_eos": config.ignore_eos,
         "temperature": config.temperature,
         "tokenizer": config.tokenizer or info.root,
+        "replica_metrics": list(config.replica_metrics),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }

@@ -10,11 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from kvflow.assets import bundled_model_dir
+from kvflow.bench.gauges import GaugeSamples
+from kvflow.bench.server_metrics import scrape
+from kvflow.bench.server_view import server_section
 from kvflow.doctor.evidence import RunEvidence, calculator_evidence, evidence_from_bench
 from kvflow.doctor.findings import Diagnosis, diagnose
 from kvflow.doctor.hardware import NAMED, named_hardware
 from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec, default_kv_dtype
 from kvflow.doctor.quant_speed import load_speeds, measure_speeds
+from kvflow.doctor.replicas import replicas_report, replicas_text
 from kvflow.doctor.report import doctor_json, html_report, text_report
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import EngineSettings, settings_from_metrics, settings_from_result
@@ -76,6 +80,14 @@ def add_doctor_parser(sub: Any) -> None:
         default=1,
         help="calculator: also predict per-rank memory, all-reduce bytes per token and the decode "
         "roofline per rank with the model sharded over N ranks (the hardware figures are one rank's)",
+    )
+    doctor.add_argument(
+        "--replica-metrics",
+        nargs="+",
+        default=(),
+        metavar="URL",
+        help="replicas behind a router: read each one's /metrics now (since it started) into one report; "
+        "a --bench result made with kvflow bench --replica-metrics carries its own",
     )
     doctor.add_argument("--json", action="store_true", help="print the JSON document instead of text")
     doctor.add_argument("--output", default=None, help="also write the JSON document here")
@@ -176,6 +188,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             }
             for c in checks
         ]
+    replicas = _replicas(args, result)
+    if replicas is not None:
+        doc["replicas"] = replicas
     if args.output:
         Path(args.output).write_text(json.dumps(doc, indent=1))
     if args.html:
@@ -188,4 +203,23 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             print(tp_text)
         for check in doc.get("verification", []):
             print("verify: " + check["explanation"], file=sys.stdout)
+        if replicas is not None:
+            print(replicas_text(replicas))
     return 0
+
+
+def _replicas(args: argparse.Namespace, result: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The replicas report: scraped now (--replica-metrics), else the bench result's, else None."""
+    if args.replica_metrics:
+        sections = []
+        for url in args.replica_metrics:
+            now = scrape(url)
+            if now is None:
+                raise ValueError(f"--replica-metrics {url}: no Prometheus /metrics there")
+            gauges = GaugeSamples()
+            gauges.add(now)
+            sections.append({"metrics_url": url, **server_section({}, now, None, gauges)})
+        return replicas_report(sections, cumulative=True)
+    if result is not None and result.get("replicas"):
+        return replicas_report(result["replicas"], cumulative=False)
+    return None

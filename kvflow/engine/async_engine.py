@@ -232,8 +232,7 @@ class AsyncLLMEngine:
             self._dead = self._fatal = f"the engine stopped: {type(exc).__name__}: {exc}"
         self._dead = self._dead or "the engine was shut down"
         self._fail_all(EngineDeadError(self._dead))
-        if self.engine.kv_offload_tier is not None:  # the blocks queued for the tier reach the disk
-            self.engine.kv_offload_tier.close()
+        self.engine.close()  # queued tier writes reach the disk, queued KV events go out
 
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once shutdown is requested."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvflow.attention.kv_store import KVStore, kv_cache_config_for
-from kvflow.config import ConfigError, EngineConfig
+from kvflow.config import ConfigError, EngineConfig, KVEventsConfig
 from kvflow.engine.model_setup import (
     LoadedModel,
     load_checkpoint,
@@ -25,6 +25,8 @@ from kvflow.engine.model_setup import (
 from kvflow.engine.output_processor import OutputProcessor
 from kvflow.engine.scheduler import RequestUpdate, Scheduler
 from kvflow.errors import InvalidRequestError, PromptTooLongError
+from kvflow.kv_events.event_log import KVEventLog
+from kvflow.kv_events.publisher import ZmqEventPublisher
 from kvflow.kv_offload.block_bytes import BlockBytes, OffloadIO
 from kvflow.kv_offload.disk_tier import DiskKVTier
 from kvflow.kv_offload.fingerprint import tier_fingerprint
@@ -107,6 +109,7 @@ class LLMEngine:
         )
         self.model_runner = self._make_model_runner(loaded, kv_store)
         self.kv_offload_tier = self._attach_kv_offload(kv_store)
+        self.kv_event_publisher = self._attach_kv_events()
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = build_proposer(
             config.speculative_config,
@@ -179,6 +182,28 @@ class LLMEngine:
         self.model_runner.kv_offload = OffloadIO(blocks, tier)
         self.scheduler.attach_kv_offload(RestoreTracker(tier))
         return tier
+
+    def _attach_kv_events(self) -> ZmqEventPublisher | None:
+        """The KV event publisher (`kv_events_config`), with the block pool recording for it; None
+        without one. Under tensor parallelism the driver's pool is the only one: one stream."""
+        cache = self.config.cache_config
+        if cache.kv_events_config is None:
+            return None
+        config = KVEventsConfig.from_json(cache.kv_events_config)
+        if not config.publishes:
+            return None
+        publisher = ZmqEventPublisher(config)
+        self.scheduler.kv_cache_manager.block_pool.kv_events = KVEventLog(cache.block_size)
+        logger.info("KV events: publishing on %s (replay: %s)", config.endpoint, config.replay_endpoint)
+        return publisher
+
+    def close(self) -> None:
+        """Flush and close what runs beside the steps: the offload tier's writes, the KV event
+        publisher's sends. The engine must not step afterwards."""
+        if self.kv_offload_tier is not None:  # the blocks queued for the tier reach the disk
+            self.kv_offload_tier.close()
+        if self.kv_event_publisher is not None:
+            self.kv_event_publisher.close()
 
     def _make_model_runner(self, loaded: LoadedModel, kv_store: KVStore) -> ModelRunner:
         """This process's runner; under tensor parallelism the driver's, which steps the other ranks too."""
@@ -328,7 +353,15 @@ class LLMEngine:
             self._propose()
         outputs, self._pending_outputs = self._pending_outputs, []
         self.last_step_stats = self._step_stats(scheduler_output, start)
+        self._publish_kv_events()
         return outputs
+
+    def _publish_kv_events(self) -> None:
+        """The step's prefix-cache changes as one batch: blocks cached by its allocations, blocks
+        evicted for them, blocks dropped after a failure."""
+        event_log = self.scheduler.kv_cache_manager.block_pool.kv_events
+        if self.kv_event_publisher is not None and event_log is not None:
+            self.kv_event_publisher.publish(event_log.take())
 
     def _poll_grammars(self) -> None:
         """Requests whose grammar finished compiling become schedulable; failed compiles end theirs."""

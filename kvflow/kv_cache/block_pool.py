@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvflow.config import ConfigError
 from kvflow.errors import KVFlowError
+from kvflow.kv_events.event_log import KVEventLog
 
 # Block 0 is never allocated: block tables show it where sliding-window attention released a block,
 # so a table keeps one entry per block-sized span of positions (position p -> table[p // block_size]).
@@ -66,6 +67,9 @@ class BlockPool:
         # cached block evicted to be handed out again, for the step to save before it is overwritten.
         # Only evictions for reuse: a block evict_free_cached_blocks drops holds no valid K/V.
         self.evicted: list[tuple[int, bytes]] | None = None
+        # When not None (`kv_events_config`, kvflow/kv_events/): every key entering or leaving the
+        # index is recorded for the engine to publish after the step.
+        self.kv_events: KVEventLog | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -101,6 +105,8 @@ class BlockPool:
             return
         if self.cached_block_hash_to_block.get(block.block_hash) is block:
             del self.cached_block_hash_to_block[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.removed(block.block_hash)
         block.block_hash = None
 
     def evict_free_cached_blocks(self) -> int:
@@ -148,19 +154,20 @@ class BlockPool:
                 if block.block_hash is None:
                     self.free_block_queue.move_to_end(block.block_id, last=False)
 
-    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> None:
-        """Enter a full, in-use block into the prefix-cache index.
+    def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
+        """Enter a full, in-use block into the prefix-cache index; True if it entered now.
 
         If another block already holds the same hash (two requests computed the same prefix before
         either could hit the other), the index keeps the first one and `block` stays uncached: one
         hash maps to one block, so the index stays a plain dict.
         """
         if not self.enable_caching or block.is_null or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached_block_hash_to_block:
-            return
+            return False
         block.block_hash = block_hash
         self.cached_block_hash_to_block[block_hash] = block
+        return True
 
     def check_integrity(self) -> None:
         """Raise IntegrityError unless every invariant of the module docstring holds."""

@@ -26,9 +26,12 @@ from kvflow.kv_cache.specs import (
     CompressorStateSpec,
     KVCacheSpec,
     LinearAttentionSpec,
+    MLAAttentionSpec,
     SlidingWindowSpec,
     cdiv,
 )
+from kvflow.kv_events.event_log import GroupTag
+from kvflow.kv_events.events import KIND_FULL_ATTENTION, KIND_MLA, KIND_SLIDING_WINDOW
 from kvflow.request import Request
 from kvflow.scheduler_output import StateStep
 
@@ -104,9 +107,38 @@ class SingleTypeManager:
         blocks = self.req_to_blocks[rid]
         start = self._num_cached_blocks.get(rid, 0)
         num_full = min(num_tokens // self.block_size, len(hashes), len(blocks))
-        for i in range(start, num_full):
-            self.pool.cache_full_block(blocks[i], group_key(hashes[i], self.group_id))
+        entered = [
+            i
+            for i in range(start, num_full)
+            if self.pool.cache_full_block(blocks[i], group_key(hashes[i], self.group_id))
+        ]
         self._num_cached_blocks[rid] = max(start, num_full)
+        if self.pool.kv_events is not None and entered:
+            self._announce(request, hashes, entered)
+
+    def _announce(self, request: Request, hashes: list[bytes], entered: list[int]) -> None:
+        """KV events for the blocks that just entered the index, one BlockStored per run of
+        consecutive blocks (a block another request cached first breaks the run: it was announced
+        then, and stays the next run's parent)."""
+        assert self.pool.kv_events is not None
+        bs, tag = self.block_size, self.event_tag()
+        runs: list[list[int]] = []
+        for i in entered:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first, last = run[0], run[-1]
+            parent = group_key(hashes[first - 1], self.group_id) if first > 0 else None
+            keys = [group_key(hashes[i], self.group_id) for i in run]
+            tokens = request.all_token_ids[first * bs : (last + 1) * bs]
+            self.pool.kv_events.stored(keys, parent, tokens, tag)
+
+    def event_tag(self) -> GroupTag:
+        """This group as KV events name it (vLLM's `kv_cache_spec_kind`)."""
+        kind = KIND_MLA if isinstance(self.spec, MLAAttentionSpec) else KIND_FULL_ATTENTION
+        return GroupTag(self.group_id, kind)
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Free the blocks past the ones `num_tokens` positions need (speculative decoding: blocks
@@ -167,6 +199,9 @@ class SlidingWindowManager(SingleTypeManager):
         self.window_spec = spec
         # Leading blocks of each request released by the window (null in its table).
         self._num_released: dict[str, int] = {}
+
+    def event_tag(self) -> GroupTag:
+        return GroupTag(self.group_id, KIND_SLIDING_WINDOW, self.window_spec.sliding_window)
 
     def longest_hit(self, hashes: list[bytes], max_blocks: int) -> int:
         """The largest k <= max_blocks whose last `num_hit_blocks_needed` blocks are all cached (or,

@@ -27,10 +27,12 @@ SCHEDULE = ((0.0, 1), (GAP_S, 1), (2 * GAP_S, 1), (4 * GAP_S, 2), (5 * GAP_S, 1)
 NUM_TOKENS = sum(n for _, n in SCHEDULE)
 # Tolerances for medians: asyncio timers, loopback and JSON on a shared 2-core machine. A request's
 # round trip (client -> uvicorn -> first byte back) adds to TTFT and end-to-end latency, never takes
-# away: 3-5 ms on the Zen 4 machines, 10-21 ms on a Zen 3 one (the chat role chunk, sent at once,
-# measures it), so those two get a one-sided window and the chat endpoint checks TTFT net of it.
+# away: 3-5 ms on a quiet Zen 4 machine, 10-21 ms on a Zen 3 one, 46 ms once on a loaded CI runner.
+# So the absolute TTFT and end-to-end checks get a one-sided window wide enough for a loaded runner
+# yet half the TTFT (a bench that timed from the wrong instant or counted the role chunk is off by
+# far more), and the chat endpoint checks TTFT net of the round trip its role chunk measures, tightly.
 TIMER_SLACK_MS = 2.0
-ROUND_TRIP_ALLOWANCE_MS = 40.0
+ROUND_TRIP_ALLOWANCE_MS = TTFT_S * 1e3 / 2
 ITL_TOLERANCE_MS = 10.0
 
 

@@ -115,10 +115,12 @@ def test_quantized_checkpoints_are_refused_naming_quantization_config(
         LLM(str(tmp_path), dtype="float32")
 
 
-# Teacher-forced top-1 agreement with the bf16 pool over 96 positions. Measured: int8 86, fp8 73
-# (bf16 itself in 4-token chunks: 94): below MLA's floors (tests/models/test_mla.py), since K = V puts
-# the rounding in the values as well as the scores, and an index key's rounding can flip a top-k pick.
-KV_AGREEMENT_FLOOR = {"int8": 0.85, "fp8_e4m3": 0.7}
+# Teacher-forced top-1 agreement with the bf16 pool over 48 positions in 8-token chunks (8 prompts in
+# 4-token chunks took 28 s a kind for the same verdict). Measured: int8 41 (85%), fp8 37 (77%), the
+# same in 4-token chunks; over 96 positions 86 and 73 (bf16 itself in 4-token chunks: 94). Below MLA's floors (tests/models/test_mla.py), since K = V puts the
+# rounding in the values as well as the scores, and an index key's rounding can flip a top-k pick. A
+# broken format agrees at chance (1 in the vocabulary).
+KV_AGREEMENT_FLOOR = {"int8": 0.8, "fp8_e4m3": 0.7}
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8_e4m3"])
@@ -126,17 +128,17 @@ def test_quantized_compressed_kv_is_close_to_bf16(
     tiny_checkpoint_factory: Callable[..., Path], kind: str
 ) -> None:
     """Windows, entries and indexer keys in int8 / fp8 with a scale per vector (the compressor states
-    stay float32): next-token argmax along the bf16-pool greedy continuation, 4-token chunks reading
+    stay float32): next-token argmax along the bf16-pool greedy continuation, 8-token chunks reading
     the quantized context back (kvflow/attention/compressed_store.py)."""
     from quant.test_kv_quant import teacher_forced_agreement
 
     path = str(tiny_checkpoint_factory(V4_ARCH))
-    prompts = [[5 + i, 17, 42 + i, 99, 7, 3 + i, 250, 11] * 6 for i in range(8)]  # 48 tokens: 12 CSA entries
+    prompts = [[5 + i, 17, 42 + i, 99, 7, 3 + i, 250, 11] * 6 for i in range(4)]  # 48 tokens: 12 CSA entries
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     bf16 = LLM(path, dtype="bfloat16", max_model_len=128)
     reference = [o.outputs[0].token_ids for o in bf16.generate(prompts, params)]
     llm = LLM(
-        path, dtype="bfloat16", max_model_len=128, kv_cache_dtype=kind, max_num_batched_tokens=4,
+        path, dtype="bfloat16", max_model_len=128, kv_cache_dtype=kind, max_num_batched_tokens=8,
         enable_prefix_caching=False,
     )  # fmt: skip
     engine = llm.llm_engine
