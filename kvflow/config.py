@@ -20,6 +20,7 @@ from kvflow.errors import InvalidRequestError
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizedKVDType = Literal["fp8_e4m3", "int8", "int4"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", QuantizedKVDType]
+KVRole = Literal["both", "prefill", "decode"]
 
 # Default KV pool budget when neither `kv_cache_memory_bytes` nor `num_kv_blocks` is given:
 # vLLM's CPU backend defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE); the pool is also capped at what
@@ -184,6 +185,29 @@ class CacheConfig:
             '"tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' (kvflow/kv_events/)'
         },
     )
+    kv_role: KVRole = field(
+        default="both",
+        metadata={
+            "help": "prefill/decode disaggregation behind vllm-router --vllm-pd-disaggregation: 'prefill' "
+            "keeps the KV of requests marked do_remote_decode for a decode instance to fetch; 'decode' "
+            "fetches it for requests marked do_remote_prefill; 'both' (colocated) does neither "
+            "(kvflow/kv_transfer/)"
+        },
+    )
+    kv_transfer_host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "prefill role: the address decode instances reach its KV transfer socket at"},
+    )
+    kv_transfer_port: int = field(
+        default=0, metadata={"help": "prefill role: the KV transfer socket's TCP port (0: any free one)"}
+    )
+    kv_transfer_timeout: float = field(
+        default=30.0,
+        metadata={
+            "help": "decode role: seconds to wait for a prompt's KV (and prefill role: twice this, to keep "
+            "it for the fetch) before the request fails"
+        },
+    )
     linear_state_checkpoint_interval: int | None = field(
         default=None,
         metadata={
@@ -200,6 +224,13 @@ class CacheConfig:
             raise ConfigError(f"kv_offload_size must be > 0 GiB, got {self.kv_offload_size}")
         if self.kv_offload_path is not None and not self.enable_prefix_caching:
             raise ConfigError("kv_offload_path needs prefix caching (the tier keys blocks by prefix hashes)")
+        _check_choice("kv_role", self.kv_role, KVRole)
+        if self.kv_role != "both" and not self.enable_prefix_caching:
+            raise ConfigError("kv_role prefill/decode needs prefix caching (KV moves by prefix block hashes)")
+        if not 0 <= self.kv_transfer_port < 2**16:
+            raise ConfigError(f"kv_transfer_port must be a TCP port (0: any), got {self.kv_transfer_port}")
+        if self.kv_transfer_timeout <= 0:
+            raise ConfigError(f"kv_transfer_timeout must be > 0 s, got {self.kv_transfer_timeout}")
         events = None if self.kv_events_config is None else KVEventsConfig.from_json(self.kv_events_config)
         if events is not None and events.publishes and not self.enable_prefix_caching:
             raise ConfigError("kv_events_config needs prefix caching (events name prefix-cache blocks)")

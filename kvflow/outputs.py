@@ -4,6 +4,7 @@ model runner hands back to the scheduler (`ModelRunnerOutput`, as in vLLM v1's o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvflow.stats import RequestTimeline
 
@@ -54,6 +55,9 @@ class RequestOutput:
     # Set (with finished=True, finish_reason "abort") when processing this request failed inside
     # the engine; the other requests of the batch are unaffected.
     error: str | None = None
+    # Prefill role (kvflow/kv_transfer/): where a decode instance fetches this prompt's KV; on the
+    # final output only, None otherwise.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -69,6 +69,11 @@ class Request:
         self.spec_draft_probs: Any = None
         # Structured output: the request's grammar matcher (kvflow/structured/), None if unconstrained.
         self.structured_state: Any = None
+        # Prefill/decode disaggregation (kvflow/kv_transfer/): on a decode instance, where the
+        # prompt's KV waits (a RemotePrefill); on a prefill instance, keep the prompt's KV for a
+        # decode instance once the request finishes.
+        self.remote_prefill: Any = None
+        self.kv_export = False
         # prompt_logprobs: entry p = TokenLogprobs of prompt token p (None for p = 0), filled as its
         # chunks are computed; None unless the request asked.
         self.prompt_logprobs: list[Any] | None = (

@@ -32,6 +32,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine",),  # LLMEngine, scheduler, output processing, async wrapper
     ("spec_decode", "parallel"),  # proposers the engine consults; tensor-parallel ranks and their driver
     ("worker",),  # input batch, model runner
+    ("kv_transfer",),  # prefill/decode disaggregation: a prompt's KV from one instance to another
     ("kv_offload",),  # the KV offload tier on disk: its files, block copies, the scheduler's restores
     ("models",),  # architectures and loading
     ("quant",),  # quantized linears and checkpoint formats, swapped in at load

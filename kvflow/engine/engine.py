@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import logging
 import time
+import uuid
 from collections.abc import Iterable
 from typing import Any
 
@@ -31,6 +32,8 @@ from kvflow.kv_offload.block_bytes import BlockBytes, OffloadIO
 from kvflow.kv_offload.disk_tier import DiskKVTier
 from kvflow.kv_offload.fingerprint import tier_fingerprint
 from kvflow.kv_offload.restores import RestoreTracker
+from kvflow.kv_transfer.endpoint import KVTransferEndpoint, layout_fingerprint
+from kvflow.kv_transfer.imports import KVImports
 from kvflow.outputs import ModelRunnerOutput, RequestOutput, TokenLogprobs
 from kvflow.parallel.errors import WorkerDiedError
 from kvflow.parallel.executor import TensorParallelDriver
@@ -110,6 +113,7 @@ class LLMEngine:
         self.model_runner = self._make_model_runner(loaded, kv_store)
         self.kv_offload_tier = self._attach_kv_offload(kv_store)
         self.kv_event_publisher = self._attach_kv_events()
+        self.kv_transfer = self._attach_kv_transfer(kv_store)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.proposer = build_proposer(
             config.speculative_config,
@@ -183,6 +187,42 @@ class LLMEngine:
         self.scheduler.attach_kv_offload(RestoreTracker(tier))
         return tier
 
+    def _attach_kv_transfer(self, kv_store: KVStore) -> KVTransferEndpoint | None:
+        """Prefill/decode disaggregation (`kv_role` prefill or decode); None when colocated."""
+        cache = self.config.cache_config
+        if cache.kv_role == "both":
+            return None
+        if self.parallel is not None:
+            raise ConfigError(
+                "kv_role prefill/decode with tensor parallelism is not supported yet: each rank holds a part "
+                "of every block; run each instance with tensor_parallel_size 1"
+            )
+        blocks = BlockBytes(kv_store, purpose=f"kv_role {cache.kv_role}")
+        settings = {
+            "dtype": str(self.dtype),
+            "kv_cache_dtype": cache.kv_cache_dtype,
+            "block_size": cache.block_size,
+            "quantization": dataclasses.asdict(self.config.quant_config),
+        }
+        fingerprint = layout_fingerprint(self.config.model_config.model, settings, blocks.layout)
+        endpoint = KVTransferEndpoint(cache, blocks, fingerprint, engine_id=uuid.uuid4().hex)
+        if endpoint.client is not None:
+            self.scheduler.kv_imports = KVImports(endpoint.client.fetch_async)
+            if self.model_runner.kv_offload is None:  # fetched blocks land in the pool as restores do
+                self.model_runner.kv_offload = OffloadIO(blocks, None)
+        return endpoint
+
+    def accept_kv_transfer(self, request: Request, params: dict[str, Any] | None) -> None:
+        """Attach a request's `kv_transfer_params` (server side, before `add_processed_request`);
+        InvalidRequestError when this instance's kv_role cannot honour them."""
+        if params is None:
+            return
+        if self.kv_transfer is None:
+            # A colocated instance computes the prompt itself and answers without params: vLLM
+            # without a KV connector does the same, and a router then decodes with a local prefill.
+            return
+        self.kv_transfer.accept(request, params)
+
     def _attach_kv_events(self) -> ZmqEventPublisher | None:
         """The KV event publisher (`kv_events_config`), with the block pool recording for it; None
         without one. Under tensor parallelism the driver's pool is the only one: one stream."""
@@ -204,6 +244,8 @@ class LLMEngine:
             self.kv_offload_tier.close()
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
 
     def _make_model_runner(self, loaded: LoadedModel, kv_store: KVStore) -> ModelRunner:
         """This process's runner; under tensor parallelism the driver's, which steps the other ranks too."""
@@ -320,6 +362,11 @@ class LLMEngine:
         if self.structured.num_pending:
             self._poll_grammars()
         scheduler_output = self.scheduler.schedule()
+        if self.scheduler.kv_imports is not None:  # decode role: prompts whose KV never arrived
+            for request_id, reason in self.scheduler.kv_imports.take_failures():
+                self._finish(
+                    [request_id], RequestStatus.FINISHED_ABORTED, error=f"KV transfer failed: {reason}"
+                )
         if self.structured.num_pending and scheduler_output.is_empty:
             self.structured.wait_for_compile(IDLE_WAIT_S)  # nothing else to run: don't spin
         if scheduler_output.is_empty and self.scheduler.waiting:
@@ -343,11 +390,16 @@ class LLMEngine:
             if request is not None:
                 self.output_processor.add_prompt_logprobs(request, first, entries)
         num_emitted = 0
+        exported: list[Request] = []
         for update in self.scheduler.update_from_output(scheduler_output, runner_output):
             num_emitted += len(update.new_token_ids)
             self._process_update(update, runner_output.logprobs.get(update.request.request_id))
             if update.request.structured_state is not None and update.new_token_ids:
                 self._advance_grammar(update)
+            if update.request.kv_export and update.request.is_finished:
+                exported.append(update.request)
+        if exported:
+            self._export_kv(exported)
         if self.proposer is not None:
             self._record_spec_step(scheduler_output, start, num_emitted)
             self._propose()
@@ -355,6 +407,21 @@ class LLMEngine:
         self.last_step_stats = self._step_stats(scheduler_output, start)
         self._publish_kv_events()
         return outputs
+
+    def _export_kv(self, requests: list[Request]) -> None:
+        """Prefill role: finished prompts' KV copied out for their decode instance (before the next
+        step can evict it); the answer goes on each one's final output as kv_transfer_params."""
+        assert self.kv_transfer is not None
+        pool = self.scheduler.kv_cache_manager.block_pool
+        answers = {}
+        for request in requests:
+            if request.status is not RequestStatus.FINISHED_ABORTED:
+                answers[request.request_id] = self.kv_transfer.export(
+                    request, pool, self.config.cache_config.block_size
+                )
+        for output in self._pending_outputs:
+            if output.request_id in answers:
+                output.kv_transfer_params = answers[output.request_id]
 
     def _publish_kv_events(self) -> None:
         """The step's prefix-cache changes as one batch: blocks cached by its allocations, blocks

@@ -30,6 +30,7 @@ from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.manager import KVCacheManager
 from kvflow.kv_offload.disk_tier import TierRead
 from kvflow.kv_offload.restores import NOTHING, RestoreTracker
+from kvflow.kv_transfer.imports import KVImports
 from kvflow.outputs import ModelRunnerOutput
 from kvflow.request import Request, RequestStatus
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
@@ -82,6 +83,8 @@ class Scheduler:
         # Speculative decoding acceptance since the engine last read it.
         self.spec_stats = SpecDecodeStats()
         self.kv_offload: RestoreTracker | None = None
+        # Prefill/decode disaggregation, decode role: prompts whose KV comes from a prefill instance.
+        self.kv_imports: KVImports | None = None
         self._kv_restores: list[tuple[int, bytes]] = []  # this step's, for SchedulerOutput
         if kv_offload is not None:
             self.attach_kv_offload(kv_offload)
@@ -131,8 +134,9 @@ class Scheduler:
         finished_ids, self._finished_request_ids = self._finished_request_ids, []
         pool = self.kv_cache_manager.block_pool
         kv_saves, kv_restores = pool.evicted or [], self._kv_restores
-        if self.kv_offload is not None:
-            pool.evicted, self._kv_restores = [], []
+        if pool.evicted is not None:
+            pool.evicted = []
+        self._kv_restores = []
         return SchedulerOutput(
             scheduled=scheduled,
             num_batched_tokens=sum(s.num_tokens for s in scheduled),
@@ -243,18 +247,24 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
 
     def _plan_restore(self, request: Request, num_hit_tokens: int) -> TierRead | None:
-        """The offload tier's blocks past the pool's hit (none without a tier; None: being read).
-        Capped like a pool hit: the last prompt token is always computed."""
-        if self.kv_offload is None:
-            return NOTHING
+        """Blocks past the pool's hit from the request's prefill instance (decode role), else from
+        the offload tier (none without either; None: being read). Capped like a pool hit: the last
+        prompt token is always computed."""
         max_blocks = (request.num_tokens - 1) // self.block_size
         first_block = num_hit_tokens // self.block_size
+        if request.remote_prefill is not None and self.kv_imports is not None:
+            rid, hashes = request.request_id, request.block_hashes
+            return self.kv_imports.plan(rid, request.remote_prefill, hashes, first_block, max_blocks)
+        if self.kv_offload is None:
+            return NOTHING
         return self.kv_offload.plan(request.request_id, request.block_hashes, first_block, max_blocks)
 
     def _commit_restore(self, request: Request, num_hit_tokens: int, restore: TierRead) -> None:
         """Hand the restored blocks' bytes to this step (they land in the blocks just allocated)."""
-        assert self.kv_offload is not None
-        self.kv_offload.commit(request.request_id)
+        if request.remote_prefill is not None and self.kv_imports is not None:
+            self.kv_imports.commit(request.request_id)
+        elif self.kv_offload is not None:
+            self.kv_offload.commit(request.request_id)
         table = self.kv_cache_manager.block_table(request.request_id)
         first = num_hit_tokens // self.block_size
         self._kv_restores.extend(
@@ -267,6 +277,8 @@ class Scheduler:
         """With nothing else to run, wait for a tier read instead of spinning."""
         if self.kv_offload is not None:
             self.kv_offload.wait(timeout)
+        if self.kv_imports is not None:
+            self.kv_imports.wait(timeout)
 
     def _make_scheduled(
         self, request: Request, num_new: int, now: float, num_spec: int = 0
@@ -378,6 +390,8 @@ class Scheduler:
         request.timeline.finished_time = self.clock()
         if self.kv_offload is not None:
             self.kv_offload.discard(request.request_id)
+        if self.kv_imports is not None:
+            self.kv_imports.discard(request.request_id)
         del self.requests[request.request_id]
         self._finished_request_ids.append(request.request_id)
 

@@ -35,14 +35,15 @@ def offloadable_kinds_error(store: KVStore) -> str | None:
 class BlockBytes:
     """Copies blocks of `store` to bytes and back."""
 
-    def __init__(self, store: KVStore) -> None:
+    def __init__(self, store: KVStore, purpose: str = "the KV offload tier") -> None:
         reason = offloadable_kinds_error(store)
         if reason is not None:
-            raise ConfigError(f"the KV offload tier cannot serve this model: {reason}")
+            raise ConfigError(f"{purpose} cannot serve this model: {reason}")
         tensors = [t for layer in [*store.layers, *store.latent_layers] for t in layer.tensors]
         num_slots = store.num_blocks * store.block_size
         if not tensors or any(t.shape[0] != num_slots for t in tensors):
-            raise ConfigError("the KV offload tier needs every KV tensor paged by slot ([num_slots, ...])")
+            raise ConfigError(f"{purpose} needs every KV tensor paged by slot ([num_slots, ...])")
+        self.num_blocks = store.num_blocks
         # Each tensor as [num_blocks, bytes per block] uint8 (a view: no copy).
         self._rows = [t.view(store.num_blocks, -1).view(torch.uint8) for t in tensors]
         self.block_bytes = sum(r.shape[1] for r in self._rows)
@@ -72,14 +73,15 @@ class OffloadIO:
     out to the tier (queued to its writer: the step does not wait for the disk) and the restored
     blocks in (kvflow/kv_offload/restores.py)."""
 
-    def __init__(self, blocks: BlockBytes, tier: DiskKVTier) -> None:
+    def __init__(self, blocks: BlockBytes, tier: DiskKVTier | None) -> None:
         self.blocks = blocks
-        self.tier = tier
+        self.tier = tier  # None: restores only (a decode instance's blocks from its prefill instance)
 
     def apply(self, kv_saves: list[tuple[int, bytes]], kv_restores: list[tuple[int, bytes]]) -> None:
         # Saves first: a block evicted this step may be one a restore is about to fill.
-        for block_id, block_hash in kv_saves:
-            if not self.tier.refresh(block_hash):  # copy out only what the tier lacks
-                self.tier.store(block_hash, self.blocks.read(block_id))
+        if self.tier is not None:
+            for block_id, block_hash in kv_saves:
+                if not self.tier.refresh(block_hash):  # copy out only what the tier lacks
+                    self.tier.store(block_hash, self.blocks.read(block_id))
         for block_id, payload in kv_restores:
             self.blocks.write(block_id, payload)

@@ -122,6 +122,8 @@ class _SamplingFields(_Request):
     guided_grammar: str | None = None
     user: str | None = None
     kvflow: KVFlowOptions | None = None
+    # Prefill/decode disaggregation, as vLLM's router and proxies send it (kvflow/kv_transfer/params.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -20,7 +20,7 @@ from typing import TypeVar
 from fastapi import Request as HTTPRequest
 
 from kvflow.engine.async_engine import AsyncLLMEngine
-from kvflow.errors import PromptTooLongError
+from kvflow.errors import InvalidRequestError, PromptTooLongError
 from kvflow.request import Request
 from kvflow.sampling_params import MAX_ABS_LOGIT_BIAS, SamplingParams, StructuredOutputsParams
 from kvflow.server.dashboard.setup import Dashboard
@@ -166,6 +166,10 @@ def build_requests(
     """One engine request per (prompt, choice): choice index = prompt index * n + j, as OpenAI orders
     them. With a seed, choice j samples with seed + j (identical choices would be pointless)."""
     ctx.limits.check_choices(len(prompts), body.n)
+    if body.kv_transfer_params is not None and len(prompts) * body.n != 1:
+        raise InvalidRequestError(
+            "kv_transfer_params: one prompt and n=1 per request (one prompt's KV moves)"
+        )
     requests = []
     group = uuid.uuid4().hex[:12]  # engine ids are unique even when clients reuse x-request-id
     for p_index, prompt in enumerate(prompts):
@@ -177,6 +181,7 @@ def build_requests(
                 f"{prefix}-{group}-{p_index * body.n + j}", prompt.token_ids, params, arrival_time
             )
             request.prompt = prompt.text
+            ctx.engine.engine.accept_kv_transfer(request, body.kv_transfer_params)
             requests.append(request)
     return requests
 

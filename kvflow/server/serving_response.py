@@ -131,7 +131,11 @@ async def full_response(
     finals = await collect_finals(stream, raw)
     choices = [builder.final_choice(choice_index(final.request_id), final) for final in finals]
     response = builder.response(choices, usage_of(finals, n), kvflow_timing(finals) if timing else None)
-    return JSONResponse(response.model_dump(exclude_none=True))
+    body = response.model_dump(exclude_none=True)
+    transfer = next((f.kv_transfer_params for f in finals if f.kv_transfer_params is not None), None)
+    if transfer is not None:  # prefill role: where the decode instance fetches this prompt's KV
+        body["kv_transfer_params"] = transfer
+    return JSONResponse(body)
 
 
 @dataclass

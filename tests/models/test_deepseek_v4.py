@@ -117,9 +117,9 @@ def test_quantized_checkpoints_are_refused_naming_quantization_config(
 
 # Teacher-forced top-1 agreement with the bf16 pool over 48 positions in 8-token chunks (8 prompts in
 # 4-token chunks took 28 s a kind for the same verdict). Measured: int8 41 (85%), fp8 37 (77%), the
-# same in 4-token chunks; over 96 positions 86 and 73 (bf16 itself in 4-token chunks: 94). Below MLA's floors (tests/models/test_mla.py), since K = V puts the
-# rounding in the values as well as the scores, and an index key's rounding can flip a top-k pick. A
-# broken format agrees at chance (1 in the vocabulary).
+# same in 4-token chunks; over 96 positions 86 and 73 (bf16 itself in 4-token chunks: 94). Below
+# MLA's floors (tests/models/test_mla.py), since K = V puts the rounding in the values as well as the
+# scores, and an index key's rounding can flip a top-k pick. A broken format agrees at chance.
 KV_AGREEMENT_FLOOR = {"int8": 0.8, "fp8_e4m3": 0.7}
 
 

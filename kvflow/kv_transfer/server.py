@@ -1,0 +1,90 @@
+"""Prefill side: the ZeroMQ ROUTER socket a decode instance fetches a prompt's KV from.
+
+One request, one reply (frames):
+    request  [msgpack {"transfer_id", "fingerprint", "first_block", "num_blocks"}]
+    reply    [msgpack {"error": str | None, "block_hashes": [hex]}, payload, payload, ...]
+Payloads go out as their own frames (ZeroMQ sends them without another copy). The reply carries the
+hashes of the blocks it sends, so the decode side checks they are the blocks of its own prompt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import msgspec
+import zmq
+
+from kvflow.config import ConfigError
+from kvflow.kv_transfer.exports import KVExports
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 100  # how often the serving thread looks at its stop flag
+
+
+class FetchRequest(msgspec.Struct):
+    transfer_id: str
+    fingerprint: str
+    first_block: int
+    num_blocks: int
+
+
+class FetchReply(msgspec.Struct):
+    error: str | None
+    block_hashes: list[str]
+
+
+class KVTransferServer:
+    def __init__(self, exports: KVExports, fingerprint: str, bind_host: str, port: int) -> None:
+        self.exports = exports
+        self.fingerprint = fingerprint
+        self._ctx = zmq.Context()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        try:
+            if port == 0:
+                self.port = self._socket.bind_to_random_port(f"tcp://{bind_host}")
+            else:
+                self._socket.bind(f"tcp://{bind_host}:{port}")
+                self.port = port
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            raise ConfigError(f"kv_transfer_port: cannot listen on {bind_host}:{port}: {exc}") from None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-transfer-server", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self._socket.poll(POLL_MS):
+                continue
+            identity, *frames = self._socket.recv_multipart()
+            try:
+                reply = self._answer(frames)
+            except Exception as exc:  # a malformed request: answer it, keep serving the others
+                logger.warning("KV transfer: bad fetch request: %s", exc)
+                reply = [msgspec.msgpack.encode(FetchReply(f"bad request: {exc}", []))]
+            self._socket.send_multipart([identity, b"", *reply], copy=False)
+
+    def _answer(self, frames: list[bytes]) -> list[bytes]:
+        ask = msgspec.msgpack.decode(frames[-1], type=FetchRequest)
+        if ask.fingerprint != self.fingerprint:
+            return [
+                msgspec.msgpack.encode(
+                    FetchReply("the decode instance's KV layout differs from this prefill's", [])
+                )
+            ]
+        export = self.exports.take(ask.transfer_id)
+        if export is None:
+            error = (
+                f"transfer {ask.transfer_id} is unknown here or expired (fetched already, or past its TTL)"
+            )
+            return [msgspec.msgpack.encode(FetchReply(error, []))]
+        end = ask.first_block + ask.num_blocks
+        hashes = [h.hex() for h in export.block_hashes[ask.first_block : end]]
+        return [msgspec.msgpack.encode(FetchReply(None, hashes)), *export.payloads[ask.first_block : end]]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * POLL_MS / 1000)
+        self._ctx.destroy(linger=0)
