@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvflow.doctor.diagnosis import Diagnosis
+from kvflow.doctor.disaggregation import disaggregate_what_if
 from kvflow.doctor.finding import ITL, Cause, Finding
 from kvflow.doctor.what_ifs import budget_what_ifs, kv_blocks_what_if, moe_batch_what_if
 
@@ -108,6 +109,7 @@ def check_itl(d: Diagnosis) -> Finding:
                     what_ifs += [w for w in (kv_blocks_what_if(d),) if w is not None]
                 else:
                     what_ifs += budget_what_ifs(d, CHUNK_FACTORS)
+                    what_ifs += [w for w in (disaggregate_what_if(d),) if w is not None]
             why = {
                 "preemption": "KV blocks run out: requests are preempted, wait, and recompute",
                 "prefill_chunks": "prefill chunks share steps with decodes and stall them",

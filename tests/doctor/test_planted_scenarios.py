@@ -95,3 +95,6 @@ def test_the_planted_cause_is_named_first(
     if scenario.planted == "max_num_batched_tokens":  # the chunk is tried at three budgets
         budgets = {w["setting"]["max_num_batched_tokens"] for w in applicable if w["setting"]}
         assert len(budgets) >= 3 and all("itl_p99_ms" in w["predicted"] for w in applicable if w["setting"])
+        # ...and disaggregation, predicted for ITL p99 and TTFT (the transfer included), unverified.
+        split = next(w for w in finding["what_ifs"] if w["change"].startswith("disaggregate"))
+        assert set(split["predicted"]) == {"itl_p99_ms", "ttft_p50_ms"} and "not verified" in split["method"]

@@ -1,0 +1,68 @@
+"""The prefill-to-decode KV transfer alone (kvflow/kv_transfer/): bytes per second of a fetch over
+loopback TCP (ZeroMQ), against a plain memcpy of the same bytes, in one run.
+
+    python benchmarks/kv_transfer.py [--tokens 1536] [--repeats 5]
+
+Block payloads of the Qwen2.5-0.5B shape in bf16 (24 layers x K and V x 2 KV heads x 64 dims x 2
+bytes = 12 KiB per token, 16 tokens a block), exported, served and fetched as the engines do: the
+fetch time is what a decode instance adds to TTFT before its first step. The doctor's
+disaggregation what-if (kvflow/doctor/disaggregation.py) uses this rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from kvflow.kv_transfer.client import KVTransferClient  # noqa: E402
+from kvflow.kv_transfer.exports import KVExports  # noqa: E402
+from kvflow.kv_transfer.params import RemotePrefill  # noqa: E402
+from kvflow.kv_transfer.server import KVTransferServer  # noqa: E402
+
+BLOCK = 16
+BYTES_PER_TOKEN = 24 * 2 * 2 * 64 * 2
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tokens", type=int, default=1536)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    num_blocks = args.tokens // BLOCK
+    payload = bytes(BLOCK * BYTES_PER_TOKEN)
+    hashes = [i.to_bytes(32, "big") for i in range(num_blocks)]
+    exports = KVExports(ttl_s=60, capacity_bytes=1 << 34)
+    server = KVTransferServer(exports, "fp", "127.0.0.1", 0)
+    client = KVTransferClient(timeout_s=30)
+    total = num_blocks * len(payload)
+    fetch_s, copy_s = [], []
+    for r in range(args.repeats):
+        exports.put(f"t{r}", hashes, [payload] * num_blocks)
+        remote = RemotePrefill("127.0.0.1", server.port, f"t{r}", tuple(hashes), "fp")
+        start = time.perf_counter()
+        read = client.fetch_async(remote, 0, num_blocks).result()
+        fetch_s.append(time.perf_counter() - start)
+        assert len(read.payloads) == num_blocks
+        start = time.perf_counter()
+        copies = [bytearray(p) for p in read.payloads]  # what landing the bytes costs at least
+        copy_s.append(time.perf_counter() - start)
+        del copies
+    server.close()
+    client.close()
+    f, c = statistics.median(fetch_s), statistics.median(copy_s)
+    print(f"{args.tokens} tokens = {num_blocks} blocks = {total / 2**20:.1f} MiB")
+    print(f"fetch over loopback TCP: {1e3 * f:.1f} ms ({total / f / 1e9:.2f} GB/s)")
+    print(f"memcpy of the same bytes: {1e3 * c:.1f} ms ({total / c / 1e9:.2f} GB/s)")
+    print(f"fetch / memcpy: {f / c:.1f}x")
+
+
+if __name__ == "__main__":
+    main()
