@@ -23,11 +23,9 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import httpx
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -40,12 +38,11 @@ from kvflow.bench import server_metrics  # noqa: E402
 from kvflow.bench.arrivals import LoadSpec  # noqa: E402
 from kvflow.bench.datasets import DatasetSpec  # noqa: E402
 from kvflow.bench.runner import BenchConfig, run_benchmark  # noqa: E402
-from kvflow.server.spawn import free_port, spawn_server, stop_server  # noqa: E402
+from kvflow.server.spawn import free_port, spawn_server, spawn_vllm_router, stop_router, stop_server  # noqa: E402
 
 BLOCK = 16
 OUTPUT_LEN = 32
 POLICIES = ("round_robin", "cache_aware", "kv_aware")
-ROUTER_STARTUP_S = 120.0
 
 
 def start_replica(checkpoint: Path, num_blocks: int) -> tuple[subprocess.Popen[Any], str, str]:
@@ -71,28 +68,12 @@ def start_replica(checkpoint: Path, num_blocks: int) -> tuple[subprocess.Popen[A
 def start_router(
     policy: str, replicas: list[tuple[Any, str, str]], model: str
 ) -> tuple[subprocess.Popen[Any], str]:
-    port = free_port()
-    command = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-    command += ["--worker-urls", *(base for _, base, _ in replicas), "--log-level", "warning"]
-    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    args = ["--policy", policy, "--worker-urls", *(base for _, base, _ in replicas)]
     if policy == "kv_aware":
         for _, base, events in replicas:
-            command += ["--kv-event-source", f"{base}={events}"]
-        command += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", model]
-    router = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ROUTER_STARTUP_S
-    while time.monotonic() < deadline:
-        if router.poll() is not None:
-            raise RuntimeError(f"vllm-router exited: {' '.join(command)}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return router, url
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    router.kill()
-    raise TimeoutError("vllm-router did not become healthy")
+            args += ["--kv-event-source", f"{base}={events}"]
+        args += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", model]
+    return spawn_vllm_router(args)
 
 
 def prefix_counters(base: str) -> tuple[float, float]:
@@ -132,8 +113,7 @@ def run_policy(policy: str, checkpoint: Path, num_blocks: int, args: argparse.Na
         per_replica = [prefix_counters(base) for _, base, _ in replicas]
     finally:
         if router is not None:
-            router.terminate()
-            router.wait(10)
+            stop_router(router)
         for process, _, _ in replicas:
             stop_server(process)
     queries = sum(q for q, _ in per_replica)

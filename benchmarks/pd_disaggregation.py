@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from offline_throughput import build_checkpoint  # noqa: E402
 
-from kvflow.server.spawn import free_port, spawn_server, stop_server  # noqa: E402
+from kvflow.server.spawn import spawn_server, spawn_vllm_router, stop_router, stop_server  # noqa: E402
 
 SHORT_LEN = 64
 STREAM_TOKENS = 128
@@ -125,24 +125,8 @@ async def load(base: str, model: str, args: argparse.Namespace, seed: int) -> di
 
 
 def start_router(prefill: str, decode: str) -> tuple[subprocess.Popen[Any], str]:
-    port = free_port()
-    command = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
-    command += ["--prefill", prefill, "--decode", decode, "--policy", "round_robin", "--log-level", "warning"]
-    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
-    router = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if router.poll() is not None:
-            raise RuntimeError("vllm-router exited")
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return router, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    router.kill()
-    raise TimeoutError("vllm-router did not become healthy")
+    args = ["--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode, "--policy", "round_robin"]
+    return spawn_vllm_router(args)
 
 
 def run_colocated(checkpoint: Path, args: argparse.Namespace, seed: int) -> dict[str, float]:
@@ -165,8 +149,7 @@ def run_pd(checkpoint: Path, args: argparse.Namespace, seed: int) -> dict[str, f
         return asyncio.run(load(base, str(checkpoint), args, seed))
     finally:
         if router is not None:
-            router.terminate()
-            router.wait(10)
+            stop_router(router)
         stop_server(prefill)
         stop_server(decode)
 

@@ -175,17 +175,24 @@ class LLMEngine:
                 "every block; run the tier with tensor_parallel_size 1"
             )
         blocks = BlockBytes(kv_store)
-        settings = {
+        fingerprint = tier_fingerprint(
+            self.config.model_config.model, self._kv_byte_settings(), blocks.layout
+        )
+        tier = DiskKVTier(cache.kv_offload_path, int(cache.kv_offload_size * 2**30), fingerprint)
+        self.model_runner.kv_offload = OffloadIO(blocks, tier)
+        self.scheduler.attach_kv_offload(RestoreTracker(tier))
+        return tier
+
+    def _kv_byte_settings(self) -> dict[str, Any]:
+        """The settings that change a block's K/V bytes for the same tokens (the offload tier's and
+        the KV transfer's fingerprints include them)."""
+        cache = self.config.cache_config
+        return {
             "dtype": str(self.dtype),
             "kv_cache_dtype": cache.kv_cache_dtype,
             "block_size": cache.block_size,
             "quantization": dataclasses.asdict(self.config.quant_config),
         }
-        fingerprint = tier_fingerprint(self.config.model_config.model, settings, blocks.layout)
-        tier = DiskKVTier(cache.kv_offload_path, int(cache.kv_offload_size * 2**30), fingerprint)
-        self.model_runner.kv_offload = OffloadIO(blocks, tier)
-        self.scheduler.attach_kv_offload(RestoreTracker(tier))
-        return tier
 
     def _attach_kv_transfer(self, kv_store: KVStore) -> KVTransferEndpoint | None:
         """Prefill/decode disaggregation (`kv_role` prefill or decode); None when colocated."""
@@ -198,13 +205,9 @@ class LLMEngine:
                 "of every block; run each instance with tensor_parallel_size 1"
             )
         blocks = BlockBytes(kv_store, purpose=f"kv_role {cache.kv_role}")
-        settings = {
-            "dtype": str(self.dtype),
-            "kv_cache_dtype": cache.kv_cache_dtype,
-            "block_size": cache.block_size,
-            "quantization": dataclasses.asdict(self.config.quant_config),
-        }
-        fingerprint = layout_fingerprint(self.config.model_config.model, settings, blocks.layout)
+        fingerprint = layout_fingerprint(
+            self.config.model_config.model, self._kv_byte_settings(), blocks.layout
+        )
         endpoint = KVTransferEndpoint(cache, blocks, fingerprint, engine_id=uuid.uuid4().hex)
         if endpoint.client is not None:
             self.scheduler.kv_imports = KVImports(endpoint.client.fetch_async)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,7 +17,7 @@ import pytest
 from fixtures.live_server import LiveServer
 
 from kvflow.kv_transfer.exports import KVExports
-from kvflow.server.spawn import free_port
+from kvflow.server.spawn import free_port, spawn_vllm_router, stop_router
 
 # vLLM's NIXL request to a prefill instance (what vllm-router and vLLM's toy proxy send).
 DO_REMOTE_DECODE = {
@@ -128,30 +127,10 @@ def pd_router(pd: tuple[LiveServer, LiveServer, LiveServer]) -> Iterator[str]:
     if shutil.which("vllm-router") is None:
         pytest.skip("vllm-router is not installed (pip install -e '.[test]' installs it)")
     prefill, decode, _ = pd
-    port = free_port()
-    command = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation"]
-    command += ["--prefill", prefill.base_url, "--decode", decode.base_url, "--policy", "round_robin"]
-    command += [
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(free_port()),
-        "--log-level",
-        "warning",
-    ]
-    router = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert router.poll() is None, f"vllm-router exited: {' '.join(command)}"
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.2)
+    args = ["--vllm-pd-disaggregation", "--prefill", prefill.base_url, "--decode", decode.base_url]
+    router, base = spawn_vllm_router([*args, "--policy", "round_robin"])
     yield base
-    router.terminate()
-    router.wait(10)
+    stop_router(router)
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -23,12 +23,11 @@ from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.cli import main
-from kvflow.server.spawn import free_port
+from kvflow.server.spawn import free_port, spawn_vllm_router, stop_router
 
 BLOCK = 16
 # Long enough that a prefix hit is many blocks; the tiny model's context is 256.
 PREFIX_WORDS = 25
-ROUTER_STARTUP_S = 60.0
 # The events of a request reach the router within milliseconds; the pause before a returning
 # request is generous so that the test checks routing, not the publisher's latency.
 EVENT_SETTLE_S = 0.25
@@ -37,27 +36,12 @@ EVENT_SETTLE_S = 0.25
 def start_router(
     policy: str, workers: list[tuple[LiveServer, str]], model: str
 ) -> tuple[subprocess.Popen[Any], str]:
-    port = free_port()
-    command = ["vllm-router", "--host", "127.0.0.1", "--port", str(port), "--policy", policy]
-    command += ["--worker-urls", *(w.base_url for w, _ in workers), "--log-level", "warning"]
-    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    args = ["--policy", policy, "--worker-urls", *(w.base_url for w, _ in workers)]
     if policy == "kv_aware":
         for worker, endpoint in workers:
-            command += ["--kv-event-source", f"{worker.base_url}={endpoint}"]
-        command += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", model]
-    router = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + ROUTER_STARTUP_S
-    while time.monotonic() < deadline:
-        assert router.poll() is None, f"vllm-router exited: {' '.join(command)}"
-        try:
-            if httpx.get(base + "/health", timeout=1).status_code == 200:
-                return router, base
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    router.kill()
-    raise TimeoutError("vllm-router did not become healthy")
+            args += ["--kv-event-source", f"{worker.base_url}={endpoint}"]
+        args += ["--kv-event-block-size", str(BLOCK), "--kv-event-model", model]
+    return spawn_vllm_router(args)
 
 
 @pytest.fixture(scope="module")
@@ -113,8 +97,7 @@ def test_kv_aware_routes_returning_prompts_to_their_cache(
     try:
         cached = returning_load(base, model, salt=policy)
     finally:
-        router.terminate()
-        router.wait(10)
+        stop_router(router)
     hits = sum(c >= 2 * BLOCK for c in cached)
     if policy == "kv_aware":
         assert hits == len(cached), cached
@@ -141,8 +124,7 @@ def test_bench_through_the_router_reports_each_replica_and_the_doctor_reads_them
         )
         result = run_benchmark(config)
     finally:
-        router.terminate()
-        router.wait(10)
+        stop_router(router)
     assert result["completed"] == 8 and len(result["replicas"]) == 2
     assert sum(r["requests_finished"] for r in result["replicas"]) == 8
     assert all(r["prefix_cache_hit_rate"] is not None for r in result["replicas"])
