@@ -10,6 +10,7 @@ from typing import Any
 from kvflow.doctor.check_input import REPEAT_SHARE_WORTH_CACHING
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import TTFT, Cause, Finding, WhatIf
+from kvflow.doctor.offload_tier import offload_tier_what_if
 from kvflow.doctor.what_ifs import (
     budget_what_ifs,
     kv_blocks_what_if,
@@ -122,7 +123,7 @@ def check_ttft(d: Diagnosis) -> Finding:
     run = d.run
     evidence = _ttft_evidence(d)
     cache = prefix_caching_what_if(d)
-    what_ifs = [w for w in (cache,) if w is not None]
+    what_ifs = [w for w in (cache, offload_tier_what_if(d)) if w is not None]
     if run.prompt_p95 > (d.settings.max_num_batched_tokens or math.inf):  # prompts take several chunks
         what_ifs += budget_what_ifs(d, (2.0,))
     grammar = run.grammar_compile_ms

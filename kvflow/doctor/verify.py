@@ -12,6 +12,7 @@ is 10% slower with the change too).
 from __future__ import annotations
 
 import json
+import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.doctor.finding import Finding, WhatIf
+from kvflow.doctor.offload_tier import TEMPORARY_DIR
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.server.spawn import spawn_server, stop_server
 
@@ -119,6 +121,10 @@ class FreshServer:
     """`kvflow serve MODEL FLAGS` on a free port, benchmarked as often as asked, then stopped."""
 
     def __init__(self, model_dir: str, flags: list[str]) -> None:
+        # A setting that needs a directory of its own (the KV offload tier) gets a fresh one.
+        self.tmp = tempfile.TemporaryDirectory() if TEMPORARY_DIR in flags else None
+        if self.tmp is not None:
+            flags = [self.tmp.name if f == TEMPORARY_DIR else f for f in flags]
         self.process, self.base = spawn_server(model_dir, flags)
 
     def bench(self, bench: BenchConfig) -> dict[str, Any]:
@@ -127,6 +133,8 @@ class FreshServer:
 
     def stop(self) -> None:
         stop_server(self.process)
+        if self.tmp is not None:
+            self.tmp.cleanup()
 
 
 def reseeded(bench: BenchConfig, seed: int) -> BenchConfig:

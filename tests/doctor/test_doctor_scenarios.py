@@ -15,6 +15,7 @@ from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.cli import main
+from kvflow.doctor.offload_tier import TEMPORARY_DIR
 
 
 def bench(server: LiveServer, dataset: DatasetSpec, concurrency: int, tmp_path: Path) -> Path:
@@ -83,3 +84,19 @@ def test_verify_measures_the_prefix_caching_prediction(
     assert check["measured"] < check["baseline"]  # caching the prefix did cut TTFT
     assert check["agrees"] or "missed" in check["explanation"]
     print(check["explanation"])
+
+
+def test_returning_prefixes_evicted_from_a_small_pool_are_offered_the_offload_tier(
+    start_server: Callable[..., LiveServer], server_model_dir: Path, tmp_path: Path
+) -> None:
+    """Multi-turn conversations on a pool too small for them: their histories are evicted between
+    turns, so the hit rate stays under the repeat share; the TTFT check offers the disk tier with the
+    prefill it saves against the restore it costs, as a setting `--verify` can apply."""
+    server = start_server(engine={"num_kv_blocks": 24, "max_model_len": 1024})
+    dataset = DatasetSpec("multi-turn", 12, input_len=96, output_len=8, num_turns=3)
+    doc = doctor(server_model_dir, bench(server, dataset, 2, tmp_path), tmp_path)
+    what_ifs = by_id(doc)["ttft"]["what_ifs"]
+    [tier] = [w for w in what_ifs if w["change"].startswith("keep evicted prefix blocks")]
+    assert tier["setting"] == {"kv_offload_path": TEMPORARY_DIR}
+    assert 0 < tier["predicted"]["ttft_p50_ms"] < doc["measured"]["ttft_p50_ms"]
+    assert "GB/s" in tier["effect"] and "ms/token" in tier["effect"]
