@@ -241,14 +241,42 @@ class LLMEngine:
         return publisher
 
     def close(self) -> None:
-        """Flush and close what runs beside the steps: the offload tier's writes, the KV event
-        publisher's sends. The engine must not step afterwards."""
-        if self.kv_offload_tier is not None:  # the blocks queued for the tier reach the disk
-            self.kv_offload_tier.close()
+        """Flush and close what runs beside the steps: the offload tier's writes (the pool's cached
+        blocks first, so that a restart finds them), the KV event publisher's sends. The engine must
+        not step afterwards."""
+        if self.kv_offload_tier is not None:
+            self._save_pool_to_tier()
+            self.kv_offload_tier.close()  # the blocks queued for the tier reach the disk
         if self.kv_event_publisher is not None:
             self.kv_event_publisher.close()
         if self.kv_transfer is not None:
             self.kv_transfer.close()
+
+    def _save_pool_to_tier(self) -> None:
+        """Every block of the prefix-cache index the tier lacks, written before the process goes:
+        the tier otherwise holds only what was evicted, and a restart would recompute the prefixes
+        the pool still held. Most recently used last, so that a tier too small keeps those (its
+        LRU drops the oldest writes first)."""
+        io, tier = self.model_runner.kv_offload, self.kv_offload_tier
+        assert tier is not None
+        if io is None:
+            return
+        pool = self.scheduler.kv_cache_manager.block_pool
+        # Free cached blocks in eviction order (least recently used first), then the ones in use.
+        cached = [b for b in pool.free_block_queue.values() if b.block_hash is not None]
+        cached += [b for b in pool.blocks[1:] if b.ref_cnt > 0 and b.block_hash is not None]
+        start, saved = time.monotonic(), 0
+        for block in cached:
+            assert block.block_hash is not None
+            if not tier.refresh(block.block_hash):
+                tier.store(block.block_hash, io.blocks.read(block.block_id))
+                saved += 1
+        if saved:
+            logger.info(
+                "KV offload tier: %d cached blocks of the pool queued to disk at shutdown (%.2f s)",
+                saved,
+                time.monotonic() - start,
+            )
 
     def _make_model_runner(self, loaded: LoadedModel, kv_store: KVStore) -> ModelRunner:
         """This process's runner; under tensor parallelism the driver's, which steps the other ranks too."""

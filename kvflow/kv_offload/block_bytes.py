@@ -47,8 +47,10 @@ class BlockBytes:
         # Each tensor as [num_blocks, bytes per block] uint8 (a view: no copy).
         self._rows = [t.view(store.num_blocks, -1).view(torch.uint8) for t in tensors]
         self.block_bytes = sum(r.shape[1] for r in self._rows)
-        # Each tensor's dtype and shape: part of the tier's fingerprint (fingerprint.py).
-        self.layout = [[str(t.dtype), list(t.shape)] for t in tensors]
+        # Each tensor's dtype and per-slot shape: part of the tier's fingerprint (fingerprint.py) and
+        # the KV transfer's. Not the slot count: a pool of another size holds the same blocks (a
+        # restart with more memory, a decode instance larger than its prefill instance).
+        self.layout = [[str(t.dtype), list(t.shape[1:])] for t in tensors]
 
     def read(self, block_id: int) -> bytes:
         """Block `block_id`'s bytes, every tensor's row in order."""

@@ -119,6 +119,24 @@ def test_a_restarted_engine_keeps_the_hits(
     assert all(o.metrics.num_restored_tokens > 0 for o in turn2)
 
 
+def test_blocks_the_pool_still_held_at_shutdown_survive_a_restart(
+    checkpoint: Path, reference: tuple[list[list[int]], list[list[int]]], tmp_path: Path
+) -> None:
+    """A pool large enough never evicts, so nothing reaches the tier while serving; closing the
+    engine writes its cached blocks, and the restarted engine restores every second turn."""
+    first = LLM(str(checkpoint), num_kv_blocks=400, kv_offload_path=str(tmp_path / "tier"), **ENGINE)
+    firsts = _conversations(first.get_tokenizer().vocab_size)
+    turn1 = [first.generate(p, GREEDY)[0] for p in firsts]
+    tier = first.llm_engine.kv_offload_tier
+    assert tier is not None and tier.stats.blocks_stored == 0  # nothing was evicted
+    first.llm_engine.close()
+    assert tier.stats.blocks_stored >= sum(len(p) // BLOCK for p in firsts)
+    again = _offload_llm(checkpoint, tmp_path / "tier")
+    turn2 = [again.generate(p, GREEDY)[0] for p in _second_prompts(firsts, turn1)]
+    assert _tokens(turn2) == reference[1]
+    assert all(o.metrics.num_restored_tokens > 0 for o in turn2)
+
+
 def test_damaged_files_and_a_vanished_directory_cost_a_recompute(
     checkpoint: Path, reference: tuple[list[list[int]], list[list[int]]], tmp_path: Path
 ) -> None:

@@ -34,9 +34,12 @@ TIMEOUT_S = 3.0
 
 @pytest.fixture(scope="module")
 def pd(start_server: Callable[..., LiveServer]) -> tuple[LiveServer, LiveServer, LiveServer]:
-    """(prefill, decode, colocated) servers of the tiny model."""
+    """(prefill, decode, colocated) servers of the tiny model; the decode instance's pool is another
+    size than the prefill's (a block's layout, not the pool's, must match)."""
     prefill = start_server(engine={"kv_role": "prefill", "kv_transfer_timeout": TIMEOUT_S})
-    decode = start_server(engine={"kv_role": "decode", "kv_transfer_timeout": TIMEOUT_S})
+    decode = start_server(
+        engine={"kv_role": "decode", "kv_transfer_timeout": TIMEOUT_S, "num_kv_blocks": 200}
+    )
     colocated = start_server()
     return prefill, decode, colocated
 
