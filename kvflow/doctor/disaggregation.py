@@ -10,14 +10,15 @@ The prediction, for the same machine split in two instances (each half the cores
               sharing steps) + the transfer of the p50 prompt's KV at TRANSFER_BYTES_PER_S
 Measured with benchmarks/pd_disaggregation.py and benchmarks/kv_transfer.py (2-core Xeon VM, Qwen2.5-0.5B
 shape, 4 streams, 1536-token prompts every 6 s, colocated 2 threads against 1 + 1); on other
-machines these ratios move with how prefill and decode scale with cores: `--verify` does not run
-this one yet, so the prediction says so.
+machines these ratios move with how prefill and decode scale with cores, which `--verify` measures
+(kvflow/doctor/verify_pd.py: the pair on half the cores each, behind vllm-router).
 """
 
 from __future__ import annotations
 
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import WhatIf
+from kvflow.doctor.verify_pd import DISAGGREGATE
 
 DECODE_SPLIT_SLOWDOWN = 1.21  # PD ITL p50 / colocated ITL p50 (82 / 68 ms, medians of 2 rounds)
 DECODE_ONLY_TAIL = 1.54  # PD ITL p99 / p50 (126 / 82 ms)
@@ -25,7 +26,7 @@ PREFILL_SPLIT_SLOWDOWN = 1.43  # PD / colocated TTFT of the long prompts less th
 TRANSFER_BYTES_PER_S = 0.44e9  # a fetch over loopback TCP: 18 MiB in 42.5 ms (benchmarks/kv_transfer.py)
 METHOD = (
     "decode and prefill step ratios measured on a 2-core CPU split 1 + 1 (kvflow/doctor/disaggregation.py), "
-    "applied to this run's ITL p50 and TTFT p50; not verified by --verify"
+    "applied to this run's ITL p50 and TTFT p50"
 )
 
 
@@ -49,4 +50,7 @@ def disaggregate_what_if(d: Diagnosis) -> WhatIf | None:
     change = (
         "disaggregate: a prefill and a decode instance (kv_role), half the cores each, behind vllm-router"
     )
-    return WhatIf(change, effect, {"itl_p99_ms": itl_p99, "ttft_p50_ms": ttft}, None, method=METHOD)
+    # kvflow servers with prefix caching (the transfer keys blocks by prefix hashes): --verify runs it.
+    verifiable = d.settings.server == "kvflow" and d.settings.enable_prefix_caching is not False
+    setting = {"kv_role": DISAGGREGATE} if verifiable else None
+    return WhatIf(change, effect, {"itl_p99_ms": itl_p99, "ttft_p50_ms": ttft}, setting, method=METHOD)

@@ -23,6 +23,7 @@ from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.doctor.finding import Finding, WhatIf
 from kvflow.doctor.offload_tier import TEMPORARY_DIR
 from kvflow.doctor.server_settings import EngineSettings
+from kvflow.doctor.verify_pd import DISAGGREGATE, FreshPair
 from kvflow.server.spawn import spawn_server, stop_server
 
 # The bar: a measured gain within 25% of the predicted one counts as confirmed.
@@ -225,6 +226,18 @@ def compare(
     return checks
 
 
+def _changed_server(
+    model_dir: str, settings: EngineSettings, setting: dict[str, Any] | None
+) -> FreshServer | FreshPair | None:
+    """The server a setting change runs on: none for a workload change, the disaggregated pair for
+    the disaggregation what-if, else one fresh kvflow serve with the setting."""
+    if not setting:
+        return None
+    if setting == {"kv_role": DISAGGREGATE}:
+        return FreshPair(model_dir, engine_args(settings, {}))
+    return FreshServer(model_dir, engine_args(settings, setting))
+
+
 def verify(
     model_dir: str,
     settings: EngineSettings,
@@ -247,9 +260,7 @@ def verify(
     baseline = FreshServer(model_dir, engine_args(settings, {}))
     try:
         for what_if in what_ifs:
-            changed = (
-                FreshServer(model_dir, engine_args(settings, what_if.setting)) if what_if.setting else None
-            )
+            changed = _changed_server(model_dir, settings, what_if.setting)
             try:
                 pairs = []
                 for _ in range(repeats):

@@ -16,6 +16,7 @@ from planted import SCENARIOS, Scenario
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.cli import main
+from kvflow.doctor.verify_pd import DISAGGREGATE
 from kvflow.server.launcher import ServerConfig
 
 # Gauges every 50 ms: the planted runs last a second or two.
@@ -93,8 +94,10 @@ def test_the_planted_cause_is_named_first(
     applicable = [w for w in finding["what_ifs"] if w["setting"] or w["workload"]]
     assert applicable, finding["what_ifs"]
     if scenario.planted == "max_num_batched_tokens":  # the chunk is tried at three budgets
-        budgets = {w["setting"]["max_num_batched_tokens"] for w in applicable if w["setting"]}
-        assert len(budgets) >= 3 and all("itl_p99_ms" in w["predicted"] for w in applicable if w["setting"])
-        # ...and disaggregation, predicted for ITL p99 and TTFT (the transfer included), unverified.
+        chunks = [w for w in applicable if w["setting"] and "max_num_batched_tokens" in w["setting"]]
+        budgets = {w["setting"]["max_num_batched_tokens"] for w in chunks}
+        assert len(budgets) >= 3 and all("itl_p99_ms" in w["predicted"] for w in chunks)
+        # ...and disaggregation, predicted for ITL p99 and TTFT (the transfer included).
         split = next(w for w in finding["what_ifs"] if w["change"].startswith("disaggregate"))
-        assert set(split["predicted"]) == {"itl_p99_ms", "ttft_p50_ms"} and "not verified" in split["method"]
+        assert set(split["predicted"]) == {"itl_p99_ms", "ttft_p50_ms"}
+        assert split["setting"] == {"kv_role": DISAGGREGATE}  # --verify runs the pair
