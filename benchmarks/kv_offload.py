@@ -32,6 +32,7 @@ from offline_throughput import build_checkpoint  # noqa: E402
 
 from kvflow import LLM, SamplingParams  # noqa: E402
 from kvflow.outputs import RequestOutput  # noqa: E402
+from kvflow.stats import percentile  # noqa: E402
 
 BLOCK = 16
 NEW_TOKENS = 32  # the user's next message on a returning turn
@@ -41,11 +42,6 @@ GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 def _ttft_ms(out: RequestOutput) -> float:
     assert out.metrics.ttft is not None
     return out.metrics.ttft * 1e3
-
-
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> None:
@@ -105,7 +101,7 @@ def main() -> None:
             r = returning[name]
             print(
                 f"  {name:12s} first-turn TTFT p50 {statistics.median(first[name]):7.1f} ms   returning TTFT "
-                f"p50 {statistics.median(r):7.1f} ms  p99 {_p(r, 0.99):7.1f} ms"
+                f"p50 {statistics.median(r):7.1f} ms  p99 {percentile(r, 99):7.1f} ms"
             )
         ratio = statistics.median(returning["pool only"]) / statistics.median(returning["pool + tier"])
         print(f"  returning-turn TTFT p50, pool only / pool + tier: {ratio:.2f}x")

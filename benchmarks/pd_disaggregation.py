@@ -36,17 +36,13 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 from offline_throughput import build_checkpoint  # noqa: E402
 
 from kvflow.server.spawn import spawn_server, spawn_vllm_router, stop_router, stop_server  # noqa: E402
+from kvflow.stats import percentile  # noqa: E402
 
 SHORT_LEN = 64
 STREAM_TOKENS = 128
 LONG_OUTPUT = 8
 CHUNK = 256  # colocated: max_num_batched_tokens (chunked prefill: a long prompt in 256-token chunks)
 TOKEN_RANGE = (1000, 150_000)  # ordinary Qwen2 tokens
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 async def stream_client(
@@ -116,8 +112,8 @@ async def load(base: str, model: str, args: argparse.Namespace, seed: int) -> di
         elapsed = time.monotonic() - start
     tokens = sum(r for r in results if isinstance(r, int))
     return {
-        "itl_p50_ms": 1e3 * percentile(gaps, 0.5),
-        "itl_p99_ms": 1e3 * percentile(gaps, 0.99),
+        "itl_p50_ms": 1e3 * percentile(gaps, 50),
+        "itl_p99_ms": 1e3 * percentile(gaps, 99),
         "long_ttft_p50_ms": 1e3 * statistics.median(ttfts) if ttfts else float("nan"),
         "long_prompts": float(len(ttfts)),
         "decode_tok_s": tokens / elapsed,

@@ -41,6 +41,7 @@ from offline_throughput import build_checkpoint  # noqa: E402
 from vs_llamacpp import build_llamacpp, convert, runnable_llamacpp  # noqa: E402
 
 from kvflow.server.spawn import free_port, spawn_server, stop_server  # noqa: E402
+from kvflow.stats import percentile  # noqa: E402
 
 BLOCK = 16
 NEW_TOKENS = 32
@@ -76,11 +77,6 @@ def _ttft_ms(base: str, prompt: list[int]) -> float:
     elapsed = (time.perf_counter() - start) * 1e3
     response.raise_for_status()
     return elapsed
-
-
-def _p(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
 def main() -> None:
@@ -133,7 +129,7 @@ def main() -> None:
         r = returning[name]
         print(
             f"  {name:18s} first TTFT p50 {statistics.median(first[name]):7.1f} ms   returning TTFT p50 "
-            f"{statistics.median(r):7.1f} ms  p99 {_p(r, 0.99):7.1f} ms"
+            f"{statistics.median(r):7.1f} ms  p99 {percentile(r, 99):7.1f} ms"
         )
     for engine, cached, plain in (
         ("kvflow", "kvflow, tier", "kvflow, recompute"),

@@ -30,9 +30,9 @@ from kvflow.kv_events.event_log import KVEventLog
 from kvflow.kv_events.publisher import ZmqEventPublisher
 from kvflow.kv_offload.block_bytes import BlockBytes, OffloadIO
 from kvflow.kv_offload.disk_tier import DiskKVTier
-from kvflow.kv_offload.fingerprint import tier_fingerprint
+from kvflow.kv_offload.fingerprint import tier_fingerprint, transfer_fingerprint
 from kvflow.kv_offload.restores import RestoreTracker
-from kvflow.kv_transfer.endpoint import KVTransferEndpoint, layout_fingerprint
+from kvflow.kv_transfer.endpoint import KVTransferEndpoint
 from kvflow.kv_transfer.imports import KVImports
 from kvflow.outputs import ModelRunnerOutput, RequestOutput, TokenLogprobs
 from kvflow.parallel.errors import WorkerDiedError
@@ -205,7 +205,7 @@ class LLMEngine:
                 "of every block; run each instance with tensor_parallel_size 1"
             )
         blocks = BlockBytes(kv_store, purpose=f"kv_role {cache.kv_role}")
-        fingerprint = layout_fingerprint(
+        fingerprint = transfer_fingerprint(
             self.config.model_config.model, self._kv_byte_settings(), blocks.layout
         )
         endpoint = KVTransferEndpoint(cache, blocks, fingerprint, engine_id=uuid.uuid4().hex)

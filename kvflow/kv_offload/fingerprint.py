@@ -1,5 +1,6 @@
 """What decides a KV block's bytes besides its tokens: the offload tier's fingerprint
-(kvflow/kv_offload/disk_tier.py keys every block by it and writes it into every file's header).
+(kvflow/kv_offload/disk_tier.py keys every block by it and writes it into every file's header), and
+the KV transfer's (kvflow/kv_transfer/: the same, with the checkpoint identified across machines).
 
 The model is identified by its files (names, sizes, modification times, and config.json's bytes):
 a different checkpoint, or the same directory with new weights, never reads another's blocks.
@@ -37,12 +38,36 @@ def model_files_identity(model: str) -> list[Any]:
     return identity
 
 
-def tier_fingerprint(model: str, settings: dict[str, Any], block_layout: list[Any]) -> bytes:
-    """sha256 over the model's files, the KV-relevant settings and the block layout (32 bytes)."""
+def portable_model_identity(model: str) -> list[Any]:
+    """The checkpoint as another machine sees the same one: config.json's bytes and the weight
+    files' names and sizes (no path, no modification time)."""
+    path = Path(model)
+    if path.is_file():
+        return [path.name, path.stat().st_size]
+    config = path / "config.json"
+    identity: list[Any] = [hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None]
+    return identity + sorted(
+        [f.name, f.stat().st_size] for f in path.iterdir() if f.suffix in (".safetensors", ".gguf")
+    )
+
+
+def _digest(model_identity: list[Any], settings: dict[str, Any], block_layout: list[Any]) -> bytes:
     record = {
         "format": FORMAT_VERSION,
-        "model": model_files_identity(model),
+        "model": model_identity,
         "settings": settings,
         "block_layout": block_layout,
     }
     return hashlib.sha256(json.dumps(record, sort_keys=True, default=str).encode()).digest()
+
+
+def tier_fingerprint(model: str, settings: dict[str, Any], block_layout: list[Any]) -> bytes:
+    """sha256 over the model's files, the KV-relevant settings and the block layout (32 bytes)."""
+    return _digest(model_files_identity(model), settings, block_layout)
+
+
+def transfer_fingerprint(model: str, settings: dict[str, Any], block_layout: list[Any]) -> str:
+    """The same for a prompt's KV moving between instances (kvflow/kv_transfer/): what must match for
+    one instance's block bytes to mean the same in another's pool, on another machine too (the
+    checkpoint by portable_model_identity). Hex, as it travels in kv_transfer_params."""
+    return _digest(portable_model_identity(model), settings, block_layout).hex()[:32]

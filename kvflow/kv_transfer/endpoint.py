@@ -4,10 +4,7 @@ when `kv_role` is prefill or decode."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
-from pathlib import Path
 from typing import Any
 
 from kvflow.config import CacheConfig
@@ -21,24 +18,6 @@ from kvflow.kv_transfer.server import KVTransferServer
 from kvflow.request import Request
 
 logger = logging.getLogger(__name__)
-
-
-def layout_fingerprint(model: str, settings: dict[str, Any], block_layout: list[Any]) -> str:
-    """What must match for one instance's KV bytes to mean the same in another's pool: the checkpoint
-    (config.json's bytes, its weight files' names and sizes: the same model on another machine, at
-    another path, matches), every setting that changes the bytes, the block's tensor layout."""
-    path = Path(model)
-    identity: list[Any] = []
-    if path.is_dir():
-        config = path / "config.json"
-        identity.append(hashlib.sha256(config.read_bytes()).hexdigest() if config.is_file() else None)
-        identity += sorted(
-            [f.name, f.stat().st_size] for f in path.iterdir() if f.suffix in (".safetensors", ".gguf")
-        )
-    else:
-        identity.append([path.name, path.stat().st_size])
-    text = json.dumps([identity, settings, block_layout], sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
 class KVTransferEndpoint:

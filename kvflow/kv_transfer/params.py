@@ -31,7 +31,7 @@ class RemotePrefill:
 
 
 def wants_remote_decode(params: dict[str, Any] | None) -> bool:
-    return bool(params) and bool(params.get("do_remote_decode"))  # type: ignore[union-attr]
+    return params is not None and bool(params.get("do_remote_decode"))
 
 
 def remote_prefill(params: dict[str, Any] | None) -> RemotePrefill | None:
