@@ -51,7 +51,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=896)
     parser.add_argument("--layers", type=int, default=24)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K")
+    parser.add_argument("--types", default="Q8_0,Q4_0,Q4_1,Q5_0,Q5_1,Q4_K,Q5_K,Q6_K,MXFP4,NVFP4")
     args = parser.parse_args()
     n, k = args.n, args.k
     types = [t for t in args.types.split(",") if not (t.endswith("_K") and k % 256)]

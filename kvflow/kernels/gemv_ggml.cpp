@@ -1,6 +1,7 @@
 // Weight-only GEMVs on llama.cpp's (ggml's) 4/5/6-bit block types, read as a GGUF file stores
 // their bits: Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K and MXFP4 (gpt-oss's experts, from a GGUF
-// file or the Hugging Face checkpoint; Q8_0 runs on gemv_int8.cpp's tiles). The
+// file or the Hugging Face checkpoint) and NVFP4 (GGUF's, and compressed-tensors' nvfp4-pack-quantized;
+// Q8_0 runs on gemv_int8.cpp's tiles). The
 // values and scales are the file's, only re-laid per 16 rows at load (kvflow/quant/gguf_linear.py);
 // nothing is requantized.
 //
@@ -14,6 +15,12 @@
 //         u = 2 e2m1(c) + 12 in 0..24 (ggml's doubled kvalues, offset to be unsigned), then
 //         s = 2^(e - 128) (the e8m0 scale per 32, halved for the doubling), z = -12 s
 //         (e = 0, a scale of 2^-128, reads as 0: no checkpoint has one)
+//   NVFP4 the same e2m1 codes through the same table, groups of 16, each with an unsigned e4m3 scale
+//         d (bias 7, subnormals; 0x7F, e4m3's NaN, reads as 0 as ggml reads it) and a per-row
+//         divisor G (compressed-tensors' weight_global_scale; 1 in a GGUF file):
+//         s = (d / G) / 2 (halved for the doubling), z = -12 s: compressed-tensors' scale / global_scale.
+//         The tiles hold the row factor f = 128 / G (2^8 / 2 / G, rounded once at load; a division
+//         per group instead measured the same at 1 row, 3% slower at 8) and s = (d 2^-8) f
 // s and z are computed in fp32 from the stored fields as ggml does (d * sc is exact in fp32).
 //
 // Layout: tiles of 16 output rows (N padded with zero rows), per tile and block of 32 inputs
@@ -23,7 +30,8 @@
 // (j = 2c + h) one shift and one AND put it in place beside the nibble. values: [T, K / 32, 256 +
 // 64 planes] uint8. Scales and minima per tile and group, 16 lanes each (one per row):
 //   scales  fp16 [T, K / 32, 16] (d: Q4_0/1, Q5_0/1) | uint8 (sc: Q4_K, Q5_K; e: MXFP4) | int8
-//   [T, K / 16, 16] (sc: Q6_K); mins  fp16 [T, K / 32, 16] (m: Q4_1, Q5_1) | uint8 (m: Q4_K, Q5_K); supers  fp16
+//   [T, K / 16, 16] (sc: Q6_K) | uint8 [T, K / 16, 16] (d: NVFP4); mins  fp16 [T, K / 32, 16] (m: Q4_1,
+//   Q5_1) | uint8 (m: Q4_K, Q5_K) | fp32 [T, 16] (f = 128 / G: NVFP4); supers  fp16
 //   [T, K / 256, 2, 16] (d, dmin: Q4_K, Q5_K) | [T, K / 256, 1, 16] (d: Q6_K).
 //
 // skinny_linear_ggml: y[M, N] = x[M, K] @ W^T (+ bias), few rows (decode). The activations are
@@ -71,11 +79,11 @@ constexpr int64_t kMaxRowsPerPass = 4;
 
 // ggml type ids (gguf.GGMLQuantizationType) of the formats below.
 enum GgmlType : int64_t {
-  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39
+  kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ5_1 = 7, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14, kMXFP4 = 39, kNVFP4 = 40
 };
 
 // How a format's (s, z) per group are stored (header comment).
-enum class Params { kScaleOffset, kScaleMin, kSuperScaleMin, kSuperScaleOffset, kE8M0Offset };
+enum class Params { kScaleOffset, kScaleMin, kSuperScaleMin, kSuperScaleOffset, kE8M0Offset, kUE4M3Offset };
 constexpr float kMxfp4Offset = 12;  // u = 2 e2m1 + 12: the doubled e2m1 values are -12 .. 12
 
 template <int64_t kType>
@@ -96,10 +104,12 @@ template <>
 struct Format<kQ6_K> { static constexpr int kPlanes = 2, kGroups = 2; static constexpr Params kParams = Params::kSuperScaleOffset; static constexpr float kOffset = 32; };
 template <>
 struct Format<kMXFP4> { static constexpr int kPlanes = 0, kGroups = 1; static constexpr Params kParams = Params::kE8M0Offset; static constexpr float kOffset = kMxfp4Offset; };
+template <>
+struct Format<kNVFP4> { static constexpr int kPlanes = 0, kGroups = 2; static constexpr Params kParams = Params::kUE4M3Offset; static constexpr float kOffset = kMxfp4Offset; };
 
-// Whether a format's 4-bit codes go through kCodeTable (MXFP4's e2m1) before the dot products.
+// Whether a format's 4-bit codes go through kCodeTable (MXFP4's and NVFP4's e2m1) before the dot products.
 template <int64_t kType>
-constexpr bool kHasCodeTable = Format<kType>::kParams == Params::kE8M0Offset;
+constexpr bool kHasCodeTable = Format<kType>::kParams == Params::kE8M0Offset || Format<kType>::kParams == Params::kUE4M3Offset;
 // e2m1 code -> 2 e2m1 + 12 (codes 0-7: 0, .5, 1, 1.5, 2, 3, 4, 6; 8-15 the same negated), as bytes,
 // the same 16 in each 128-bit lane for vpshufb.
 inline __m512i code_table() {
@@ -112,6 +122,15 @@ inline __m512 load_fp16x16(const uint16_t* p) {
 }
 inline __m512 load_u8x16(const uint8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// 16 unsigned e4m3 bytes (bias 7) as fp32 times 2^-8, exactly: the 7 bits moved into fp16's
+// exponent and mantissa fields read as the value times 2^-8 (fp16's bias is 15; subnormals map onto
+// fp16 subnormals), widened by vcvtph2ps; 0x7F (NaN) -> 0. The 2^8 is folded into the row factor.
+inline __m512 load_ue4m3x16_over_256(const uint8_t* p) {
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m512i magnitude = _mm512_and_si512(b, _mm512_set1_epi32(0x7F));
+  const __mmask16 nan = _mm512_cmpeq_epi32_mask(magnitude, _mm512_set1_epi32(0x7F));
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_maskz_slli_epi32(~nan, magnitude, 7)));
 }
 inline __m512 load_i8x16(const int8_t* p) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -179,6 +198,10 @@ inline void group_params(const Tensors& w, int64_t t, int64_t b, int g, __m512& 
     // (e - 1) << 23 is 2^(e - 128) as fp32 for e >= 1 (e = 1: 0.0, not 2^-127; header comment).
     const __m512i biased = _mm512_max_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), _mm512_setzero_si512());
     s = _mm512_castsi512_ps(_mm512_slli_epi32(biased, 23));
+    z = _mm512_mul_ps(s, _mm512_set1_ps(-F::kOffset));
+  } else if constexpr (F::kParams == Params::kUE4M3Offset) {  // NVFP4: s = d 2^-8 * (128 / G), groups of 16
+    const __m512 d = load_ue4m3x16_over_256(static_cast<const uint8_t*>(w.scales) + (t * 2 * blocks + 2 * b + g) * kTileRows);
+    s = _mm512_mul_ps(d, _mm512_loadu_ps(static_cast<const float*>(w.mins) + t * kTileRows));
     z = _mm512_mul_ps(s, _mm512_set1_ps(-F::kOffset));
   } else {  // kSuperScaleOffset: Q6_K, groups of 16
     const int64_t supers = w.K / kSuperBlock, sb = b * kBlock / kSuperBlock;
@@ -358,11 +381,14 @@ Tensors check_tensors(int64_t type, const torch::Tensor& values, const torch::Te
     case kQ5_K: planes = 1; min_groups = K / kBlock; super_fields = 2; break;
     case kQ6_K: planes = 2; scale_groups = K / 16; super_fields = 1; break;
     case kMXFP4: break;
+    case kNVFP4: scale_groups = K / 16; break;
     default: TORCH_CHECK(false, "ggml type ", type, " has no GEMV here (kvflow/kernels/gemv_ggml.cpp)");
   }
   TORCH_CHECK(values.size(2) == kNibbleBytes + planes * kPlaneBytes, "block bytes do not match ggml type ", type);
   TORCH_CHECK(scales.numel() == tiles * scale_groups * kTileRows, "scales do not match the tiles");
-  TORCH_CHECK(mins.numel() == tiles * min_groups * kTileRows, "mins do not match the tiles");
+  TORCH_CHECK(type == kNVFP4 ? mins.numel() == tiles * kTileRows && mins.dtype() == torch::kFloat32
+                             : mins.numel() == tiles * min_groups * kTileRows,
+              "mins do not match the tiles");
   TORCH_CHECK(supers.numel() == tiles * (super_fields ? K / kSuperBlock : 0) * super_fields * kTileRows &&
                   (super_fields == 0 || (K % kSuperBlock == 0 && supers.dtype() == torch::kFloat16)),
               "supers do not match the tiles");
@@ -385,6 +411,7 @@ void with_type(int64_t type, const F& f) {
     case kQ5_K: return f(std::integral_constant<int64_t, kQ5_K>{});
     case kQ6_K: return f(std::integral_constant<int64_t, kQ6_K>{});
     case kMXFP4: return f(std::integral_constant<int64_t, kMXFP4>{});
+    case kNVFP4: return f(std::integral_constant<int64_t, kNVFP4>{});
     default: TORCH_CHECK(false, "ggml type ", type, " has no GEMV here");
   }
 }

@@ -18,6 +18,9 @@ CT    weight_packed [N, K/P]      dim 0 [o0, o1)              dim 1 [i0/P, i1/P)
 FP8   weight [N, K]           dim 0 [o0, o1)              dim 1 [i0, i1)    (a dense weight's slice)
       weight_scale_inv [N/bn, K/bk]  dim 0 [o0/bn, o1/bn)  dim 1 [i0/bk, i1/bk)
 CT8   weight_scale [N, 1] / [1]      dim 0 [o0, o1)        whole
+NVFP4 weight_packed [N, K/2]         dim 0 [o0, o1)        dim 1 [i0/2, i1/2)
+      weight_scale  [N, K/16]        dim 0 [o0, o1)        dim 1 [i0/16, i1/16)
+      weight_global_scale, input_global_scale [1]: whole (not projection slices: read as they are)
 Per-channel scales and zeros (one group) stay whole when inputs are split; a per-tensor scale (a
 dimension of one) is read whole whichever way (sharded_reader.py). Boundaries must fall on
 words and groups (checked at plan time: `check_alignment`); GPTQ act-order (desc_act) orders the
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 
 from kvflow.config import ConfigError
 from kvflow.quant.checkpoint_formats import BITS_PER_WORD, CheckpointQuant
+from kvflow.quant.gguf_linear import GROUP as NVFP4_KERNEL_BLOCK
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,11 @@ def packed_slice(
     n = end - start
     if quant.method in ("fp8", "compressed-tensors-fp8"):
         return _fp8_slice(quant, suffix, column_parallel, start, n)
+    if quant.method == "compressed-tensors-nvfp4":
+        if column_parallel:
+            return PackedSlice(0, start, n)
+        per_element = {"weight_packed": 2, "weight_scale": quant.group_size}[suffix]  # inputs per element
+        return PackedSlice(1, start // per_element, n // per_element)
     p = BITS_PER_WORD // quant.bits
     g = _group(quant)
     if column_parallel:
@@ -137,6 +146,15 @@ def check_alignment(
     """Refuse a tensor_parallel_size whose slices would cut a packed word or a group."""
     if quant.method in ("fp8", "compressed-tensors-fp8"):
         check_fp8_alignment(quant, column_widths, row_widths)
+        return
+    if quant.method == "compressed-tensors-nvfp4":
+        for name, width in row_widths.items():
+            if width % NVFP4_KERNEL_BLOCK:
+                raise ConfigError(
+                    f"nvfp4 checkpoint: each rank's {name} would hold {width} input columns, not a multiple "
+                    f"of {NVFP4_KERNEL_BLOCK} (the NVFP4 kernel's block of two 16-input scale groups); "
+                    "choose another tensor_parallel_size"
+                )
         return
     p = BITS_PER_WORD // quant.bits
     g = _group(quant)

@@ -19,6 +19,12 @@ Formats (each unpacking is checked against the reference library in tests/quant)
                as q + 2^(bits-1); weight_scale [N, G] (group) or [N, 1] (channel);
                optional weight_zero_point int32 [N x bits / 32, G] (packed along N, + 2^(bits-1));
                w = (q - zp) x scale.
+    compressed-tensors nvfp4-pack-quantized (NVFP4, llm-compressor's NVFP4 and NVFP4A16 schemes)
+               weight_packed uint8 [N, K / 2] of e2m1 codes, weight_scale float8_e4m3fn [N, K / 16],
+               weight_global_scale [1]: w = e2m1 x scale / global_scale, kept on its codes
+               (kvflow/quant/gguf_linear.py, unpack_nvfp4_packed). Weight-only here: a W4A4
+               checkpoint's input_global_scale is not used (activations stay bf16), as vLLM runs
+               NVFP4 on GPUs without FP4 arithmetic.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from kvflow.errors import ModelLoadError
 from kvflow.quant.fp8 import UnpackedFp8, unpack_fp8_block, unpack_fp8_channel
+from kvflow.quant.gguf_linear import NVFP4_GROUP, UnpackedGGML, unpack_nvfp4_packed
 
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # position j of a word holds column AWQ_PACK_ORDER[j]
 BITS_PER_WORD = 32
@@ -115,9 +122,10 @@ def parse_quantization_config(config: Mapping[str, Any]) -> CheckpointQuant | No
 
 def _compressed_tensors_config(qc: Mapping[str, Any]) -> CheckpointQuant:
     fmt = qc.get("format")
-    if fmt not in ("pack-quantized", "float-quantized"):
+    if fmt not in ("pack-quantized", "float-quantized", "nvfp4-pack-quantized"):
         raise ModelLoadError(
-            f"compressed-tensors format {fmt!r} is not supported (pack-quantized, float-quantized)"
+            f"compressed-tensors format {fmt!r} is not supported (pack-quantized, float-quantized, "
+            "nvfp4-pack-quantized)"
         )
     groups = list((qc.get("config_groups") or {}).values())
     if len(groups) != 1:
@@ -125,6 +133,19 @@ def _compressed_tensors_config(qc: Mapping[str, Any]) -> CheckpointQuant:
             "compressed-tensors: exactly one config group (all linear layers alike) is supported"
         )
     weights = groups[0]["weights"]
+    if fmt == "nvfp4-pack-quantized":
+        group_size = int(weights.get("group_size") or 0)
+        if (
+            weights.get("type") != "float"
+            or int(weights.get("num_bits", 0)) != 4
+            or group_size != NVFP4_GROUP
+        ):
+            raise ModelLoadError(
+                "compressed-tensors nvfp4-pack-quantized: "
+                f"{weights.get('num_bits')}-bit {weights.get('type')} weights in groups of {group_size} "
+                f"are not NVFP4 (4-bit float, groups of {NVFP4_GROUP})"
+            )
+        return CheckpointQuant("compressed-tensors-nvfp4", 4, NVFP4_GROUP, True)
     if fmt == "float-quantized":  # FP8 e4m3 per channel or per tensor (kvflow/quant/fp8.py)
         strategy = weights.get("strategy", "channel")
         if (
@@ -241,13 +262,20 @@ def _unpack_fp8_channel(tensors: Mapping[str, torch.Tensor], quant: CheckpointQu
     return unpack_fp8_channel(tensors)
 
 
-Unpacked = UnpackedInt4 | UnpackedInt8 | UnpackedFp8
+def _unpack_nvfp4(tensors: Mapping[str, torch.Tensor], quant: CheckpointQuant) -> UnpackedGGML:
+    return unpack_nvfp4_packed(
+        tensors["weight_packed"], tensors["weight_scale"], tensors["weight_global_scale"]
+    )
+
+
+Unpacked = UnpackedInt4 | UnpackedInt8 | UnpackedFp8 | UnpackedGGML
 UNPACKERS: dict[str, Callable[[Mapping[str, torch.Tensor], CheckpointQuant], Unpacked]] = {
     "gptq": unpack_gptq,
     "awq": unpack_awq,
     "compressed-tensors": unpack_compressed_tensors,
     "fp8": _unpack_fp8_block,
     "compressed-tensors-fp8": _unpack_fp8_channel,
+    "compressed-tensors-nvfp4": _unpack_nvfp4,
 }
 # The checkpoint tensors of one quantized projection, by format (suffixes after "<proj>.").
 TENSOR_SUFFIXES = {
@@ -257,4 +285,11 @@ TENSOR_SUFFIXES = {
     # fp8: the scale first, since it marks a quantized projection (every projection has a `weight`).
     "fp8": ("weight_scale_inv", "weight"),
     "compressed-tensors-fp8": ("weight_scale", "weight"),
+    # input_global_scale: a W4A4 checkpoint's activation scale, read as used and not applied (above).
+    "compressed-tensors-nvfp4": (
+        "weight_packed",
+        "weight_scale",
+        "weight_global_scale",
+        "input_global_scale",
+    ),
 }

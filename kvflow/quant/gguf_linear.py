@@ -15,12 +15,17 @@ ggml's block types, per row (K inputs), as llama.cpp's ggml-quants.c lays them o
     MXFP4 17 B / 32: e (e8m0), 16 B of e2m1 codes (Q4_0's nibble order)   W = e2m1(q) 2^(e - 127)
           gpt-oss's Hugging Face checkpoint: `*_blocks` [.., N, K / 32, 16] (byte j: codes 2j,
           2j + 1) and `*_scales` [.., N, K / 32] (e): the same numbers (unpack_mxfp4_blocks)
+    NVFP4 36 B / 64: 4 x d (unsigned e4m3, one per 16), 32 B of e2m1 codes (per 16: byte j holds
+          codes j and j + 8)                                      W = e2m1(q) d / G  (G = 1)
+          compressed-tensors' nvfp4-pack-quantized: `weight_packed` [N, K / 2] (byte j: codes 2j,
+          2j + 1), `weight_scale` e4m3 [N, K / 16] (d), `weight_global_scale` [1] (G): the same
+          numbers with the checkpoint's G (unpack_nvfp4_packed)
 Unpacking gives levels q [N, K] and the stored fields per group; packing re-lays them per 16
 output rows for the GEMVs (kvflow/kernels/gemv_int8.cpp for Q8_0, gemv_ggml.cpp for the rest), whose
 headers give the layouts. The bits are the file's: the GEMV computes with the same (levels, d,
 sc, ...) llama.cpp does; only the activations are rounded to int8 per 32 (as llama.cpp's q8 dot
 products round them too). Memory per weight: Q8_0 8.5 bits, Q4_0 4.5, Q4_1 5, Q5_0 5.5, Q5_1 6,
-Q4_K 4.63 (6-bit sc and m held as bytes), Q5_K 5.63, Q6_K 6.56.
+Q4_K 4.63 (6-bit sc and m held as bytes), Q5_K 5.63, Q6_K 6.56, MXFP4 4.25, NVFP4 4.5.
 Prefill chunks (more than `max_gemv_rows` rows) multiply bf16 row blocks dequantized from the
 tiles, as the int8 / int4 layers do (kvflow/quant/linear.py).
 """
@@ -47,7 +52,7 @@ from kvflow.quant.linear import (
 # ggml type ids (gguf.GGMLQuantizationType) of the types with a kernel here.
 GGML_TYPE_IDS = {
     **{"Q4_0": 2, "Q4_1": 3, "Q5_0": 6, "Q5_1": 7, "Q8_0": 8},
-    **{"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39},
+    **{"Q4_K": 12, "Q5_K": 13, "Q6_K": 14, "MXFP4": 39, "NVFP4": 40},
 }
 KERNEL_TYPES = frozenset(GGML_TYPE_IDS)
 # Bytes per block and values per block of each.
@@ -61,12 +66,28 @@ _BLOCK_BYTES = {
     "Q5_K": 176,
     "Q6_K": 210,
     "MXFP4": 17,
+    "NVFP4": 36,
 }
-_BLOCK_VALUES = {t: 256 if t.endswith("_K") else 32 for t in _BLOCK_BYTES}
+_BLOCK_VALUES = {t: 256 if t.endswith("_K") else 64 if t == "NVFP4" else 32 for t in _BLOCK_BYTES}
 # High bit planes beside the nibbles (gemv_ggml.cpp).
-_PLANES = {"Q4_0": 0, "Q4_1": 0, "Q4_K": 0, "Q5_0": 1, "Q5_1": 1, "Q5_K": 1, "Q6_K": 2, "MXFP4": 0}
-_OFFSETS = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "MXFP4": 12}  # W = s (level - offset) types
-# MXFP4: e2m1 code -> 2 e2m1 + 12 (gemv_ggml.cpp's byte table): the level the kernel multiplies.
+_PLANES = {
+    "Q4_0": 0,
+    "Q4_1": 0,
+    "Q4_K": 0,
+    "Q5_0": 1,
+    "Q5_1": 1,
+    "Q5_K": 1,
+    "Q6_K": 2,
+    "MXFP4": 0,
+    "NVFP4": 0,
+}
+_OFFSETS = {"Q4_0": 8, "Q5_0": 16, "Q6_K": 32, "MXFP4": 12, "NVFP4": 12}  # W = s (level - offset) types
+FP4_TYPES = frozenset({"MXFP4", "NVFP4"})  # codes are e2m1 numbers, not levels
+NVFP4_GROUP = 16  # inputs per e4m3 scale
+E4M3_NAN = 0x7F  # unsigned e4m3's NaN byte: ggml reads the scale as 0
+# gemv_ggml.cpp's NVFP4 row factor over G: 2^8 (its e4m3 widening reads d 2^-8) / 2 (doubled levels).
+NVFP4_ROW_FACTOR = 128.0
+# MXFP4 / NVFP4: e2m1 code -> 2 e2m1 + 12 (gemv_ggml.cpp's byte table): the level the kernel multiplies.
 MXFP4_LEVELS = torch.tensor([12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0], dtype=torch.uint8)
 E8M0_BIAS = 127
 GROUP = 32  # inputs per nibble block and per activation scale
@@ -77,8 +98,9 @@ EMPTY = torch.empty(0, dtype=torch.float16)
 @dataclass(frozen=True)
 class UnpackedGGML:
     """One projection's ggml blocks unpacked: levels q [N, K] uint8 and the stored fields by row:
-    scales [N, G] (d: fp16; sc: uint8, Q6_K int8 per 16), mins [N, K / 32] (m: fp16 or uint8),
-    supers [N, K / 256, F] fp16 (K-quants' d and dmin; Q6_K's d)."""
+    scales [N, G] (d: fp16; sc: uint8, Q6_K int8 per 16; NVFP4 e4m3 bytes per 16), mins [N, K / 32]
+    (m: fp16 or uint8; NVFP4: [N] float32, the global scale G), supers [N, K / 256, F] fp16 (K-quants'
+    d and dmin; Q6_K's d)."""
 
     type_name: str
     q: torch.Tensor
@@ -88,7 +110,7 @@ class UnpackedGGML:
 
     def levels(self) -> torch.Tensor:
         """The levels the kernels multiply: q, or (MXFP4) its codes through MXFP4_LEVELS."""
-        return MXFP4_LEVELS[self.q.long()] if self.type_name == "MXFP4" else self.q
+        return MXFP4_LEVELS[self.q.long()] if self.type_name in FP4_TYPES else self.q
 
     def group_affine(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(s, z [N, K / g] float32, g): W = s levels + z per group of g inputs, as the kernels compute."""
@@ -97,6 +119,10 @@ class UnpackedGGML:
             exponent = self.scales.to(torch.int32) - (E8M0_BIAS + 1)
             s = torch.ldexp(torch.ones(exponent.shape), exponent)
             return s, -_OFFSETS[t] * s, GROUP
+        if t == "NVFP4":  # s = (d / G) / 2, in the kernel's order of fp32 operations
+            assert self.mins is not None
+            s = ue4m3_to_float(self.scales) / self.mins[:, None] * 0.5
+            return s, -_OFFSETS[t] * s, NVFP4_GROUP
         if t in ("Q4_K", "Q5_K"):
             assert self.supers is not None and self.mins is not None
             d, dmin = (self.supers[..., i].float().repeat_interleave(SUPER_BLOCK // GROUP, 1) for i in (0, 1))
@@ -116,8 +142,20 @@ class UnpackedGGML:
         s, z, g = self.group_affine()
         n, k = self.q.shape
         q = self.q.view(torch.int8) if self.type_name == "Q8_0" else self.levels()
-        w = q.float().reshape(n, k // g, g) * s[..., None] + z[..., None]
-        return w.reshape(n, k)
+        groups = q.float().reshape(n, k // g, g)
+        if (
+            self.type_name in _OFFSETS
+        ):  # s (level - offset): one rounding, as ggml (and compressed-tensors) compute
+            return ((groups - _OFFSETS[self.type_name]) * s[..., None]).reshape(n, k)
+        return (groups * s[..., None] + z[..., None]).reshape(n, k)
+
+
+def ue4m3_to_float(d: torch.Tensor) -> torch.Tensor:
+    """Unsigned e4m3 bytes (any shape, uint8) -> float32; the sign bit is ignored and 0x7F reads as 0,
+    as ggml reads NVFP4 scales."""
+    magnitude = d & 0x7F
+    value = magnitude.view(torch.float8_e4m3fn).float()
+    return torch.where(magnitude == E4M3_NAN, torch.zeros_like(value), value)
 
 
 def _check_rows(type_name: str, data: torch.Tensor, shape: tuple[int, int], name: str) -> torch.Tensor:
@@ -169,6 +207,10 @@ def unpack_ggml(type_name: str, data: torch.Tensor, shape: tuple[int, int], name
         return UnpackedGGML(
             t, _nibbles_half_split(blocks[..., 1:]).reshape(n, k).contiguous(), blocks[..., 0]
         )
+    if t == "NVFP4":  # per block of 64: 4 scales, then 4 x 8 bytes, each 16's codes j | j + 8 << 4
+        codes = _nibbles_half_split(blocks[..., 4:].reshape(n, k // 64, 4, 8))
+        scales = blocks[..., :4].reshape(n, k // NVFP4_GROUP).contiguous()
+        return UnpackedGGML(t, codes.reshape(n, k).contiguous(), scales, torch.ones(n))
     if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
         d = _fp16(blocks[..., 0:2])
         has_min = t.endswith("_1")
@@ -210,6 +252,29 @@ def unpack_mxfp4_blocks(blocks: torch.Tensor, scales: torch.Tensor) -> UnpackedG
     return UnpackedGGML("MXFP4", codes.contiguous(), scales.contiguous())
 
 
+def unpack_nvfp4_packed(
+    packed: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor
+) -> UnpackedGGML:
+    """compressed-tensors' NVFP4 tensors of one projection (packed [N, K / 2] uint8, byte j holding
+    codes 2j (low nibble) and 2j + 1; scale [N, K / 16] float8_e4m3fn; global_scale [1] float32) in
+    the common form: W = e2m1(q) x scale / global_scale, as compressed-tensors dequantizes."""
+    n, half = packed.shape
+    k = 2 * half
+    if packed.dtype != torch.uint8 or k % GROUP or tuple(scale.shape) != (n, k // NVFP4_GROUP):
+        raise ModelLoadError(
+            f"NVFP4 weight_packed {list(packed.shape)} {packed.dtype} and weight_scale "
+            f"{list(scale.shape)}: expected uint8 [N, K / 2] (K a multiple of {GROUP}) and [N, K / 16]"
+        )
+    d = scale.contiguous().view(torch.uint8)
+    if bool(((d & 0x80) != 0).any()) or bool(((d & 0x7F) == E4M3_NAN).any()):
+        raise ModelLoadError("NVFP4 weight_scale holds negative or NaN e4m3 scales")
+    g = global_scale.float().reshape(-1)
+    if g.numel() != 1 or not bool(torch.isfinite(g).all()) or float(g[0]) <= 0:
+        raise ModelLoadError(f"NVFP4 weight_global_scale must be one positive number, got {g.tolist()}")
+    codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(n, k)
+    return UnpackedGGML("NVFP4", codes.contiguous(), d, g.expand(n).contiguous())
+
+
 def select_rows(w: UnpackedGGML, rows: torch.Tensor) -> UnpackedGGML:
     """The projection's output rows `rows` [n] in that order (every field is per row)."""
 
@@ -239,11 +304,11 @@ def concat_rows(parts: list[UnpackedGGML]) -> UnpackedGGML:
     return replace(first, q=q, scales=scales, mins=cat("mins"), supers=cat("supers"))
 
 
-def _tile_rows(p: torch.Tensor) -> torch.Tensor:
-    """Per-row fields [N, G, *F] -> the tiles' [ceil(N / 16), G, *F, 16] (zero rows padding N)."""
+def _tile_rows(p: torch.Tensor, fill: float = 0) -> torch.Tensor:
+    """Per-row fields [N, G, *F] -> the tiles' [ceil(N / 16), G, *F, 16] (rows of `fill` padding N)."""
     n = p.shape[0]
     tiles = -(-n // INT4_TILE_ROWS)
-    padded = torch.zeros((tiles * INT4_TILE_ROWS, *p.shape[1:]), dtype=p.dtype)
+    padded = torch.full((tiles * INT4_TILE_ROWS, *p.shape[1:]), fill, dtype=p.dtype)
     padded[:n] = p
     v = padded.reshape(tiles, INT4_TILE_ROWS, *p.shape[1:])
     return v.permute(0, *range(2, v.dim()), 1).contiguous()
@@ -279,7 +344,11 @@ def pack_ggml_tiles(w: UnpackedGGML) -> GgmlTiles:
     tiles = -(-n // INT4_TILE_ROWS)
     nibbles = pack_int4_tiles(w.q & 0x0F).reshape(tiles, k // GROUP, 256)
     values = torch.cat([nibbles, *(_planes(w.q, p) for p in range(_PLANES[w.type_name]))], dim=-1)
-    mins = EMPTY if w.mins is None else _tile_rows(w.mins)
+    if w.type_name == "NVFP4":  # the kernel's row factor 128 / G (gemv_ggml.cpp); padding rows 1
+        assert w.mins is not None
+        mins = _tile_rows(NVFP4_ROW_FACTOR / w.mins, fill=1)
+    else:
+        mins = EMPTY if w.mins is None else _tile_rows(w.mins)
     supers = EMPTY if w.supers is None else _tile_rows(w.supers)
     return GgmlTiles(values.contiguous(), _tile_rows(w.scales), mins, supers)
 

@@ -41,6 +41,7 @@ ALL_TYPES = (
     "Q4_K",
     "Q5_K",
     "Q6_K",
+    "NVFP4",  # llama.cpp's: e4m3 scales per 16, blocks of 64
 )
 
 

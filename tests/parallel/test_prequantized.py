@@ -3,7 +3,8 @@ tiny llama, packed by the format's definition, read packed slice by slice on two
 TP=1's outputs within the bf16 rounding argument of test_tp_equivalence.py (the int4 kernels
 compute in bf16); likewise an AWQ (GEMM, zero points) checkpoint, whose qweight is packed along the
 outputs, and a compressed-tensors one; FP8 checkpoints (block scales, and compressed-tensors per
-channel), whose e4m3 weights slice as dense ones and whose scales by block or by row. Act-order
+channel), whose e4m3 weights slice as dense ones and whose scales by block or by row; NVFP4
+(compressed-tensors), whose codes and e4m3 scales slice by row and by 16-input group. Act-order
 row-parallel splits, and splits that would cut a packed word, a group or a scale block, are
 refused."""
 
@@ -300,3 +301,49 @@ def test_fp8_splits_that_cut_a_scale_block_are_refused(tiny_checkpoint_factory: 
     with pytest.raises(ConfigError, match="64 input columns, not a multiple of the weight_block_size's 128"):
         ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("fp8", 8, 128, True, block_rows=32))
     ShardLayout.plan(arch, 0, 2, checkpoint_quant=CheckpointQuant("compressed-tensors-fp8", 8, -1, True))
+
+
+def test_nvfp4_checkpoints_two_ranks_match_one(
+    tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path, engines: list[LLMEngine]
+) -> None:
+    """compressed-tensors NVFP4 (written by compressed-tensors' own compressor): codes and e4m3 scales
+    slice by rows and by 16-input groups, the global scale is read whole; each rank's projections
+    compute on their codes (GGUFLinear), bounded as the W4A16 formats above."""
+    pytest.importorskip("compressed_tensors")
+    from quant.test_nvfp4_checkpoints import _compress, _scheme
+
+    from kvflow.quant.gguf_linear import GGUFLinear
+
+    config = {
+        "quant_method": "compressed-tensors",
+        "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": _scheme().model_dump(mode="json")},
+    }
+    src = tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE)
+    out = quantized_checkpoint(src, tmp_path / "nvfp4", _compress, config)
+    work = _workload(512, logprobs=5)
+    # float32 runs the dequantized weights: TP=2 there equals TP=1 to float32 rounding (the slices
+    # are exact); in bf16 the bound is the kernel's own rounding (float32 against bf16 at TP=1).
+    float32 = _run(LLMEngine.from_kwargs(model=str(out), dtype="float32", **ENGINE), work)
+    engines.append(LLMEngine.from_kwargs(model=str(out), dtype="float32", tensor_parallel_size=2, **ENGINE))
+    assert max(_logprob_gaps(float32, _run(engines[-1], work))) < 1e-4
+    expected = _run(LLMEngine.from_kwargs(model=str(out), **ENGINE), work)
+    engines.append(LLMEngine.from_kwargs(model=str(out), tensor_parallel_size=2, **ENGINE))
+    rank0 = engines[-1].model_runner.model
+    assert sum(isinstance(m, GGUFLinear) for m in rank0.modules()) == 4 * 2  # qkv, o, gate_up, down x 2
+    gaps = _logprob_gaps(expected, _run(engines[-1], work))
+    assert len(gaps) > 100
+    kernel_rounding = max(_logprob_gaps(float32, expected))
+    print(f"NVFP4 TP=2 vs TP=1 in bf16: max gap {max(gaps):.3f}; the kernel's rounding {kernel_rounding:.3f}")
+    assert max(gaps) <= W4A16_NOISE_MARGIN * kernel_rounding
+
+
+def test_nvfp4_splits_that_cut_a_kernel_block_are_refused(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    arch = load_arch_config(tiny_checkpoint_factory("llama", dtype=torch.bfloat16, **WIDE))
+    nvfp4 = CheckpointQuant("compressed-tensors-nvfp4", 4, 16, True)
+    ShardLayout.plan(arch, 0, 2, checkpoint_quant=nvfp4)  # 64 o_proj / down_proj inputs per rank
+    narrow = dataclasses.replace(arch, intermediate_size=48)  # 24 down_proj inputs per rank
+    with pytest.raises(ConfigError, match="down_proj would hold 24 input columns, not a multiple of 32"):
+        ShardLayout.plan(narrow, 0, 2, checkpoint_quant=nvfp4)
