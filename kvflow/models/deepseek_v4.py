@@ -55,7 +55,10 @@ from kvflow.layers.hyper_connection import hyper_head, hyper_merge, hyper_weight
 from kvflow.layers.linear import Linear
 from kvflow.layers.norm import RMSNorm
 from kvflow.layers.rotary import compute_inv_freq
+from kvflow.models.deepseek_v4_weights import V4Quantized, scale_of, unpack_v4
 from kvflow.models.llama import LlamaFamilyForCausalLM
+from kvflow.quant.checkpoint_formats import CheckpointQuant
+from kvflow.quant.prequantized import build_linear
 
 if TYPE_CHECKING:
     from kvflow.models.loader import TensorReader
@@ -515,11 +518,65 @@ class DeepseekV4ForCausalLM(LlamaFamilyForCausalLM):
             if found is None:
                 raise ModelLoadError(f"checkpoint is missing tensor {options[0]!r} (needed for {name})")
             sources.append(found)
+        scales = [scale_of(s, reader.files) for s in sources]
+        if any(s is not None for s in scales):
+            return self._load_quantized(name, param, reader, used, sources, scales)
         from kvflow.models.loader import load_param_sources  # the loader imports the registry, so late
 
         load_param_sources(name, param, sources, reader)
         used.update(sources)
         return True
+
+    def begin_load(self, checkpoint_quant: CheckpointQuant | None) -> None:
+        """The loader's first call: the checkpoint's quantization_config (FP8 block shape)."""
+        self.__dict__["_v4_quantized"] = V4Quantized.from_quant(checkpoint_quant)
+
+    def _load_quantized(
+        self,
+        name: str,
+        param: torch.Tensor,
+        reader: TensorReader,
+        used: set[str],
+        sources: list[str],
+        scales: list[str | None],
+    ) -> bool:
+        """A parameter stored as FP8 blocks or FP4 codes (kvflow/models/deepseek_v4_weights.py): a
+        Linear's weight becomes a layer on those bytes (after_load), anything else is dequantized."""
+        layout: V4Quantized | None = self.__dict__.get("_v4_quantized")
+        if layout is None:
+            raise ModelLoadError(
+                f"{sources[0]} has a scale tensor beside it but config.json has no quantization_config"
+            )
+        if any(s is None for s in scales):
+            raise ModelLoadError(f"{name}: its checkpoint parts {sources} mix quantized and plain tensors")
+        parts = [
+            unpack_v4(reader.read(src), reader.read(sc), layout, src)
+            for src, sc in zip(sources, scales, strict=True)
+            if sc is not None
+        ]
+        rows, cols = sum(p.q.shape[0] for p in parts), {p.q.shape[1] for p in parts}
+        if (rows, *cols) != tuple(param.shape):
+            raise ModelLoadError(
+                f"shape mismatch for {name}: expected {tuple(param.shape)} from config.json, got "
+                f"{[tuple(p.q.shape) for p in parts]} from {sources}"
+            )
+        used.update(sources)
+        used.update(s for s in scales if s is not None)
+        path = name.removesuffix(".weight")
+        if name.endswith(".weight") and isinstance(self.get_submodule(path), Linear):
+            self.__dict__.setdefault("_quantized_pending", {})[path] = parts
+        else:
+            param.copy_(torch.cat([p.dequantize() for p in parts]).to(param.dtype))
+        return True
+
+    def after_load(self) -> None:
+        """The quantized projections' layers, built on their stored bytes (prequantized.build_linear)."""
+        for path, parts in self.__dict__.pop("_quantized_pending", {}).items():
+            linear = self.get_submodule(path)
+            assert isinstance(linear, Linear)
+            bias = linear.bias.data if linear.bias is not None else None
+            parent, _, attr = path.rpartition(".")
+            setattr(self.get_submodule(parent), attr, build_linear(parts, bias, linear.weight.dtype))
 
 
 _EXPERT = re.compile(

@@ -278,8 +278,12 @@ def _load_params(
     available = source.available
     # Families with their own checkpoint names (experts, routers) map those themselves.
     family_sources = getattr(model, "checkpoint_sources", None)
-    # Families whose checkpoint tensors need more than a concatenation (gpt-oss's fused experts).
+    # Families whose checkpoint tensors need more than a concatenation (gpt-oss's fused experts),
+    # told the checkpoint's quantization first (DeepSeek-V4's FP8 / FP4 tensors).
     family_load = getattr(model, "load_param", None)
+    begin_load = getattr(model, "begin_load", None)
+    if begin_load is not None:
+        begin_load(source.checkpoint_quant)
     for name, param in model.named_parameters():
         if family_load is not None and family_load(name, param, reader, used):
             continue
