@@ -4,7 +4,8 @@ A checkpoint's bytes are not config.json's torch_dtype times the parameters once
 DeepSeek-V3 ships FP8 with block scales (671B parameters, ~675 GB, not 1.34 TB of bf16), gpt-oss
 its experts in MXFP4, GGUF files mix types per tensor. Per role (the decoder layers' dense parts,
 routed experts, the embedding table, the LM head), bytes per parameter:
-    fp8 block (quant_method fp8, weight_block_size [bn, bk])   1 + 4 / (bn bk)   (fp32 scale per block)
+    fp8 block (quant_method fp8, weight_block_size [bn, bk])   1 + 4 / (bn bk)   (fp32 scale per block;
+        scale_fmt ue8m0: 1 + 1 / (bn bk); expert_dtype fp4, DeepSeek-V4's routed experts: 0.5 + 1 / 32)
     compressed-tensors float-quantized (FP8 per channel)       1 + 4 / K         (fp32 scale per row)
     GPTQ / AWQ / compressed-tensors pack-quantized, b bits, group g
                                                   b / 8 + (2 + b / 8) / g        (fp16 scale, packed zero)
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 FP32_SCALE_BYTES = 4.0
+E8M0_SCALE_BYTES = 1.0  # scale_fmt ue8m0: a power-of-two scale in one byte
 FP16_BYTES = 2.0
 MXFP4_BYTES = 0.5 + 1 / 32  # e2m1 nibbles + one e8m0 byte per 32
 NVFP4_BYTES = 0.5 + 1 / 16  # e2m1 nibbles + one fp8 scale per 16
@@ -54,8 +56,14 @@ def weight_format_from_config(config: dict[str, Any]) -> WeightFormat | None:
     hidden = int(config.get("hidden_size") or 1)
     if method == "fp8":
         bn, bk = (qc.get("weight_block_size") or [1, hidden])[:2]
-        per = 1.0 + FP32_SCALE_BYTES / (int(bn) * int(bk))
-        return WeightFormat("fp8-block", per, per, base, base, f"FP8 e4m3, fp32 scale per {bn}x{bk} block")
+        ue8m0 = str(qc.get("scale_fmt", "float")).lower() == "ue8m0"  # DeepSeek-V4: 1-byte scales
+        per = 1.0 + (E8M0_SCALE_BYTES if ue8m0 else FP32_SCALE_BYTES) / (int(bn) * int(bk))
+        scale = "ue8m0" if ue8m0 else "fp32"
+        # DeepSeek-V4's routed experts in FP4 (V4.1 names it in quantization_config, V4 beside it).
+        if str(qc.get("expert_dtype", config.get("expert_dtype", "fp8"))).lower() == "fp4":
+            detail = f"FP8 e4m3, {scale} scale per {bn}x{bk} block; FP4 experts (4.25 bits)"
+            return WeightFormat("fp8-block+fp4-experts", per, MXFP4_BYTES, base, base, detail)
+        return WeightFormat("fp8-block", per, per, base, base, f"FP8 e4m3, {scale} scale per {bn}x{bk} block")
     if method == "mxfp4":  # gpt-oss: experts only, attention / router / embedding / head stay bf16
         return WeightFormat(
             "mxfp4", base, MXFP4_BYTES, base, base, "MXFP4 experts (4.25 bits), the rest bf16"

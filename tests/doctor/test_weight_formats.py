@@ -94,6 +94,17 @@ def test_formats_from_quantization_config(
     assert fmt.embedding_bytes == 2.0  # the embedding stays in the float dtype
 
 
+@pytest.mark.parametrize("where", ["quantization_config", "config"])  # V4.1 / V4
+def test_deepseek_v4s_format_fp8_with_ue8m0_scales_and_fp4_experts(where: str) -> None:
+    qc: dict[str, object] = {"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+    config: dict[str, object] = {"hidden_size": 4096, "quantization_config": qc}
+    (qc if where == "quantization_config" else config)["expert_dtype"] = "fp4"
+    fmt = weight_format_from_config(config)
+    assert fmt is not None and fmt.name == "fp8-block+fp4-experts"
+    assert fmt.layer_bytes == pytest.approx(1 + 1 / 128**2)  # one e8m0 byte per 128 x 128 block
+    assert fmt.expert_bytes == MXFP4_BYTES
+
+
 def test_a_gguf_files_bytes_are_its_tensors(
     tiny_checkpoint_factory: Callable[..., Path], tmp_path: Path
 ) -> None:
