@@ -1,5 +1,6 @@
-"""The prefill-to-decode KV transfer alone (kvflow/kv_transfer/): bytes per second of a fetch over
-loopback TCP (ZeroMQ), against a plain memcpy of the same bytes, in one run.
+"""The prefill-to-decode KV transfer alone (kvflow/kv_transfer/): bytes per second of a fetch through
+a shared-memory segment (prefill and decode on one machine) and over loopback TCP (ZeroMQ frames, as
+between machines), against a plain memcpy of the same bytes, alternated in one run.
 
     python benchmarks/kv_transfer.py [--tokens 1536] [--repeats 5]
 
@@ -41,27 +42,34 @@ def main() -> None:
     hashes = [i.to_bytes(32, "big") for i in range(num_blocks)]
     exports = KVExports(ttl_s=60, capacity_bytes=1 << 34)
     server = KVTransferServer(exports, "fp", "127.0.0.1", 0)
-    client = KVTransferClient(timeout_s=30)
+    clients = {
+        "shared memory": KVTransferClient(timeout_s=30),
+        "TCP": KVTransferClient(30, shared_memory=False),
+    }
     total = num_blocks * len(payload)
-    fetch_s, copy_s = [], []
+    fetch_s: dict[str, list[float]] = {name: [] for name in clients}
+    copy_s = []
     for r in range(args.repeats):
-        exports.put(f"t{r}", hashes, [payload] * num_blocks)
-        remote = RemotePrefill("127.0.0.1", server.port, f"t{r}", tuple(hashes), "fp")
-        start = time.perf_counter()
-        read = client.fetch_async(remote, 0, num_blocks).result()
-        fetch_s.append(time.perf_counter() - start)
-        assert len(read.payloads) == num_blocks
+        for name, client in clients.items():
+            exports.put(f"t{r}{name}", hashes, [payload] * num_blocks)
+            remote = RemotePrefill("127.0.0.1", server.port, f"t{r}{name}", tuple(hashes), "fp")
+            start = time.perf_counter()
+            read = client.fetch_async(remote, 0, num_blocks).result()
+            fetch_s[name].append(time.perf_counter() - start)
+            assert len(read.payloads) == num_blocks
         start = time.perf_counter()
         copies = [bytearray(p) for p in read.payloads]  # what landing the bytes costs at least
         copy_s.append(time.perf_counter() - start)
         del copies
     server.close()
-    client.close()
-    f, c = statistics.median(fetch_s), statistics.median(copy_s)
-    print(f"{args.tokens} tokens = {num_blocks} blocks = {total / 2**20:.1f} MiB")
-    print(f"fetch over loopback TCP: {1e3 * f:.1f} ms ({total / f / 1e9:.2f} GB/s)")
+    for client in clients.values():
+        client.close()
+    c = statistics.median(copy_s)
+    print(f"{args.tokens} tokens = {num_blocks} blocks = {total / 2**20:.1f} MiB, median of {args.repeats}")
+    for name, times in fetch_s.items():
+        f = statistics.median(times)
+        print(f"fetch, {name:<13}: {1e3 * f:6.1f} ms ({total / f / 1e9:.2f} GB/s), {f / c:.1f}x a memcpy")
     print(f"memcpy of the same bytes: {1e3 * c:.1f} ms ({total / c / 1e9:.2f} GB/s)")
-    print(f"fetch / memcpy: {f / c:.1f}x")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ class SchedulerOutput:
     # cached blocks evicted this step, to copy out to the tier: (block_id, block_hash);
     kv_saves: list[tuple[int, bytes]] = field(default_factory=list)
     # blocks read back from the tier, to copy into the request's new blocks: (block_id, payload).
-    kv_restores: list[tuple[int, bytes]] = field(default_factory=list)
+    kv_restores: list[tuple[int, bytes | memoryview]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:

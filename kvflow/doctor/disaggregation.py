@@ -23,7 +23,9 @@ from kvflow.doctor.verify_pd import DISAGGREGATE
 DECODE_SPLIT_SLOWDOWN = 1.21  # PD ITL p50 / colocated ITL p50 (82 / 68 ms, medians of 2 rounds)
 DECODE_ONLY_TAIL = 1.54  # PD ITL p99 / p50 (126 / 82 ms)
 PREFILL_SPLIT_SLOWDOWN = 1.43  # PD / colocated TTFT of the long prompts less the transfer (4025 / 2809 ms)
-TRANSFER_BYTES_PER_S = 0.44e9  # a fetch over loopback TCP: 18 MiB in 42.5 ms (benchmarks/kv_transfer.py)
+# A fetch between instances on one machine, through a shared-memory segment: 18 MiB in 6.8 ms
+# (benchmarks/kv_transfer.py; over loopback TCP, as between machines, 21.3 ms in the same run).
+TRANSFER_BYTES_PER_S = 2.78e9
 METHOD = (
     "decode and prefill step ratios measured on a 2-core CPU split 1 + 1 (kvflow/doctor/disaggregation.py), "
     "applied to this run's ITL p50 and TTFT p50"

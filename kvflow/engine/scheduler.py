@@ -85,7 +85,7 @@ class Scheduler:
         self.kv_offload: RestoreTracker | None = None
         # Prefill/decode disaggregation, decode role: prompts whose KV comes from a prefill instance.
         self.kv_imports: KVImports | None = None
-        self._kv_restores: list[tuple[int, bytes]] = []  # this step's, for SchedulerOutput
+        self._kv_restores: list[tuple[int, bytes | memoryview]] = []  # this step's, for SchedulerOutput
         if kv_offload is not None:
             self.attach_kv_offload(kv_offload)
 

@@ -56,7 +56,7 @@ class BlockBytes:
         """Block `block_id`'s bytes, every tensor's row in order."""
         return torch.cat([rows[block_id] for rows in self._rows]).numpy().tobytes()
 
-    def write(self, block_id: int, payload: bytes) -> None:
+    def write(self, block_id: int, payload: bytes | memoryview) -> None:
         """Put a payload made by `read` (of the same model and settings) into block `block_id`."""
         if len(payload) != self.block_bytes:
             raise ValueError(
@@ -79,7 +79,9 @@ class OffloadIO:
         self.blocks = blocks
         self.tier = tier  # None: restores only (a decode instance's blocks from its prefill instance)
 
-    def apply(self, kv_saves: list[tuple[int, bytes]], kv_restores: list[tuple[int, bytes]]) -> None:
+    def apply(
+        self, kv_saves: list[tuple[int, bytes]], kv_restores: list[tuple[int, bytes | memoryview]]
+    ) -> None:
         # Saves first: a block evicted this step may be one a restore is about to fill.
         if self.tier is not None:
             for block_id, block_hash in kv_saves:

@@ -58,7 +58,7 @@ class TierRead:
     """Blocks read back in order (a prefix of those asked for: the read stops at the first block
     missing or damaged) and the seconds the read took."""
 
-    payloads: list[bytes]
+    payloads: Sequence[bytes | memoryview]  # memoryview: a KV transfer's shared-memory mapping
     seconds: float
 
 

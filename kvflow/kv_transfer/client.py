@@ -9,6 +9,7 @@ request with that message (kvflow/engine/engine.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import msgspec
@@ -18,6 +19,7 @@ from kvflow.errors import KVFlowError
 from kvflow.kv_offload.disk_tier import TierRead
 from kvflow.kv_transfer.params import RemotePrefill
 from kvflow.kv_transfer.server import FetchReply, FetchRequest
+from kvflow.kv_transfer.shared_memory import host_identity, read_segment
 
 # Concurrent fetches (each a socket and a thread waiting on the network, not on the CPU).
 MAX_FETCHES = 4
@@ -28,8 +30,10 @@ class KVTransferError(KVFlowError):
 
 
 class KVTransferClient:
-    def __init__(self, timeout_s: float) -> None:
+    def __init__(self, timeout_s: float, shared_memory: bool = True) -> None:
         self.timeout_s = timeout_s
+        # Asks a prefill server on this machine for a shared-memory segment (shared_memory.py).
+        self.host_id = host_identity() if shared_memory else ""
         self._ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(MAX_FETCHES, thread_name_prefix="kv-transfer-fetch")
 
@@ -38,28 +42,40 @@ class KVTransferClient:
 
     def _fetch(self, remote: RemotePrefill, first_block: int, num_blocks: int) -> TierRead:
         start = time.monotonic()
+        return TierRead(self._ask(remote, first_block, num_blocks), time.monotonic() - start)
+
+    def _ask(self, remote: RemotePrefill, first_block: int, num_blocks: int) -> Sequence[bytes | memoryview]:
         where = f"{remote.host}:{remote.port}"
         socket = self._ctx.socket(zmq.DEALER)
         socket.setsockopt(zmq.LINGER, 0)
         try:
             socket.connect(f"tcp://{where}")
-            ask = FetchRequest(remote.transfer_id, remote.fingerprint, first_block, num_blocks)
+            ask = FetchRequest(remote.transfer_id, remote.fingerprint, first_block, num_blocks, self.host_id)
             socket.send_multipart([b"", msgspec.msgpack.encode(ask)])
             if not socket.poll(int(self.timeout_s * 1000)):
                 raise KVTransferError(
                     f"the prefill instance at {where} sent no KV for transfer {remote.transfer_id} within "
                     f"{self.timeout_s:g} s (it died, or is unreachable)"
                 )
-            _, header, *payloads = socket.recv_multipart()
+            _, header, *frames = socket.recv_multipart()
         finally:
             socket.close()
         reply = msgspec.msgpack.decode(header, type=FetchReply)
         if reply.error is not None:
             raise KVTransferError(f"the prefill instance at {where}: {reply.error}")
+        payloads: Sequence[bytes | memoryview] = frames
+        if reply.segment is not None:
+            try:
+                payloads = read_segment(reply.segment, reply.sizes)
+            except (OSError, ValueError) as exc:  # gone (read past its deadline) or not the one named
+                raise KVTransferError(
+                    f"the prefill instance at {where} put the KV in shared memory {reply.segment}, which "
+                    f"cannot be read here: {exc}"
+                ) from None
         wanted = [h.hex() for h in remote.block_hashes[first_block : first_block + num_blocks]]
         if reply.block_hashes != wanted or len(payloads) != len(wanted):
             raise KVTransferError(f"the prefill instance at {where} sent other blocks than those asked for")
-        return TierRead(list(payloads), time.monotonic() - start)
+        return payloads
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -36,7 +36,9 @@ class KVTransferEndpoint:
             # No more than a pool's worth: a prompt whose KV fits the pool fits here.
             capacity = blocks.block_bytes * max(1, blocks.num_blocks)
             self.exports = KVExports(ttl, capacity)
-            self.server = KVTransferServer(self.exports, fingerprint, self.host, cache.kv_transfer_port)
+            self.server = KVTransferServer(
+                self.exports, fingerprint, self.host, cache.kv_transfer_port, segment_keep_s=ttl
+            )
             logger.info(
                 "KV transfer (prefill role): serving prompts' KV on %s:%d", self.host, self.server.port
             )

@@ -1,10 +1,12 @@
 """Prefill side: the ZeroMQ ROUTER socket a decode instance fetches a prompt's KV from.
 
 One request, one reply (frames):
-    request  [msgpack {"transfer_id", "fingerprint", "first_block", "num_blocks"}]
-    reply    [msgpack {"error": str | None, "block_hashes": [hex]}, payload, payload, ...]
-Payloads go out as their own frames (ZeroMQ sends them without another copy). The reply carries the
-hashes of the blocks it sends, so the decode side checks they are the blocks of its own prompt.
+    request  [msgpack {"transfer_id", "fingerprint", "first_block", "num_blocks", "host_id"}]
+    reply    [msgpack {"error": str | None, "block_hashes": [hex], "segment", "sizes"}, payload, ...]
+Payloads go out as their own frames (ZeroMQ sends them without another copy), or, when the decode
+side's host_id is this machine's, in one shared-memory segment the reply names (no payload frames;
+kvflow/kv_transfer/shared_memory.py). The reply carries the hashes of the blocks it sends, so the
+decode side checks they are the blocks of its own prompt.
 """
 
 from __future__ import annotations
@@ -17,6 +19,12 @@ import zmq
 
 from kvflow.config import ConfigError
 from kvflow.kv_transfer.exports import KVExports
+from kvflow.kv_transfer.shared_memory import (
+    SegmentJanitor,
+    host_identity,
+    shared_memory_usable,
+    write_segment,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +36,25 @@ class FetchRequest(msgspec.Struct):
     fingerprint: str
     first_block: int
     num_blocks: int
+    host_id: str = ""  # the decode side's machine (shared_memory.host_identity); "": TCP only
 
 
 class FetchReply(msgspec.Struct):
     error: str | None
     block_hashes: list[str]
+    segment: str | None = None  # a shared-memory segment holding the payloads, in order
+    sizes: list[int] = []  # bytes of each payload in the segment
 
 
 class KVTransferServer:
-    def __init__(self, exports: KVExports, fingerprint: str, bind_host: str, port: int) -> None:
+    def __init__(
+        self, exports: KVExports, fingerprint: str, bind_host: str, port: int, segment_keep_s: float = 60.0
+    ) -> None:
         self.exports = exports
         self.fingerprint = fingerprint
+        # Same-machine fetches get a shared-memory segment; one unread past segment_keep_s is dropped.
+        self.host_id = host_identity() if shared_memory_usable() else ""
+        self.segments = SegmentJanitor(segment_keep_s)
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.ROUTER)
         try:
@@ -56,6 +72,7 @@ class KVTransferServer:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            self.segments.sweep()
             if not self._socket.poll(POLL_MS):
                 continue
             identity, *frames = self._socket.recv_multipart()
@@ -82,9 +99,19 @@ class KVTransferServer:
             return [msgspec.msgpack.encode(FetchReply(error, []))]
         end = ask.first_block + ask.num_blocks
         hashes = [h.hex() for h in export.block_hashes[ask.first_block : end]]
-        return [msgspec.msgpack.encode(FetchReply(None, hashes)), *export.payloads[ask.first_block : end]]
+        payloads = export.payloads[ask.first_block : end]
+        if self.host_id and ask.host_id == self.host_id:
+            try:
+                segment = write_segment(payloads)
+            except OSError as exc:  # /dev/shm full or gone: the frames still work
+                logger.warning("KV transfer: shared memory unavailable (%s); sending over TCP", exc)
+            else:
+                self.segments.add(segment)
+                return [msgspec.msgpack.encode(FetchReply(None, hashes, segment, [len(p) for p in payloads]))]
+        return [msgspec.msgpack.encode(FetchReply(None, hashes)), *payloads]
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * POLL_MS / 1000)
         self._ctx.destroy(linger=0)
+        self.segments.close()
