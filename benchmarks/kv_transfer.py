@@ -1,6 +1,7 @@
 """The prefill-to-decode KV transfer alone (kvflow/kv_transfer/): bytes per second of a fetch through
-a shared-memory segment (prefill and decode on one machine) and over loopback TCP (ZeroMQ frames, as
-between machines), against a plain memcpy of the same bytes, alternated in one run.
+a shared-memory segment (prefill and decode on one machine), over loopback TCP (ZeroMQ frames, as
+between machines) and, where it is installed, as a NIXL READ (UCX), against a plain memcpy of the
+same bytes, alternated in one run.
 
     python benchmarks/kv_transfer.py [--tokens 1536] [--repeats 5]
 
@@ -23,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from kvflow.kv_transfer.client import KVTransferClient  # noqa: E402
 from kvflow.kv_transfer.exports import KVExports  # noqa: E402
+from kvflow.kv_transfer.nixl_transport import nixl_available  # noqa: E402
 from kvflow.kv_transfer.params import RemotePrefill  # noqa: E402
 from kvflow.kv_transfer.server import KVTransferServer  # noqa: E402
 
@@ -36,6 +38,7 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=1536)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-nixl", action="store_true", help="leave NIXL out even where it is installed")
     args = parser.parse_args()
     num_blocks = args.tokens // BLOCK
     payload = bytes(BLOCK * BYTES_PER_TOKEN)
@@ -44,8 +47,10 @@ def main() -> None:
     server = KVTransferServer(exports, "fp", "127.0.0.1", 0)
     clients = {
         "shared memory": KVTransferClient(timeout_s=30),
-        "TCP": KVTransferClient(30, shared_memory=False),
+        "TCP": KVTransferClient(30, backend="tcp"),
     }
+    if nixl_available() and not args.no_nixl:  # pip install nixl-cu12
+        clients["NIXL (UCX)"] = KVTransferClient(30, backend="nixl")
     total = num_blocks * len(payload)
     fetch_s: dict[str, list[float]] = {name: [] for name in clients}
     copy_s = []

@@ -21,6 +21,7 @@ DType = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizedKVDType = Literal["fp8_e4m3", "int8", "int4"]
 KVCacheDType = Literal["auto", "bfloat16", "float16", QuantizedKVDType]
 KVRole = Literal["both", "prefill", "decode"]
+KVTransferBackend = Literal["auto", "tcp", "nixl"]
 
 # Default KV pool budget when neither `kv_cache_memory_bytes` nor `num_kv_blocks` is given:
 # vLLM's CPU backend defaults to 4 GiB (VLLM_CPU_KVCACHE_SPACE); the pool is also capped at what
@@ -200,6 +201,14 @@ class CacheConfig:
     )
     kv_transfer_port: int = field(
         default=0, metadata={"help": "prefill role: the KV transfer socket's TCP port (0: any free one)"}
+    )
+    kv_transfer_backend: KVTransferBackend = field(
+        default="auto",
+        metadata={
+            "help": "decode role: how a prompt's KV comes from its prefill instance: 'auto' (a shared-memory "
+            "segment when both run on this machine, else ZeroMQ frames over TCP), 'tcp' (always the frames), "
+            "'nixl' (a NIXL READ of the prefill's registered memory; pip install nixl-cu12 on both)"
+        },
     )
     kv_transfer_timeout: float = field(
         default=30.0,

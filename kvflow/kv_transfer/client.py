@@ -15,8 +15,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import msgspec
 import zmq
 
+from kvflow.config import KVTransferBackend
 from kvflow.errors import KVFlowError
 from kvflow.kv_offload.disk_tier import TierRead
+from kvflow.kv_transfer.nixl_transport import NixlReader, require_nixl
 from kvflow.kv_transfer.params import RemotePrefill
 from kvflow.kv_transfer.server import FetchReply, FetchRequest
 from kvflow.kv_transfer.shared_memory import host_identity, read_segment
@@ -30,10 +32,15 @@ class KVTransferError(KVFlowError):
 
 
 class KVTransferClient:
-    def __init__(self, timeout_s: float, shared_memory: bool = True) -> None:
+    def __init__(self, timeout_s: float, backend: KVTransferBackend = "auto") -> None:
         self.timeout_s = timeout_s
-        # Asks a prefill server on this machine for a shared-memory segment (shared_memory.py).
-        self.host_id = host_identity() if shared_memory else ""
+        self.backend = backend
+        # auto: asks a prefill server on this machine for a shared-memory segment (shared_memory.py).
+        self.host_id = host_identity() if backend == "auto" else ""
+        self.nixl: NixlReader | None = None
+        if backend == "nixl":
+            require_nixl()
+            self.nixl = NixlReader()
         self._ctx = zmq.Context()
         self._pool = ThreadPoolExecutor(MAX_FETCHES, thread_name_prefix="kv-transfer-fetch")
 
@@ -50,7 +57,9 @@ class KVTransferClient:
         socket.setsockopt(zmq.LINGER, 0)
         try:
             socket.connect(f"tcp://{where}")
-            ask = FetchRequest(remote.transfer_id, remote.fingerprint, first_block, num_blocks, self.host_id)
+            ask = FetchRequest(
+                remote.transfer_id, remote.fingerprint, first_block, num_blocks, self.host_id, self.backend
+            )
             socket.send_multipart([b"", msgspec.msgpack.encode(ask)])
             if not socket.poll(int(self.timeout_s * 1000)):
                 raise KVTransferError(
@@ -64,7 +73,18 @@ class KVTransferClient:
         if reply.error is not None:
             raise KVTransferError(f"the prefill instance at {where}: {reply.error}")
         payloads: Sequence[bytes | memoryview] = frames
-        if reply.segment is not None:
+        if reply.nixl_descriptors and self.nixl is not None:
+            try:
+                payloads = self.nixl.read(
+                    remote.transfer_id,
+                    reply.nixl_metadata,
+                    reply.nixl_descriptors,
+                    reply.sizes,
+                    self.timeout_s,
+                )
+            except (TimeoutError, RuntimeError) as exc:
+                raise KVTransferError(f"the prefill instance at {where}: {exc}") from None
+        elif reply.segment is not None:
             try:
                 payloads = read_segment(reply.segment, reply.sizes)
             except (OSError, ValueError) as exc:  # gone (read past its deadline) or not the one named

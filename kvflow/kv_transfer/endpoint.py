@@ -43,7 +43,7 @@ class KVTransferEndpoint:
                 "KV transfer (prefill role): serving prompts' KV on %s:%d", self.host, self.server.port
             )
         else:
-            self.client = KVTransferClient(cache.kv_transfer_timeout)
+            self.client = KVTransferClient(cache.kv_transfer_timeout, cache.kv_transfer_backend)
             logger.info("KV transfer (decode role): prompts marked do_remote_prefill fetch their KV")
 
     def accept(self, request: Request, params: dict[str, Any] | None) -> None:

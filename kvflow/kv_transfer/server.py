@@ -1,12 +1,14 @@
 """Prefill side: the ZeroMQ ROUTER socket a decode instance fetches a prompt's KV from.
 
 One request, one reply (frames):
-    request  [msgpack {"transfer_id", "fingerprint", "first_block", "num_blocks", "host_id"}]
-    reply    [msgpack {"error": str | None, "block_hashes": [hex], "segment", "sizes"}, payload, ...]
-Payloads go out as their own frames (ZeroMQ sends them without another copy), or, when the decode
+    request  [msgpack {"transfer_id", "fingerprint", "first_block", "num_blocks", "host_id", "backend"}]
+    reply    [msgpack {"error": str | None, "block_hashes": [hex], "sizes", "segment", "nixl_metadata",
+              "nixl_descriptors"}, payload, ...]
+Payloads go out as their own frames (ZeroMQ sends them without another copy); or, when the decode
 side's host_id is this machine's, in one shared-memory segment the reply names (no payload frames;
-kvflow/kv_transfer/shared_memory.py). The reply carries the hashes of the blocks it sends, so the
-decode side checks they are the blocks of its own prompt.
+kvflow/kv_transfer/shared_memory.py); or, when the decode side asks for NIXL, staged in a registered
+buffer it READs (kvflow/kv_transfer/nixl_transport.py). The reply carries the hashes of the blocks
+it sends, so the decode side checks they are the blocks of its own prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import zmq
 
 from kvflow.config import ConfigError
 from kvflow.kv_transfer.exports import KVExports
+from kvflow.kv_transfer.nixl_transport import NixlExports, nixl_available
 from kvflow.kv_transfer.shared_memory import (
     SegmentJanitor,
     host_identity,
@@ -37,13 +40,16 @@ class FetchRequest(msgspec.Struct):
     first_block: int
     num_blocks: int
     host_id: str = ""  # the decode side's machine (shared_memory.host_identity); "": TCP only
+    backend: str = "auto"  # "nixl": stage the blocks for a NIXL READ
 
 
 class FetchReply(msgspec.Struct):
     error: str | None
     block_hashes: list[str]
+    sizes: list[int] = []  # bytes of each payload in the segment or the NIXL buffer
     segment: str | None = None  # a shared-memory segment holding the payloads, in order
-    sizes: list[int] = []  # bytes of each payload in the segment
+    nixl_metadata: bytes = b""  # this prefill's NIXL agent: its connection and the staged buffer
+    nixl_descriptors: bytes = b""  # its staged buffer's serialized descriptors
 
 
 class KVTransferServer:
@@ -55,6 +61,8 @@ class KVTransferServer:
         # Same-machine fetches get a shared-memory segment; one unread past segment_keep_s is dropped.
         self.host_id = host_identity() if shared_memory_usable() else ""
         self.segments = SegmentJanitor(segment_keep_s)
+        self.segment_keep_s = segment_keep_s
+        self.nixl: NixlExports | None = None  # started by the first NIXL fetch
         self._ctx = zmq.Context()
         self._socket = self._ctx.socket(zmq.ROUTER)
         try:
@@ -73,6 +81,8 @@ class KVTransferServer:
     def _run(self) -> None:
         while not self._stop.is_set():
             self.segments.sweep()
+            if self.nixl is not None:
+                self.nixl.sweep()
             if not self._socket.poll(POLL_MS):
                 continue
             identity, *frames = self._socket.recv_multipart()
@@ -100,6 +110,9 @@ class KVTransferServer:
         end = ask.first_block + ask.num_blocks
         hashes = [h.hex() for h in export.block_hashes[ask.first_block : end]]
         payloads = export.payloads[ask.first_block : end]
+        sizes = [len(p) for p in payloads]
+        if ask.backend == "nixl":
+            return [msgspec.msgpack.encode(self._stage_for_nixl(ask, hashes, payloads, sizes))]
         if self.host_id and ask.host_id == self.host_id:
             try:
                 segment = write_segment(payloads)
@@ -107,11 +120,23 @@ class KVTransferServer:
                 logger.warning("KV transfer: shared memory unavailable (%s); sending over TCP", exc)
             else:
                 self.segments.add(segment)
-                return [msgspec.msgpack.encode(FetchReply(None, hashes, segment, [len(p) for p in payloads]))]
+                return [msgspec.msgpack.encode(FetchReply(None, hashes, sizes, segment))]
         return [msgspec.msgpack.encode(FetchReply(None, hashes)), *payloads]
+
+    def _stage_for_nixl(
+        self, ask: FetchRequest, hashes: list[str], payloads: list[bytes], sizes: list[int]
+    ) -> FetchReply:
+        if not nixl_available():
+            return FetchReply("this prefill instance has no NIXL (pip install nixl-cu12 beside kvflow)", [])
+        if self.nixl is None:
+            self.nixl = NixlExports(self.segment_keep_s)
+        metadata, descriptors = self.nixl.stage(ask.transfer_id, payloads)
+        return FetchReply(None, hashes, sizes, nixl_metadata=metadata, nixl_descriptors=descriptors)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2 * POLL_MS / 1000)
         self._ctx.destroy(linger=0)
         self.segments.close()
+        if self.nixl is not None:
+            self.nixl.close()

@@ -65,7 +65,7 @@ def test_same_machine_fetches_go_through_one_segment_read_once(
 @pytest.mark.parametrize("how", ["client opts out", "another machine"])
 def test_other_clients_get_frames_over_tcp(server: KVTransferServer, how: str) -> None:
     before = _segments()
-    client = KVTransferClient(timeout_s=10, shared_memory=how != "client opts out")
+    client = KVTransferClient(timeout_s=10, backend="tcp" if how == "client opts out" else "auto")
     if how == "another machine":
         client.host_id = "elsewhere/boot/1"
     try:
