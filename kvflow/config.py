@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from kvflow.errors import InvalidRequestError
+from kvflow.reasoning import ReasoningParserName
 
 DType = Literal["auto", "float32", "bfloat16", "float16"]
 QuantizedKVDType = Literal["fp8_e4m3", "int8", "int4"]
@@ -79,8 +80,19 @@ class ModelConfig:
         },
     )
 
+    reasoning_parser: ReasoningParserName | None = field(
+        default=None,
+        metadata={
+            "help": "split a reasoning model's <think>...</think> text into reasoning_content (vLLM's flag): "
+            "deepseek_r1 (DeepSeek-R1, V3.1+), qwen3 (Qwen3, QwQ); structured outputs and tool calls are "
+            "then constrained after the reasoning (kvflow/reasoning.py)"
+        },
+    )
+
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DType)
+        if self.reasoning_parser is not None:
+            _check_choice("reasoning_parser", self.reasoning_parser, ReasoningParserName)
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
 

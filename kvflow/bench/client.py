@@ -171,7 +171,11 @@ class StreamParser:
     def _text_and_kind(self, choice: dict[str, Any]) -> tuple[str, ChunkKind]:
         if self.endpoint == "chat":
             delta = choice.get("delta") or {}
-            text = delta.get("content") or ""
+            # Reasoning tokens are output tokens too (their gaps are ITL, their time TPOT): vLLM and
+            # SGLang send them as reasoning_content (newer vLLM: reasoning), llama-server likewise.
+            text = (delta.get("content") or "") + (
+                delta.get("reasoning_content") or delta.get("reasoning") or ""
+            )
             if delta.get("role") and not text and choice.get("finish_reason") is None:
                 return "", "role"
             return text, "content"

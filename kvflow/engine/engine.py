@@ -37,6 +37,7 @@ from kvflow.kv_transfer.imports import KVImports
 from kvflow.outputs import ModelRunnerOutput, RequestOutput, TokenLogprobs
 from kvflow.parallel.errors import WorkerDiedError
 from kvflow.parallel.executor import TensorParallelDriver
+from kvflow.reasoning import get_reasoning_parser
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
 from kvflow.scheduler_output import SchedulerOutput
@@ -131,7 +132,8 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self._request_counter = itertools.count()
         self.last_step_stats: StepStats | None = None
-        self.structured = StructuredOutputManager(self.tokenizer)
+        self.reasoning = get_reasoning_parser(config.model_config.reasoning_parser)
+        self.structured = StructuredOutputManager(self.tokenizer, self.reasoning)
 
     def _size_kv_pool(self, loaded: LoadedModel) -> int:
         """Usable KV blocks (the null block comes on top) for the configured memory; logs the pool."""

@@ -295,6 +295,7 @@ class DeltaToolCall(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # --reasoning-parser: the text inside <think> ... </think>
     tool_calls: list[ToolCall] | None = None
 
 
@@ -321,6 +322,7 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

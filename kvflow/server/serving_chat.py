@@ -10,6 +10,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from kvflow.outputs import RequestOutput, TokenLogprobs
+from kvflow.reasoning import ReasoningStreamer
 from kvflow.request import Request
 from kvflow.server.chat_content import check_template_kwargs, template_messages
 from kvflow.server.errors import APIError
@@ -118,8 +119,15 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
         response_id: str,
         tools: ToolPlan | None = None,
         prompt_logprobs: int | None = None,
+        prompt_text: str | None = None,
     ) -> None:
         super().__init__(response_id, ctx.served_model_name)
+        # --reasoning-parser: the output splits into reasoning and content (kvflow/reasoning.py).
+        self.reasoning = ctx.engine.engine.reasoning
+        self.prompt_open = (
+            self.reasoning is not None and self.reasoning.prompt_state(prompt_text or "") == "open"
+        )
+        self._reasoning_streams: dict[int, ReasoningStreamer] = {}  # per choice index
         self.ctx = ctx
         self.n = n
         self.top_n = top_n  # top_logprobs per token (0: the sampled token's only)
@@ -142,15 +150,18 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
         if output.delta_logprobs is not None:
             logprobs = chat_logprobs(self.ctx, output.delta_token_ids, output.delta_logprobs, self.top_n)
         out = output.outputs[0]
-        delta = DeltaMessage(content=output.delta_text)
+        reasoning, text = self._split_delta(index, output.delta_text, output.finished)
+        held_back = self.reasoning is not None and not (reasoning or text)  # half a marker, say
+        delta = DeltaMessage(content=None if reasoning and not text else text, reasoning_content=reasoning)
         finish_reason = out.finish_reason
-        if self.tools is not None:
+        if self.tools is not None:  # tool calls are read from the content, after the reasoning
             streamer = self._tool_streams.setdefault(index, ToolCallStreamer(self.tools))
-            content, calls = streamer.feed(output.delta_text, output.finished)
-            delta = DeltaMessage(content=content, tool_calls=calls or None)
+            content, calls = streamer.feed(text, output.finished)
+            delta = DeltaMessage(content=content, reasoning_content=reasoning, tool_calls=calls or None)
             finish_reason = streamer.finish_reason(finish_reason)
-            if content is None and not calls and not output.finished and logprobs is None:
-                return None
+            held_back = content is None and not calls and not reasoning
+        if held_back and not output.finished and logprobs is None:
+            return None
         return ChatStreamChoice(
             index=index,
             delta=delta,
@@ -158,6 +169,16 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
             finish_reason=finish_reason,
             stop_reason=out.stop_reason,
         )
+
+    def _split_delta(self, index: int, delta: str, finished: bool) -> tuple[str | None, str]:
+        """(reasoning delta or None, content delta) of one choice's output delta."""
+        if self.reasoning is None:
+            return None, delta
+        streamer = self._reasoning_streams.setdefault(
+            index, ReasoningStreamer(self.reasoning, self.prompt_open)
+        )
+        reasoning, content = streamer.feed(delta, finished)
+        return reasoning, content or ""
 
     def final_choice(self, index: int, final: RequestOutput) -> ChatChoice:
         if self.prompt_logprobs is not None and final.prompt_logprobs is not None and index == 0:
@@ -169,9 +190,15 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
         logprobs = None
         if out.logprobs is not None:
             logprobs = chat_logprobs(self.ctx, out.token_ids, out.logprobs, self.top_n)
-        message, finish_reason = ChatResponseMessage(content=out.text), out.finish_reason
-        if self.tools is not None:
-            message, finish_reason = final_message(self.tools, out.text, finish_reason)
+        reasoning, text = None, out.text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.split(out.text, self.prompt_open)
+            text = content or ""
+        message = ChatResponseMessage(content=None if reasoning and not text else text)
+        finish_reason = out.finish_reason
+        if self.tools is not None:  # tool calls are read from the content, after the reasoning
+            message, finish_reason = final_message(self.tools, text, finish_reason)
+        message.reasoning_content = reasoning
         return ChatChoice(
             index=index,
             message=message,
@@ -213,5 +240,5 @@ async def create_chat_completion(
 
     prompt, requests, tools = await off_loop(prepare)
     response_id = f"{ID_PREFIX}-{raw.state.request_id}"
-    builder = ChatResponseBuilder(ctx, body.n, top_n, response_id, tools, body.prompt_logprobs)
+    builder = ChatResponseBuilder(ctx, body.n, top_n, response_id, tools, body.prompt_logprobs, prompt.text)
     return await serve_choices(ctx, raw, body, [prompt], requests, builder)

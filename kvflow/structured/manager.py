@@ -12,6 +12,9 @@ Lifecycle of a constrained request (all calls from the engine thread unless note
                          thread while the model runs the forward pass; the runner waits for it only
                          right before sampling
   accept(request, ids)   after the step: the matcher advances on the request's new output tokens
+With a reasoning parser (`--reasoning-parser`), a request's ReasoningGate (reasoning_gate.py) holds
+its grammar back while the output is inside the reasoning: no mask, nothing consumed, until
+`</think>`; the grammar then starts on the tokens after it.
 
 The matcher only ever sees output tokens, and a request keeps its outputs through preemption
 (recompute re-prefills prompt + outputs, then samples the next token), chunked prefill (no sampling
@@ -36,16 +39,19 @@ import llguidance.numpy as llg_numpy
 import numpy as np
 
 from kvflow.errors import InvalidRequestError
+from kvflow.reasoning import ReasoningParser
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.scheduler_output import GrammarBitmask, SchedulerOutput
 from kvflow.structured.backend import GrammarBackend
 from kvflow.structured.grammar_spec import GrammarSpec, build_grammar
+from kvflow.structured.reasoning_gate import ReasoningGate
 from kvflow.tokenizer import Tokenizer
 
 # Distinct compiled grammars kept (least recently used dropped first). A template is a few hundred KB
 # at most for large schemas; 256 covers a server's recurring schemas and tool sets.
 MAX_CACHED_GRAMMARS = 256
+Work = tuple[llguidance.LLMatcher, list[int], int | None]  # a row group of fill_bitmask (see _fill)
 
 
 class RequestGrammar:
@@ -56,6 +62,7 @@ class RequestGrammar:
         self.compiled: Future[llguidance.LLMatcher] | None = None
         self.matcher: llguidance.LLMatcher | None = None
         self.submit_time: float | None = None
+        self.gate: ReasoningGate | None = None  # with a reasoning parser
 
     @property
     def is_terminated(self) -> bool:
@@ -64,8 +71,9 @@ class RequestGrammar:
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, reasoning: ReasoningParser | None = None) -> None:
         self._tokenizer = tokenizer
+        self._reasoning = reasoning
         # One compile thread: compiles are milliseconds, and the engine thread must keep a core.
         self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-grammar")
         self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-bitmask")
@@ -110,6 +118,8 @@ class StructuredOutputManager:
         state: RequestGrammar = request.structured_state
         state.submit_time = time.monotonic()
         state.compiled = self._compiled(state.spec)
+        if self._reasoning is not None:
+            state.gate = ReasoningGate.for_prompt(self._reasoning, self._tokenizer, request.prompt_token_ids)
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._pending[request.request_id] = request
 
@@ -180,18 +190,21 @@ class StructuredOutputManager:
         """The allowed tokens of every constrained row that samples this step, filled in the mask
         thread. None when no such row. The matchers must not be touched until the result is waited for."""
         rows: dict[str, int] = {}
-        work: list[tuple[llguidance.LLMatcher, list[int]]] = []  # (matcher, drafts), 1 + k rows each
+        work: list[Work] = []  # (matcher, drafts, a token allowed beside the grammar's), 1 + k rows each
         num_rows = 0
         for scheduled in scheduler_output.scheduled:
             request = requests.get(scheduled.request_id)
             if not scheduled.do_sample or request is None or request.structured_state is None:
                 continue
+            gate: ReasoningGate | None = request.structured_state.gate
+            if gate is not None and gate.holds:
+                continue  # inside the reasoning: unconstrained
             matcher = request.structured_state.matcher
             assert matcher is not None, "a constrained request was scheduled before its grammar was ready"
             drafts = scheduled.token_ids[len(scheduled.token_ids) - scheduled.num_spec_tokens :]
             rows[scheduled.request_id] = num_rows
             num_rows += 1 + len(drafts)
-            work.append((matcher, drafts))
+            work.append((matcher, drafts, None if gate is None else gate.extra_token))
         if not work:
             return None
         assert self._backend is not None and self._backend.done()
@@ -207,6 +220,8 @@ class StructuredOutputManager:
             state: RequestGrammar | None = request.structured_state
             if state is None or state.matcher is None or not request.spec_token_ids:
                 continue
+            if state.gate is not None and state.gate.phase != "constrained":
+                continue  # the reasoning is free; its drafts go to the verifier as they are
             num_valid = state.matcher.try_consume_tokens(request.spec_token_ids)
             if num_valid:
                 state.matcher.rollback(num_valid)
@@ -219,9 +234,14 @@ class StructuredOutputManager:
     def accept(request: Request, token_ids: list[int]) -> str | None:
         """Advance the request's matcher; returns an error when a token breaks the grammar (possible
         only if something outside the mask chose it, e.g. a stop token id), else None."""
-        matcher = request.structured_state.matcher
+        state: RequestGrammar = request.structured_state
+        matcher = state.matcher
         if matcher is None:
             return None
+        if state.gate is not None:
+            token_ids = state.gate.feed(token_ids)
+            if not token_ids:
+                return None
         if not matcher.consume_tokens(token_ids):
             return f"token(s) {token_ids} violate the grammar: {matcher.get_error()}"
         return None
@@ -231,13 +251,16 @@ class StructuredOutputManager:
         self._fill_pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _fill(work: list[tuple[llguidance.LLMatcher, list[int]]], num_rows: int, width: int) -> Any:
-    """[num_rows, width] int32 (bit set = allowed): per (matcher, drafts), 1 + len(drafts) rows: the
-    mask now, then after each draft (consumed, then rolled back: the matcher ends where it started)."""
+def _fill(work: list[Work], num_rows: int, width: int) -> Any:
+    """[num_rows, width] int32 (bit set = allowed): per (matcher, drafts, extra), 1 + len(drafts) rows:
+    the mask now (with `extra` allowed too), then after each draft (consumed, then rolled back: the
+    matcher ends where it started)."""
     bitmask = np.empty((num_rows, width), dtype=np.int32)
     row = 0
-    for matcher, drafts in work:
+    for matcher, drafts, extra in work:
         llg_numpy.fill_next_token_bitmask(matcher, bitmask, row)
+        if extra is not None:
+            bitmask.view(np.uint32)[row, extra // 32] |= np.uint32(1 << (extra % 32))
         for draft in drafts:
             row += 1
             if not matcher.consume_token(draft):  # check_drafts kept only valid drafts

@@ -1,5 +1,7 @@
 """kvflow bench against a server that streams with fixed, known delays: the reported TTFT, ITL and
-TPOT land within a few ms of the delays it was built with (medians: robust to a busy machine)."""
+TPOT land within a few ms of the delays it was built with (medians: robust to a busy machine). The
+chat stream is a reasoning model's: its first REASONING_CHUNKS chunks are `reasoning_content`, which
+are output tokens like any other (TTFT is the first of them; vllm-project/vllm#27485 counts them not)."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ GAP_S = 0.050
 # every per-token gap is GAP_S while the per-chunk gaps are GAP_S, GAP_S, 2 * GAP_S, GAP_S.
 SCHEDULE = ((0.0, 1), (GAP_S, 1), (2 * GAP_S, 1), (4 * GAP_S, 2), (5 * GAP_S, 1))
 NUM_TOKENS = sum(n for _, n in SCHEDULE)
+REASONING_CHUNKS = 2
 # Tolerances for medians: asyncio timers, loopback and JSON on a shared 2-core machine. A request's
 # round trip (client -> uvicorn -> first byte back) adds to TTFT and end-to-end latency, never takes
 # away: 3-5 ms on a quiet Zen 4 machine, 10-21 ms on a Zen 3 one, 46 ms once on a loaded CI runner.
@@ -51,11 +54,12 @@ def fixed_delay_app() -> FastAPI:
             )
             yield "\n\n"
         sent = 0
-        for offset, n in SCHEDULE:
+        for i, (offset, n) in enumerate(SCHEDULE):
             await asyncio.sleep(max(0.0, start + TTFT_S + offset - time.perf_counter()))
             sent += n
             text = "x" * n
-            choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
+            part = "reasoning_content" if i < REASONING_CHUNKS else "content"
+            choice = {"index": 0, "delta": {part: text}} if chat else {"index": 0, "text": text}
             usage = {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent}
             yield "data: " + json.dumps({"choices": [choice], "usage": usage}) + "\n\n"
         usage = {"prompt_tokens": 5, "completion_tokens": sent, "total_tokens": 5 + sent}
