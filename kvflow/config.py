@@ -268,9 +268,19 @@ class CacheConfig:
             )
 
 
+SchedulingPolicy = Literal["fcfs", "priority"]
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata={"help": "maximum requests running at once"})
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs: arrival order; priority: by the request's priority (lower value first, vLLM's "
+            "convention), arrival order within one, and KV pressure preempts the lowest priority first"
+        },
+    )
     max_num_batched_tokens: int = field(
         default=512,
         metadata={
@@ -280,6 +290,7 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_choice("scheduling_policy", self.scheduling_policy, SchedulingPolicy)
         if self.max_num_seqs < 1:
             raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

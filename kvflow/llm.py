@@ -22,10 +22,12 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion; outputs come back in the order of `prompts`.
 
-        A prompt is a string or a list of token ids; a single prompt may be passed bare.
+        A prompt is a string or a list of token ids; a single prompt may be passed bare. `priority`:
+        one per prompt, lower first (with `scheduling_policy="priority"`), as vLLM's LLM.generate.
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts)
@@ -34,11 +36,14 @@ class LLM:
         else:
             prompt_list = list(prompts)  # type: ignore[arg-type]
         params = broadcast_sampling_params(sampling_params, len(prompt_list))
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError(f"priority has {len(priorities)} values for {len(prompt_list)} prompts")
         engine = self.llm_engine
         ids: list[str] = []
         try:
-            for prompt, p in zip(prompt_list, params, strict=False):
-                ids.append(engine.add_request(None, prompt, p))
+            for prompt, p, rank in zip(prompt_list, params, priorities, strict=False):
+                ids.append(engine.add_request(None, prompt, p, priority=rank))
             finished: dict[str, RequestOutput] = {}
             while engine.has_unfinished_requests():
                 for out in engine.step():

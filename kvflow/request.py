@@ -48,9 +48,12 @@ class Request:
         eos_token_ids: frozenset[int] = frozenset(),
         arrival_time: float | None = None,
         prompt: str | None = None,
+        priority: int = 0,
     ) -> None:
         self.request_id = request_id
         self.prompt = prompt
+        # --scheduling-policy priority: lower values are served first (vLLM's convention).
+        self.priority = priority
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.eos_token_ids = eos_token_ids

@@ -310,12 +310,19 @@ class LLMEngine:
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
         add_special_tokens: bool = True,
+        priority: int = 0,
     ) -> Request:
         """Validate and tokenize a request without touching engine state (safe from any thread).
 
         `add_special_tokens=False` for text that already carries them (a rendered chat template).
+        `priority`: lower first, under scheduling_policy "priority" (refused, unless 0, under fcfs).
         Raises InvalidRequestError / PromptTooLongError."""
         params = sampling_params or SamplingParams()
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise InvalidRequestError(
+                f"priority {priority}: this engine schedules first come, first served; start it with "
+                "--scheduling-policy priority"
+            )
         grammar = self.structured.prepare(params)  # a bad schema / regex / grammar raises here
         if params.prompt_logprobs is not None and self.parallel is not None:
             # The workers compute the LM head's shards only for the rows rank 0 samples (the step
@@ -336,6 +343,7 @@ class LLMEngine:
             self.tokenizer.eos_token_ids,
             arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
             prompt=text,
+            priority=priority,
         )
         request.structured_state = grammar
         return request
@@ -361,10 +369,11 @@ class LLMEngine:
         prompt: Prompt,
         sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> str:
         """Validate, tokenize and queue a request; returns its id. Raises InvalidRequestError."""
         return self.add_processed_request(
-            self.make_request(request_id, prompt, sampling_params, arrival_time)
+            self.make_request(request_id, prompt, sampling_params, arrival_time, priority=priority)
         )
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:

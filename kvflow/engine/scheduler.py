@@ -7,6 +7,9 @@ Each step fills a token budget (`max_num_batched_tokens`):
      freed, recomputed later: prefix caching usually turns that into cache hits);
   2. then, if nothing was preempted, waiting requests in FCFS order (no skipping: a request that
      does not fit blocks those behind it, so long prompts cannot starve).
+With `scheduling_policy="priority"` (vLLM's), "admission order" and "FCFS" read (priority, arrival):
+both queues are kept in that order (request_queue.py), so a high-priority arrival is admitted
+next and KV pressure preempts the lowest-priority running request first.
 Progress guarantee: the first running request is never preempted (victims are taken from the end
 and never include a request scheduled earlier in the step); alone and out of blocks, it is finished
 with stop_reason "kv_cache_full". So every step either computes a token or finishes a request.
@@ -18,12 +21,13 @@ schedule() itself finished.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvflow.config import CacheConfig, SchedulerConfig
+from kvflow.engine.request_queue import RequestQueue, priority_key
 from kvflow.errors import InvalidRequestError, KVFlowError, PromptTooLongError
 from kvflow.kv_cache.block_pool import IntegrityError
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
@@ -73,7 +77,8 @@ class Scheduler:
             sliding_window,
             kv_cache_config,
         )
-        self.waiting: deque[Request] = deque()  # WAITING or PREEMPTED, no KV blocks
+        # WAITING or PREEMPTED, no KV blocks, in the scheduling policy's order (request_queue.py).
+        self.waiting = RequestQueue(scheduler_config.scheduling_policy)
         self.running: list[Request] = []  # RUNNING, in admission order, holding KV blocks
         self.requests: dict[str, Request] = {}  # every unfinished request (waiting or running)
         # Finished/aborted since the last schedule(): the runner drops their per-request state.
@@ -186,7 +191,7 @@ class Scheduler:
                 self._finish(request, RequestStatus.FINISHED_LENGTH_CAPPED, KV_CACHE_FULL)
                 self._finished_in_schedule.append(request)
                 return False
-            victim = self.running[-1]
+            victim = self.running[-1]  # the newest (priority policy: the lowest priority, then newest)
             self._preempt(victim)
             preempted_ids.append(victim.request_id)
             if victim is request:
@@ -199,9 +204,9 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.timeline.num_preemptions += 1
-        # Front of the queue: victims leave `running` newest first, so successive appendlefts put
+        # Front of the queue (fcfs): victims leave `running` newest first, so successive put_backs put
         # the older victim ahead of the newer one and admission order is preserved.
-        self.waiting.appendleft(request)
+        self.waiting.put_back(request)
 
     def _schedule_waiting(self, budget: int, now: float, scheduled: list[ScheduledRequest]) -> None:
         manager = self.kv_cache_manager
@@ -209,7 +214,7 @@ class Scheduler:
         # they keep their place in the queue.
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.scheduler_config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if request.status is RequestStatus.WAITING_FOR_GRAMMAR:
                 skipped.append(self.waiting.popleft())
                 continue
@@ -241,10 +246,20 @@ class Scheduler:
                 request.timeline.num_cached_prompt_tokens = num_hit_tokens + num_restored
             request.num_computed_tokens = num_hit_tokens + num_restored
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._admit(request)
             scheduled.append(self._make_scheduled(request, num_new, now))
             budget -= num_new
-        self.waiting.extendleft(reversed(skipped))
+        for request in reversed(skipped):
+            self.waiting.put_back(request)
+
+    def _admit(self, request: Request) -> None:
+        """Into `running`: at the end (fcfs), or in priority order, so that `running` is served
+        highest priority first and preempted from its lowest-priority end."""
+        if self.waiting.policy == "fcfs":
+            self.running.append(request)
+            return
+        keys = [priority_key(r) for r in self.running]
+        self.running.insert(bisect.bisect_right(keys, priority_key(request)), request)
 
     def _plan_restore(self, request: Request, num_hit_tokens: int) -> TierRead | None:
         """Blocks past the pool's hit from the request's prefill instance (decode role), else from

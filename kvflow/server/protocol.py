@@ -124,6 +124,8 @@ class _SamplingFields(_Request):
     kvflow: KVFlowOptions | None = None
     # Prefill/decode disaggregation, as vLLM's router and proxies send it (kvflow/kv_transfer/params.py).
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's: with --scheduling-policy priority, lower values are served first; 400 otherwise unless 0.
+    priority: Int = 0
 
 
 class CompletionRequest(_SamplingFields):

@@ -178,7 +178,11 @@ def build_requests(
             seed = None if body.seed is None else body.seed + j
             params = sampling_params(body, max_tokens, logprobs, seed, structured_outputs)
             request = ctx.engine.engine.make_request(
-                f"{prefix}-{group}-{p_index * body.n + j}", prompt.token_ids, params, arrival_time
+                f"{prefix}-{group}-{p_index * body.n + j}",
+                prompt.token_ids,
+                params,
+                arrival_time,
+                priority=body.priority,
             )
             request.prompt = prompt.text
             ctx.engine.engine.accept_kv_transfer(request, body.kv_transfer_params)
