@@ -457,76 +457,91 @@ def _hybrid_fields(
 
 def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEConfig | None:
     """The MoE switches of `arch`'s config.json; an unsupported variant names its config key."""
-    if arch not in MOE_ARCHITECTURES + MLA_ARCHITECTURES + (
-        "GptOssForCausalLM",
-        "Qwen3NextForCausalLM",
-        V4_ARCHITECTURE,
-    ):
-        return None
+    reader = _MOE_READERS.get(arch)
+    if reader is None:
+        if arch not in MLA_ARCHITECTURES:
+            return None
+        reader = _deepseek_moe  # DeepSeek V2 / V3 / V3.2
     if cfg.get("mlp_bias"):
         raise ModelLoadError(f"{source}: mlp_bias=true is not supported for mixture-of-experts models")
-    if arch == "MixtralForCausalLM":
-        num_experts = _int(cfg, "num_local_experts", source)
-        top_k = _int(cfg, "num_experts_per_tok", source)
-        moe = MoEConfig(num_experts, top_k, _int(cfg, "intermediate_size", source), norm_topk_prob=True)
-        return _checked_moe(moe, (True,) * num_layers, source)
-    if arch == "GptOssForCausalLM":
-        # Routing: the top-k router logits (with bias), softmaxed among themselves: the same weights as
-        # a softmax over all experts renormalised over the top k (norm_topk_prob).
-        moe = MoEConfig(
-            _int(cfg, "num_local_experts", source),
-            _int(cfg, "num_experts_per_tok", source),
-            _int(cfg, "intermediate_size", source),
-            norm_topk_prob=True,
-            router_bias=True,
-            expert_bias=True,
-            swiglu_limit=_as_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
-            swiglu_alpha=_as_float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA), "swiglu_alpha", source),
-        )
-        return _checked_moe(moe, (True,) * num_layers, source)
-    if arch in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
-        # Hub configs say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts.
-        num_experts = _int(cfg, "num_experts" if "num_experts" in cfg else "num_local_experts", source)
-        step = _int(cfg, "decoder_sparse_step", source, 1)
-        if step < 1:
-            raise ModelLoadError(f"{source}: field 'decoder_sparse_step' must be positive, got {step}")
-        dense = set(cfg.get("mlp_only_layers") or [])
-        sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
-        has_shared = arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
-        shared = _int(cfg, "shared_expert_intermediate_size", source, 0) if has_shared else 0
-        moe = MoEConfig(
-            num_experts,
-            _int(cfg, "num_experts_per_tok", source),
-            _int(cfg, "moe_intermediate_size", source),
-            norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-            shared_intermediate_size=shared,
-            shared_expert_gate=shared > 0,
-        )
-        return _checked_moe(moe, sparse, source)
-    if arch == V4_ARCHITECTURE:
-        # Every layer routed: the top k of score + correction bias, weights renormalised (always,
-        # as the reference does) and scaled; the first hash layers choose by a token-id table.
-        scoring = str(cfg.get("scoring_func") or "sqrtsoftplus")
-        if scoring not in SCORING_FUNCS:
-            raise ModelLoadError(f"{source}: scoring_func {scoring!r} is not supported ({SCORING_FUNCS})")
-        expert_size = _int(cfg, "moe_intermediate_size", source)
-        limit = cfg.get("swiglu_limit")
-        moe = MoEConfig(
-            _int(cfg, "n_routed_experts", source),
-            _int(cfg, "num_experts_per_tok", source),
-            expert_size,
-            scoring_func=scoring,
-            norm_topk_prob=True,
-            routed_scaling_factor=_as_float(
-                cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor", source
-            ),
-            shared_intermediate_size=expert_size * _int(cfg, "n_shared_experts", source, 0),
-            swiglu_limit=None if not limit else _as_float(limit, "swiglu_limit", source),
-            swiglu_style="silu",
-            score_correction_bias=True,
-            hash_layers=compressed_attention_config(cfg, num_layers, source).hash_layers,
-        )
-        return _checked_moe(moe, (True,) * num_layers, source)
+    moe, sparse = reader(cfg, arch, num_layers, source)
+    return _checked_moe(moe, sparse, source)
+
+
+MoEReading = tuple[MoEConfig, tuple[bool, ...]]  # the config and which layers route
+
+
+def _mixtral_moe(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEReading:
+    num_experts = _int(cfg, "num_local_experts", source)
+    top_k = _int(cfg, "num_experts_per_tok", source)
+    moe = MoEConfig(num_experts, top_k, _int(cfg, "intermediate_size", source), norm_topk_prob=True)
+    return moe, (True,) * num_layers
+
+
+def _gpt_oss_moe(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEReading:
+    # Routing: the top-k router logits (with bias), softmaxed among themselves: the same weights as
+    # a softmax over all experts renormalised over the top k (norm_topk_prob).
+    moe = MoEConfig(
+        _int(cfg, "num_local_experts", source),
+        _int(cfg, "num_experts_per_tok", source),
+        _int(cfg, "intermediate_size", source),
+        norm_topk_prob=True,
+        router_bias=True,
+        expert_bias=True,
+        swiglu_limit=_as_float(cfg.get("swiglu_limit", 7.0), "swiglu_limit", source),
+        swiglu_alpha=_as_float(cfg.get("swiglu_alpha", GPT_OSS_SWIGLU_ALPHA), "swiglu_alpha", source),
+    )
+    return moe, (True,) * num_layers
+
+
+def _qwen_moe(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEReading:
+    # Hub configs say num_experts; transformers 5 writes Qwen3-MoE's as num_local_experts.
+    num_experts = _int(cfg, "num_experts" if "num_experts" in cfg else "num_local_experts", source)
+    step = _int(cfg, "decoder_sparse_step", source, 1)
+    if step < 1:
+        raise ModelLoadError(f"{source}: field 'decoder_sparse_step' must be positive, got {step}")
+    dense = set(cfg.get("mlp_only_layers") or [])
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    has_shared = arch in ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
+    shared = _int(cfg, "shared_expert_intermediate_size", source, 0) if has_shared else 0
+    moe = MoEConfig(
+        num_experts,
+        _int(cfg, "num_experts_per_tok", source),
+        _int(cfg, "moe_intermediate_size", source),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_intermediate_size=shared,
+        shared_expert_gate=shared > 0,
+    )
+    return moe, sparse
+
+
+def _v4_moe(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEReading:
+    # Every layer routed: the top k of score + correction bias, weights renormalised (always,
+    # as the reference does) and scaled; the first hash layers choose by a token-id table.
+    scoring = str(cfg.get("scoring_func") or "sqrtsoftplus")
+    if scoring not in SCORING_FUNCS:
+        raise ModelLoadError(f"{source}: scoring_func {scoring!r} is not supported ({SCORING_FUNCS})")
+    expert_size = _int(cfg, "moe_intermediate_size", source)
+    limit = cfg.get("swiglu_limit")
+    moe = MoEConfig(
+        _int(cfg, "n_routed_experts", source),
+        _int(cfg, "num_experts_per_tok", source),
+        expert_size,
+        scoring_func=scoring,
+        norm_topk_prob=True,
+        routed_scaling_factor=_as_float(
+            cfg.get("routed_scaling_factor", 1.0), "routed_scaling_factor", source
+        ),
+        shared_intermediate_size=expert_size * _int(cfg, "n_shared_experts", source, 0),
+        swiglu_limit=None if not limit else _as_float(limit, "swiglu_limit", source),
+        swiglu_style="silu",
+        score_correction_bias=True,
+        hash_layers=compressed_attention_config(cfg, num_layers, source).hash_layers,
+    )
+    return moe, (True,) * num_layers
+
+
+def _deepseek_moe(cfg: dict[str, Any], arch: str, num_layers: int, source: str) -> MoEReading:
     # DeepSeek V2 / V3. V3 always routes by sigmoid scores with a correction bias (noaux_tc).
     is_v3 = arch in ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
     topk_method = str(cfg.get("topk_method") or ("noaux_tc" if is_v3 else "greedy"))
@@ -537,10 +552,6 @@ def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) ->
         )
     if scoring != ("sigmoid" if topk_method == "noaux_tc" else "softmax"):
         raise ModelLoadError(f"{source}: scoring_func {scoring!r} is not supported with {topk_method}")
-    first_dense = _int(cfg, "first_k_dense_replace", source, 0)
-    freq = _int(cfg, "moe_layer_freq", source, 1)
-    if freq < 1:
-        raise ModelLoadError(f"{source}: field 'moe_layer_freq' must be positive, got {freq}")
     expert_size = _int(cfg, "moe_intermediate_size", source)
     grouped = topk_method != "greedy"
     moe = MoEConfig(
@@ -557,15 +568,32 @@ def _moe_config(cfg: dict[str, Any], arch: str, num_layers: int, source: str) ->
         topk_group=_int(cfg, "topk_group", source, 1) if grouped and cfg.get("topk_group") else 1,
         shared_intermediate_size=expert_size * _int(cfg, "n_shared_experts", source, 0),
     )
-    sparse = tuple(i >= first_dense and i % freq == 0 for i in range(num_layers))
+    return moe, _deepseek_sparse_layers(cfg, num_layers, source)
+
+
+def _deepseek_sparse_layers(cfg: dict[str, Any], num_layers: int, source: str) -> tuple[bool, ...]:
+    first_dense = _int(cfg, "first_k_dense_replace", source, 0)
+    freq = _int(cfg, "moe_layer_freq", source, 1)
+    if freq < 1:
+        raise ModelLoadError(f"{source}: field 'moe_layer_freq' must be positive, got {freq}")
     mlp_types = cfg.get("mlp_layer_types")  # V3.2 spells the same schedule out per layer
-    if mlp_types is not None:
-        if len(mlp_types) != num_layers or set(mlp_types) - {"dense", "sparse"}:
-            raise ModelLoadError(
-                f"{source}: mlp_layer_types must be dense/sparse for each of {num_layers} layers"
-            )
-        sparse = tuple(t == "sparse" for t in mlp_types)
-    return _checked_moe(moe, sparse, source)
+    if mlp_types is None:
+        return tuple(i >= first_dense and i % freq == 0 for i in range(num_layers))
+    if len(mlp_types) != num_layers or set(mlp_types) - {"dense", "sparse"}:
+        raise ModelLoadError(
+            f"{source}: mlp_layer_types must be dense/sparse for each of {num_layers} layers"
+        )
+    return tuple(t == "sparse" for t in mlp_types)
+
+
+_MOE_READERS = {
+    "MixtralForCausalLM": _mixtral_moe,
+    "GptOssForCausalLM": _gpt_oss_moe,
+    "Qwen2MoeForCausalLM": _qwen_moe,
+    "Qwen3MoeForCausalLM": _qwen_moe,
+    "Qwen3NextForCausalLM": _qwen_moe,
+    V4_ARCHITECTURE: _v4_moe,
+}
 
 
 def _checked_moe(moe: MoEConfig, sparse: tuple[bool, ...], source: str) -> MoEConfig:

@@ -274,18 +274,19 @@ SchedulingPolicy = Literal["fcfs", "priority"]
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = field(default=64, metadata={"help": "maximum requests running at once"})
-    scheduling_policy: SchedulingPolicy = field(
-        default="fcfs",
-        metadata={
-            "help": "fcfs: arrival order; priority: by the request's priority (lower value first, vLLM's "
-            "convention), arrival order within one, and KV pressure preempts the lowest priority first"
-        },
-    )
     max_num_batched_tokens: int = field(
         default=512,
         metadata={
             "help": "token budget per step (prefill chunks + decode tokens); bounds the ITL stall a "
             "prefill chunk causes to the decodes sharing its step"
+        },
+    )
+
+    scheduling_policy: SchedulingPolicy = field(
+        default="fcfs",
+        metadata={
+            "help": "fcfs: arrival order; priority: by the request's priority (lower value first, vLLM's "
+            "convention), arrival order within one, and KV pressure preempts the lowest priority first"
         },
     )
 
@@ -458,6 +459,13 @@ class ServerConfig:
     served_model_name: str | None = field(
         default=None,
         metadata={"help": "the model name clients send; unset: the MODEL path as given (vLLM's default)"},
+    )
+    chat_template: str | None = field(
+        default=None,
+        metadata={
+            "help": "serve chat with this Jinja template instead of the tokenizer's (vLLM's flag): a file "
+            "path, or the template text itself"
+        },
     )
     api_key: str | None = field(
         default=None,

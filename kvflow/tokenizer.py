@@ -26,6 +26,7 @@ import jinja2.parser
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as BackendTokenizer
 
+from kvflow.config import ConfigError
 from kvflow.errors import InvalidRequestError, ModelLoadError
 from kvflow.gguf.gguf_file import is_gguf_path, open_gguf
 from kvflow.gguf.gguf_tokenizer import gguf_tokenizer_parts
@@ -281,6 +282,24 @@ class Tokenizer:
         except Exception as exc:
             message = f"the chat template of {self._name} rejected the messages: {type(exc).__name__}: {exc}"
             raise InvalidRequestError(message) from exc
+
+    def use_chat_template(self, source: str) -> None:
+        """Replace the tokenizer's chat templates with `source` (`--chat-template`): a file path or
+        the template text. ConfigError for a missing file, text that is no template, or bad Jinja."""
+        path = Path(source).expanduser()
+        if path.is_file():
+            text = path.read_text(encoding="utf-8")
+        elif "{{" in source or "{%" in source:
+            text = source
+        else:
+            raise ConfigError(
+                f"chat_template {source!r} is neither a file nor a Jinja template (no {{{{ or {{% in it)"
+            )
+        try:
+            _compile_chat_template(text, self._name)
+        except ModelLoadError as exc:
+            raise ConfigError(f"chat_template: {exc}") from exc
+        self._chat_templates = {"default": text}
 
     def _select_chat_template(self, tools: list[dict[str, Any]] | None) -> str:
         # Same choice as transformers' get_chat_template: "tool_use" when tools are given and it exists.

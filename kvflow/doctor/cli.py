@@ -38,50 +38,27 @@ def add_doctor_parser(sub: Any) -> None:
         nargs="?",
         help="checkpoint directory (config.json alone is enough without --verify); default: bundled model",
     )
-    doctor.add_argument(
+    _add_sources(doctor)
+    _add_calculator(doctor)
+    _add_outputs(doctor)
+    doctor.set_defaults(func=cmd_doctor)
+
+
+def _add_sources(parser: argparse.ArgumentParser) -> None:
+    """Where the doctor's measurements and settings come from."""
+    parser.add_argument(
         "--hardware",
         type=str.lower,  # named_hardware's names are case-insensitive: H100 is h100
         choices=("auto", "cpu", *sorted(NAMED)),
         default="auto",
         help="the roofline's hardware: a datasheet entry, or auto/cpu to measure this machine",
     )
-    doctor.add_argument("--bench", default=None, help="a kvflow bench JSON result to diagnose")
-    doctor.add_argument("--engine-config", default=None, help="JSON of the server's settings")
-    doctor.add_argument(
+    parser.add_argument("--bench", default=None, help="a kvflow bench JSON result to diagnose")
+    parser.add_argument("--engine-config", default=None, help="JSON of the server's settings")
+    parser.add_argument(
         "--metrics-url", default=None, help="the server's /metrics (kvflow: settings from it)"
     )
-    doctor.add_argument(
-        "--context", type=int, default=None, help=f"calculator mode: prompt tokens; unset: {DEFAULT_CONTEXT}"
-    )
-    doctor.add_argument(
-        "--output-len",
-        type=int,
-        default=None,
-        help=f"calculator mode: output tokens; unset: {DEFAULT_OUTPUT_LEN}",
-    )
-    doctor.add_argument(
-        "--concurrency", type=int, default=None, help="calculator mode: requests in flight; unset: 1"
-    )
-    doctor.add_argument(
-        "--kv-cache-dtype",
-        default=None,
-        choices=sorted(DTYPE_BYTES),
-        help="KV storage; unset: the server's setting, else the weight dtype",
-    )
-    doctor.add_argument(
-        "--weight-dtype",
-        default=None,
-        choices=sorted(DTYPE_BYTES),
-        help="weight storage; unset: the server's dtype, else config.json's",
-    )
-    doctor.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="calculator: also predict per-rank memory, all-reduce bytes per token and the decode "
-        "roofline per rank with the model sharded over N ranks (the hardware figures are one rank's)",
-    )
-    doctor.add_argument(
+    parser.add_argument(
         "--replica-metrics",
         nargs="+",
         default=(),
@@ -89,16 +66,54 @@ def add_doctor_parser(sub: Any) -> None:
         help="replicas behind a router: read each one's /metrics now (since it started) into one report; "
         "a --bench result made with kvflow bench --replica-metrics carries its own",
     )
-    doctor.add_argument("--json", action="store_true", help="print the JSON document instead of text")
-    doctor.add_argument("--output", default=None, help="also write the JSON document here")
-    doctor.add_argument("--html", default=None, help="write an HTML report here")
-    doctor.add_argument("--verify", action="store_true", help="kvflow only: apply and measure each what-if")
-    doctor.add_argument(
+
+
+def _add_calculator(parser: argparse.ArgumentParser) -> None:
+    """The calculator's workload and formats (when there is no bench result to read them from)."""
+    parser.add_argument(
+        "--context", type=int, default=None, help=f"calculator mode: prompt tokens; unset: {DEFAULT_CONTEXT}"
+    )
+    parser.add_argument(
+        "--output-len",
+        type=int,
+        default=None,
+        help=f"calculator mode: output tokens; unset: {DEFAULT_OUTPUT_LEN}",
+    )
+    parser.add_argument(
+        "--concurrency", type=int, default=None, help="calculator mode: requests in flight; unset: 1"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        choices=sorted(DTYPE_BYTES),
+        help="KV storage; unset: the server's setting, else the weight dtype",
+    )
+    parser.add_argument(
+        "--weight-dtype",
+        default=None,
+        choices=sorted(DTYPE_BYTES),
+        help="weight storage; unset: the server's dtype, else config.json's",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="calculator: also predict per-rank memory, all-reduce bytes per token and the decode "
+        "roofline per rank with the model sharded over N ranks (the hardware figures are one rank's)",
+    )
+
+
+def _add_outputs(parser: argparse.ArgumentParser) -> None:
+    """What the doctor writes and whether it measures what-ifs."""
+    parser.add_argument("--json", action="store_true", help="print the JSON document instead of text")
+    parser.add_argument("--output", default=None, help="also write the JSON document here")
+    parser.add_argument("--html", default=None, help="write an HTML report here")
+    parser.add_argument("--verify", action="store_true", help="kvflow only: apply and measure each what-if")
+    parser.add_argument(
         "--measure-quantization",
         action="store_true",
         help="measure int8/int4 decode speed with kvflow quant-eval (cached per model and machine)",
     )
-    doctor.set_defaults(func=cmd_doctor)
 
 
 def _settings(args: argparse.Namespace, result: dict[str, Any] | None) -> EngineSettings:

@@ -46,6 +46,8 @@ def build_context(
     """Load the model and wire engine, metrics and serving context (the engine thread is not started).
     `live_doctor`: the dashboard's doctor view (the doctor sits above the server; the CLI passes it)."""
     engine = LLMEngine.from_kwargs(model=model, **engine_kwargs)
+    if config.chat_template is not None:
+        engine.tokenizer.use_chat_template(config.chat_template)
     name = config.served_model_name or model
     metrics = EngineMetrics(name, engine.max_model_len, engine_info(engine))
     if engine.kv_offload_tier is not None:
