@@ -24,9 +24,12 @@ import logging
 import os
 import secrets
 import signal
+import sys
 import threading
 import time
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing import connection
 from multiprocessing.connection import Connection, Listener
@@ -212,7 +215,8 @@ class TensorParallelDriver:
                 name=f"kvflow-tp-rank{rank}",
                 daemon=True,
             )
-            proc.start()
+            with _main_script_hidden():
+                proc.start()
             self._procs[rank] = proc
         ctl = control_store(self.store)
         keys = [ALIVE_KEY.format(rank=r) for r in self._procs]
@@ -392,3 +396,26 @@ class DriverModelRunner(ModelRunner):
             return super().execute_model(scheduler_output)
         except Exception as exc:
             raise self.driver.diagnose(exc) from exc
+
+
+@contextmanager
+def _main_script_hidden() -> Iterator[None]:
+    """While a worker is spawned, `__main__` names no script: a spawned child otherwise re-runs the
+    user's script as `__mp_main__` (multiprocessing's spawn preparation), and a script without an
+    `if __name__ == "__main__":` guard builds a second LLM inside the worker, which dies. The worker
+    needs nothing of it: its target and arguments are kvflow's (vLLM's workers likewise start from
+    its own entry point)."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    spec, path = getattr(main, "__spec__", None), getattr(main, "__file__", None)
+    main.__spec__ = None
+    if path is not None:
+        del main.__file__
+    try:
+        yield
+    finally:
+        main.__spec__ = spec
+        if path is not None:
+            main.__file__ = path
