@@ -26,6 +26,7 @@ from kvflow.server.errors import APIError, error_response, to_api_error, validat
 from kvflow.server.limits import BodyLimitMiddleware
 from kvflow.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from kvflow.server.openapi import install_openapi
+from kvflow.server.routes_anthropic import anthropic_router
 from kvflow.server.routes_openai import openai_router
 from kvflow.server.routes_utility import probe_router, tokenizer_router
 from kvflow.server.serving import ServingContext
@@ -42,6 +43,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     app.add_middleware(RequestIdMiddleware)
     _install_error_handlers(app)
     app.include_router(openai_router(ctx))
+    app.include_router(anthropic_router(ctx))
     app.include_router(tokenizer_router(ctx))
     app.include_router(probe_router(ctx))
     if ctx.dashboard is not None:
@@ -75,24 +77,24 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = validation_message(exc.errors())
-        return error_response(APIError(HTTPStatus.BAD_REQUEST, message, param=param))
+        return error_response(APIError(HTTPStatus.BAD_REQUEST, message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         status = HTTPStatus(exc.status_code)
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return error_response(APIError(status, message, headers=dict(exc.headers or {})))
+        return error_response(APIError(status, message, headers=dict(exc.headers or {})), request.url.path)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(KVFlowError)
     async def on_kvflow_error(request: Request, exc: KVFlowError) -> JSONResponse:
-        return error_response(to_api_error(exc))
+        return error_response(to_api_error(exc), request.url.path)
 
     # The last resort (Starlette calls it from its outermost middleware, so without x-request-id):
     # even a bug answers with the OpenAI error body, never with Starlette's plain-text 500.
     @app.exception_handler(Exception)
     async def on_unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(to_api_error(exc))
+        return error_response(to_api_error(exc), request.url.path)

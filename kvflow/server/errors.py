@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse
 
 from kvflow.engine.async_engine import EngineDeadError
 from kvflow.errors import EngineOverloadedError, InvalidRequestError, RequestFailedError
+from kvflow.server.anthropic_protocol import ANTHROPIC_PATH_PREFIX, anthropic_error_body
 
 logger = logging.getLogger(__name__)
 
@@ -94,12 +95,13 @@ class ErrorJSONResponse(JSONResponse):
         return json.dumps(content, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return ErrorJSONResponse(
-        error_body(error.status, error.message, error.param, error.code),
-        status_code=int(error.status),
-        headers=error.headers,
-    )
+def error_response(error: APIError, path: str = "") -> JSONResponse:
+    """The error in the shape of the API `path` belongs to: Anthropic's for /v1/messages, else OpenAI's."""
+    if path.startswith(ANTHROPIC_PATH_PREFIX):
+        body = anthropic_error_body(error.status, error.message)
+    else:
+        body = error_body(error.status, error.message, error.param, error.code)
+    return ErrorJSONResponse(body, status_code=int(error.status), headers=error.headers)
 
 
 def sse_error(error: APIError) -> str:

@@ -79,7 +79,9 @@ class BodyLimitMiddleware:
             return
         except asyncio.TimeoutError:  # TimeoutError itself only from Python 3.11
             message = f"the request body did not arrive within {self.limits.client_timeout_s:g} s"
-            await error_response(APIError(HTTPStatus.REQUEST_TIMEOUT, message))(scope, receive, send)
+            await error_response(APIError(HTTPStatus.REQUEST_TIMEOUT, message), scope["path"])(
+                scope, receive, send
+            )
             return
         await self.app(scope, _replay(body, receive), send)
 
@@ -105,7 +107,7 @@ class BodyLimitMiddleware:
             f"the request body{size} is larger than this server accepts ({self.limits.max_body_bytes} "
             "bytes, --max-request-body-bytes): send fewer or shorter prompts"
         )
-        response = error_response(APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message))
+        response = error_response(APIError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, message), scope["path"])
         response.headers["connection"] = "close"
         await response(scope, receive, send)
 

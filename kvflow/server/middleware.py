@@ -72,17 +72,23 @@ class ApiKeyMiddleware:
             await self.app(scope, receive, send)
             return
         given = _header(scope, b"authorization")
+        if given is None and _header(scope, b"x-api-key") is not None:  # the anthropic client's header
+            given = f"Bearer {_header(scope, b'x-api-key')}"
         if given is None and _is_dashboard(scope["path"]):
             dashboard_key = _dashboard_key(scope)
             given = None if dashboard_key is None else f"Bearer {dashboard_key}"
         if given is None:
-            await _unauthorized("missing API key", 'Bearer realm="kvflow"')(scope, receive, send)
+            await _unauthorized("missing API key", 'Bearer realm="kvflow"', scope["path"])(
+                scope, receive, send
+            )
             return
         scheme, _, token = given.strip().partition(" ")
         # Constant-time comparison: the time taken must not tell how many leading characters matched.
         matches = hmac.compare_digest(token.strip().encode(), self.api_key.encode())
         if scheme.lower() != "bearer" or not matches:
-            await _unauthorized("invalid API key", 'Bearer error="invalid_token"')(scope, receive, send)
+            await _unauthorized("invalid API key", 'Bearer error="invalid_token"', scope["path"])(
+                scope, receive, send
+            )
             return
         await self.app(scope, receive, send)
 
@@ -110,11 +116,11 @@ def _header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-def _unauthorized(what: str, challenge: str) -> JSONResponse:
+def _unauthorized(what: str, challenge: str, path: str) -> JSONResponse:
     error = APIError(
         HTTPStatus.UNAUTHORIZED,
-        f"{what}: send 'Authorization: Bearer <key>'",
+        f"{what}: send 'Authorization: Bearer <key>' (or 'x-api-key: <key>')",
         code="invalid_api_key",
         headers={"WWW-Authenticate": challenge},
     )
-    return error_response(error)
+    return error_response(error, path)

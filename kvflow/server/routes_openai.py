@@ -26,7 +26,7 @@ from kvflow.server.serving_completion import create_completion
 from kvflow.server.serving_response import ClientDisconnectedError
 
 # What a generation route may answer besides its 200 (401, 500 and 503 are added to every route).
-_GENERATION_ERRORS = (HTTPStatus.NOT_FOUND, HTTPStatus.TOO_MANY_REQUESTS)
+GENERATION_ERRORS = (HTTPStatus.NOT_FOUND, HTTPStatus.TOO_MANY_REQUESTS)
 
 
 def openai_router(ctx: ServingContext) -> APIRouter:
@@ -34,19 +34,19 @@ def openai_router(ctx: ServingContext) -> APIRouter:
 
     @router.post(
         "/v1/completions",
-        responses=responses(*_GENERATION_ERRORS, ok=streamed_or_json(CompletionResponse, "the completion")),
+        responses=responses(*GENERATION_ERRORS, ok=streamed_or_json(CompletionResponse, "the completion")),
     )
     async def completions(body: CompletionRequest, raw: Request) -> Any:
-        return await _answer(create_completion(ctx, body, raw))
+        return await answer(create_completion(ctx, body, raw))
 
     @router.post(
         "/v1/chat/completions",
         responses=responses(
-            *_GENERATION_ERRORS, ok=streamed_or_json(ChatCompletionResponse, "the chat completion")
+            *GENERATION_ERRORS, ok=streamed_or_json(ChatCompletionResponse, "the chat completion")
         ),
     )
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Any:
-        return await _answer(create_chat_completion(ctx, body, raw))
+        return await answer(create_chat_completion(ctx, body, raw))
 
     @router.get("/v1/models", responses=responses())
     async def models() -> ModelList:
@@ -56,7 +56,7 @@ def openai_router(ctx: ServingContext) -> APIRouter:
     return router
 
 
-async def _answer(handler: Awaitable[Response]) -> Response:
+async def answer(handler: Awaitable[Response]) -> Response:
     """Awaits a generation handler. A client gone before its non-streamed answer gets 499; any other
     failure is raised as its APIError here, so that it is rendered inside the middlewares (an exception
     left to Starlette's outermost handler would lose x-request-id)."""

@@ -59,7 +59,7 @@ class DrainMiddleware:
                 "the server is shutting down: retry on another replica or after it restarts",
                 headers={"Connection": "close"},
             )
-            await error_response(error)(scope, receive, send)
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         self.state.num_in_flight += 1
         try:
