@@ -28,6 +28,7 @@ from kvflow.server.middleware import ApiKeyMiddleware, RequestIdMiddleware
 from kvflow.server.openapi import install_openapi
 from kvflow.server.routes_anthropic import anthropic_router
 from kvflow.server.routes_openai import openai_router
+from kvflow.server.routes_responses import responses_router
 from kvflow.server.routes_utility import probe_router, tokenizer_router
 from kvflow.server.serving import ServingContext
 from kvflow.server.shutdown import DrainMiddleware
@@ -44,6 +45,7 @@ def build_app(ctx: ServingContext) -> FastAPI:
     _install_error_handlers(app)
     app.include_router(openai_router(ctx))
     app.include_router(anthropic_router(ctx))
+    app.include_router(responses_router(ctx))
     app.include_router(tokenizer_router(ctx))
     app.include_router(probe_router(ctx))
     if ctx.dashboard is not None:
