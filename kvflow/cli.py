@@ -172,6 +172,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvflow.kv_transfer.nixl_transport import exit_now, nixl_agent_made
     from kvflow.server.launcher import run_server
 
     server = dataclass_kwargs(args, ServerConfig)  # log_level included: the top-level flag sets it
@@ -185,7 +186,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from kvflow.doctor.live import LiveDiagnosis
 
         live_doctor = LiveDiagnosis()
-    return run_server(_model_dir(args), config, engine_kwargs(args), live_doctor)
+    status = run_server(_model_dir(args), config, engine_kwargs(args), live_doctor)
+    if nixl_agent_made():  # nixl-cu12 crashes a process that made an agent at exit: end it here, done
+        exit_now(status)
+    return status
 
 
 def _add_serve_parser(sub: Any) -> None:

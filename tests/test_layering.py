@@ -57,6 +57,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "gguf",
         "assets",
         "arg_utils",
+        "reasoning",
     ),
 )
 PLAIN = LAYERS[-1]

@@ -18,6 +18,9 @@ pool.
 from __future__ import annotations
 
 import importlib
+import logging
+import os
+import sys
 import threading
 import time
 import uuid
@@ -29,6 +32,9 @@ import torch
 from kvflow.config import ConfigError
 
 NIXL_MODULES = ("nixl_cu12", "nixl_cu13", "nixl")  # the wheels' module names, any will do
+# nixl-cu12 1.5.1 crashes (SIGSEGV) any process that made an agent when the interpreter exits, on
+# this CPU-only VM: `kvflow serve` ends such a process itself once it has shut down (exit_now).
+_AGENTS_MADE = threading.Event()
 POLL_S = 0.0005  # between READ status checks: the READ itself is a few ms for a prompt's KV
 
 
@@ -53,6 +59,19 @@ def require_nixl() -> None:
         )
 
 
+def nixl_agent_made() -> bool:
+    return _AGENTS_MADE.is_set()
+
+
+def exit_now(status: int) -> None:
+    """End the process with `status` without the interpreter's teardown (where NIXL crashes), its
+    output flushed: for a command whose work is done (kvflow serve after its shutdown)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(status)
+
+
 class NixlAgent:
     """One NIXL agent (UCX backend); calls serialized by a lock (the fetch threads share the decode
     side's, the server thread owns the prefill side's)."""
@@ -63,6 +82,7 @@ class NixlAgent:
             raise ConfigError("NIXL is not installed (pip install nixl-cu12)")
         self.name = f"kvflow-{role}-{uuid.uuid4().hex[:12]}"
         self._agent = api.nixl_agent(self.name, api.nixl_agent_config(backends=["UCX"]))
+        _AGENTS_MADE.set()
         self._lock = threading.Lock()
 
     def meet(self, metadata: bytes) -> str:
