@@ -112,6 +112,22 @@ def page_state(page: Page) -> dict[str, Any]:
     )
 
 
+CHART_PANELS = ("usage-chart", "throughput-chart", "ttft-chart", "itl-chart")
+
+
+def empty_panels(page: Page) -> list[str]:
+    """The chart panels not drawn yet, or whose data series are all empty or all zero."""
+    return list(
+        page.evaluate(
+            """(ids) => ids.filter((id) => {
+                const u = window.kvflowDashboard.charts[id];
+                return !u || !u.data.slice(1).some((ys) => ys.some((y) => y));
+              })""",
+            list(CHART_PANELS),
+        )
+    )
+
+
 def page_shows_step_with(page: Page, num_used: int) -> bool:
     """Whether one of the steps the page holds left `num_used` blocks in use."""
     return bool(
@@ -176,6 +192,14 @@ def test_dashboard_in_a_browser(live: str, browser: Browser, tmp_path: Path) -> 
     for thread in threads:
         thread.join(120)
     assert max_used > 0 and seen_consistent > 0
+    # Every panel holds data after the load, not only renders: the histograms count the finished
+    # requests' TTFTs and their gaps, the series have points.
+    wait_for("every panel to hold data", lambda: not empty_panels(page), timeout=10)
+    # A page opened after the load gets the window in its hello frame: the same panels.
+    late = browser.new_page(viewport={"width": 1280, "height": 800})
+    late.goto(live + "/dashboard")
+    wait_for("the late page's panels to hold data", lambda: not empty_panels(late), timeout=10)
+    late.close()
 
     # A long request, aborted mid-stream by its client, leaves the running set.
     wait_for("the short requests to leave the running set", lambda: not page_state(page)["running"])

@@ -351,6 +351,7 @@
   // ------------------------------------------------------------------------------- uPlot charts
 
   const charts = {};
+  S.charts = charts; // the browser test reads what each panel holds
   // `shape` names the chart's series set: when it changes (speculation turned up), the chart is rebuilt.
   function chart(id, opts, data, shape = "") {
     const el = $(id);
