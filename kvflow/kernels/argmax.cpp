@@ -11,7 +11,7 @@
 // through a native LM head does not come here: the head's GEMV folds the argmax into its tiles.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include "argmax_lanes.h"
@@ -62,15 +62,15 @@ void argmax_all(const T* x, int64_t R, int64_t V, int64_t* o) {
 
 }  // namespace
 
-torch::Tensor argmax_rows(torch::Tensor logits) {
-  TORCH_CHECK((logits.dtype() == torch::kFloat32 || logits.dtype() == torch::kBFloat16) && logits.dim() == 2 &&
+at::Tensor argmax_rows(at::Tensor logits) {
+  TORCH_CHECK((logits.dtype() == at::kFloat || logits.dtype() == at::kBFloat16) && logits.dim() == 2 &&
                   logits.size(1) > 0,
               "fp32 or bf16 [R, V] logits");
   logits = logits.contiguous();
   const int64_t R = logits.size(0), V = logits.size(1);
-  auto out = torch::empty({R}, logits.options().dtype(torch::kInt64));
+  auto out = at::empty({R}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
-  if (logits.dtype() == torch::kFloat32) argmax_all(logits.data_ptr<float>(), R, V, o);
+  if (logits.dtype() == at::kFloat) argmax_all(logits.data_ptr<float>(), R, V, o);
   else argmax_all(logits.data_ptr<at::BFloat16>(), R, V, o);
   return out;
 }

@@ -8,7 +8,7 @@
 // editing this file rebuilds the kernels.
 #pragma once
 
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include <cstdint>
 #include <limits>
@@ -19,10 +19,10 @@ constexpr float kNoSink = -std::numeric_limits<float>::infinity();
 
 // The sink logits of a call: sinks [Hq] fp32 (one per query head), or none (nullptr). `keep` holds
 // the contiguous tensor the pointer reads for the duration of the call.
-inline const float* sink_logits(const c10::optional<torch::Tensor>& sinks, int64_t Hq, torch::Tensor& keep) {
+inline const float* sink_logits(const c10::optional<at::Tensor>& sinks, int64_t Hq, at::Tensor& keep) {
   if (!sinks.has_value() || !sinks->defined()) return nullptr;
   keep = sinks->contiguous();
-  TORCH_CHECK(keep.dtype() == torch::kFloat32 && keep.dim() == 1 && keep.size(0) == Hq,
+  TORCH_CHECK(keep.dtype() == at::kFloat && keep.dim() == 1 && keep.size(0) == Hq,
               "sinks: [num query heads] float32 expected");
   return keep.data_ptr<float>();
 }

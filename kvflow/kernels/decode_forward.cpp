@@ -25,7 +25,9 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
-#include <torch/extension.h>
+#include <ATen/core/dispatch/Dispatcher.h>  // onednn_linear calls mkldnn's op by its schema
+#include <ATen/TensorOperators.h>  // a + b, a * b on the fallback paths
+#include "aten_lite.h"
 
 #include "bf16_utils.h"
 #include "decode_forward.h"
@@ -53,11 +55,11 @@ constexpr float kMinScale = 1e-8f;         // MIN_SCALE
 
 inline float through_bf16(float f) { return bf16_to_float(float_to_bf16(f)); }
 
-const uint16_t* bf16_ptr(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-uint16_t* bf16_ptr_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bf16_ptr_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 // oneDNN's GEMM on a weight reordered at load, the op kvflow/layers/linear.py calls past max_gemv_rows.
-torch::Tensor onednn_linear(const torch::Tensor& x, const torch::Tensor& packed, const c10::optional<torch::Tensor>& bias) {
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& packed, const c10::optional<at::Tensor>& bias) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
@@ -77,34 +79,34 @@ bool onednn_bf16_gemm() {
 
 // x [T, K] bf16 as the CPU's fast GEMM takes it: itself for oneDNN's bf16 GEMM, widened to fp32
 // where there is none (AVX2 CPUs). Widened once per linear, not once per row block.
-torch::Tensor gemm_input(const torch::Tensor& x) { return onednn_bf16_gemm() ? x : x.to(torch::kFloat32); }
+at::Tensor gemm_input(const at::Tensor& x) { return onednn_bf16_gemm() ? x : x.to(at::kFloat); }
 
 // gemm_input(x) [T, K] @ w [N, K] bf16 (+ bias) -> [T, N] bf16 on the CPU's fast GEMM, as
 // kvflow/layers/bf16_gemm.py bf16_linear computes it (in fp32 there, the bias included).
-torch::Tensor bf16_linear(const torch::Tensor& x_gemm, const torch::Tensor& w,
-                          const c10::optional<torch::Tensor>& bias = c10::nullopt) {
+at::Tensor bf16_linear(const at::Tensor& x_gemm, const at::Tensor& w,
+                          const c10::optional<at::Tensor>& bias = c10::nullopt) {
   if (onednn_bf16_gemm()) return at::linear(x_gemm, w, bias);
-  const c10::optional<torch::Tensor> bias_wide =
-      bias.has_value() ? c10::optional<torch::Tensor>(bias->to(torch::kFloat32)) : c10::nullopt;
-  return at::linear(x_gemm, w.to(torch::kFloat32), bias_wide).to(torch::kBFloat16);
+  const c10::optional<at::Tensor> bias_wide =
+      bias.has_value() ? c10::optional<at::Tensor>(bias->to(at::kFloat)) : c10::nullopt;
+  return at::linear(x_gemm, w.to(at::kFloat), bias_wide).to(at::kBFloat16);
 }
 
 // Prefill-sized rows of a quantized linear: row blocks dequantized to bf16 and multiplied by
 // bf16_linear one at a time (kvflow/quant/linear.py _gemm_over_tiles).
 template <typename Dequantize>
-torch::Tensor gemm_over_tiles(const torch::Tensor& x, int64_t N, int64_t K, int64_t row_multiple,
-                              const Dequantize& dequantize, const c10::optional<torch::Tensor>& bias) {
+at::Tensor gemm_over_tiles(const at::Tensor& x, int64_t N, int64_t K, int64_t row_multiple,
+                              const Dequantize& dequantize, const c10::optional<at::Tensor>& bias) {
   const int64_t rows = std::max<int64_t>(row_multiple, kPrefillTileElements / K / row_multiple * row_multiple);
-  const torch::Tensor x_gemm = gemm_input(x);
-  std::vector<torch::Tensor> parts;
+  const at::Tensor x_gemm = gemm_input(x);
+  std::vector<at::Tensor> parts;
   for (int64_t n0 = 0; n0 < N; n0 += rows) parts.push_back(bf16_linear(x_gemm, dequantize(n0, std::min(N, n0 + rows))));
-  torch::Tensor y = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+  at::Tensor y = parts.size() == 1 ? parts[0] : at::cat(parts, 1);
   return bias.has_value() ? y + *bias : y;
 }
 
 }  // namespace
 
-torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
+at::Tensor NativeLinear::forward(const at::Tensor& x_in) const {
   const int64_t M = x_in.size(0);
   switch (kind) {
     case Kind::kBf16:
@@ -117,7 +119,7 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
           x_in, out_features, in_features, kInt8TileRows,
           [&](int64_t n0, int64_t n1) { return dequantize_int8_rows(weight, scales, in_features, n0, n1); }, bias);
     case Kind::kInt4: {
-      const torch::Tensor x = perm.has_value() ? x_in.index_select(1, *perm) : x_in;
+      const at::Tensor x = perm.has_value() ? x_in.index_select(1, *perm) : x_in;
       if (M <= max_gemv_rows) return skinny_linear_int4(x, weight, scales, mins, group_size, out_features, bias);
       return gemm_over_tiles(
           x, out_features, in_features, kInt4TileRows,
@@ -142,7 +144,7 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
           },
           bias);
     case Kind::kConcat: {
-      std::vector<torch::Tensor> outs;
+      std::vector<at::Tensor> outs;
       for (const auto& part : parts) outs.push_back(part->forward(x_in));
       return at::cat(outs, 1);
     }
@@ -153,17 +155,17 @@ torch::Tensor NativeLinear::forward(const torch::Tensor& x_in) const {
       return gemm_over_tiles(
           x_in, out_features, in_features, 1,
           [&](int64_t n0, int64_t n1) {
-            const torch::Tensor w = weight.slice(0, n0, n1).view(torch::kFloat8_e4m3fn).to(torch::kFloat32);
-            const torch::Tensor s =
+            const at::Tensor w = weight.slice(0, n0, n1).view(at::kFloat8_e4m3fn).to(at::kFloat);
+            const at::Tensor s =
                 scales.slice(0, n0, n1).repeat_interleave(group_size, 1).slice(1, 0, in_features);
-            return (w * s).to(torch::kBFloat16);
+            return (w * s).to(at::kBFloat16);
           },
           bias);
   }
   TORCH_CHECK(false, "unreachable");
 }
 
-torch::Tensor NativeLinear::greedy(const torch::Tensor& x_in) const {
+at::Tensor NativeLinear::greedy(const at::Tensor& x_in) const {
   const int64_t M = x_in.size(0);
   if (M > max_gemv_rows) return argmax_rows(forward(x_in));
   switch (kind) {
@@ -222,14 +224,14 @@ void quantize_row(const std::string& kind, const float* x, int64_t D, void* data
 void NativeKVLayer::write_row(bool is_key, int64_t slot, int64_t head, const float* x) const {
   const int64_t D = head_dim;
   if (kind == "plain") {
-    torch::Tensor pool = is_key ? key_data : value_data;
+    at::Tensor pool = is_key ? key_data : value_data;
     auto* out = reinterpret_cast<uint16_t*>(pool.data_ptr<at::BFloat16>()) + (slot * num_kv_heads + head) * D;
     for (int64_t d = 0; d < D; ++d) out[d] = float_to_bf16(x[d]);  // x holds bf16 values: exact
     return;
   }
-  const torch::Tensor& data = is_key ? key_data : value_data;
-  const torch::Tensor& scale = is_key ? key_scale : value_scale;
-  const torch::Tensor& zero = is_key ? key_zero : value_zero;
+  const at::Tensor& data = is_key ? key_data : value_data;
+  const at::Tensor& scale = is_key ? key_scale : value_scale;
+  const at::Tensor& zero = is_key ? key_zero : value_zero;
   const int64_t row = slot * num_kv_heads + head;
   const int64_t width = kind == "int4" ? D / 2 : D;
   void* out = static_cast<uint8_t*>(data.data_ptr()) + row * width;
@@ -238,7 +240,7 @@ void NativeKVLayer::write_row(bool is_key, int64_t slot, int64_t head, const flo
   quantize_row(kind, x, D, out, s, z);
 }
 
-torch::Tensor NativeKVLayer::attend(const torch::Tensor& q, const torch::Tensor& kv_slots, const torch::Tensor& num_keys,
+at::Tensor NativeKVLayer::attend(const at::Tensor& q, const at::Tensor& kv_slots, const at::Tensor& num_keys,
                                     double scale) const {
   if (kind == "plain") return paged_decode_attention_bf16(q, key_data, value_data, kv_slots, num_keys, scale);
   return paged_decode_attention_quantized(q, key_data, key_scale, key_zero, value_data, value_scale, value_zero, kv_slots,
@@ -253,9 +255,9 @@ namespace {
 // writes its own q row and its own slot), so several rows are split over the threads (8 rows: ~9.5
 // us a layer on one); a lone row stays on the calling thread, where a parallel region costs more
 // than it saves.
-void rope_and_write_kv(const torch::Tensor& q_in, const torch::Tensor& k_in, const torch::Tensor& v,
-                       const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slot_mapping,
-                       const NativeKVLayer& kv, torch::Tensor& q_out) {
+void rope_and_write_kv(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v,
+                       const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& slot_mapping,
+                       const NativeKVLayer& kv, at::Tensor& q_out) {
   const int64_t M = q_in.size(0), Hq = q_in.size(1), Hkv = k_in.size(1), D = q_in.size(2), half = D / 2;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   const uint16_t* cp = bf16_ptr(cos);
@@ -301,7 +303,7 @@ void rope_and_write_kv(const torch::Tensor& q_in, const torch::Tensor& k_in, con
 }
 
 // y = bf16(a + b) in place into a (the residual stream), ATen's rounding.
-void add_into(torch::Tensor& a, const torch::Tensor& b) {
+void add_into(at::Tensor& a, const at::Tensor& b) {
   uint16_t* ap = bf16_ptr_mut(a);
   const uint16_t* bp = bf16_ptr(b);
   const int64_t n = a.numel();
@@ -341,36 +343,36 @@ class PieceClock {
 
 }  // namespace
 
-torch::Tensor NativeDecoder::forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed,
-                                     torch::Tensor slot_mapping, torch::Tensor kv_slots, torch::Tensor num_keys) const {
+at::Tensor NativeDecoder::forward(at::Tensor hidden, at::Tensor cos, at::Tensor sin_signed,
+                                     at::Tensor slot_mapping, at::Tensor kv_slots, at::Tensor num_keys) const {
   return run(std::move(hidden), std::move(cos), std::move(sin_signed), slot_mapping, kv_slots, num_keys, nullptr);
 }
 
-torch::Tensor NativeDecoder::forward_rows(c10::optional<torch::Tensor> hidden_in, const std::vector<int64_t>& token_ids,
+at::Tensor NativeDecoder::forward_rows(c10::optional<at::Tensor> hidden_in, const std::vector<int64_t>& token_ids,
                                           const std::vector<int64_t>& positions,
                                           const std::vector<std::vector<int64_t>>& block_tables) const {
   const int64_t M = static_cast<int64_t>(positions.size()), D = head_dim;
   TORCH_CHECK(block_size > 0 && rope_cos.defined(), "forward_rows needs set_paging first");
   TORCH_CHECK(static_cast<int64_t>(token_ids.size()) == M && static_cast<int64_t>(block_tables.size()) == M,
               "one token, one position and one block table per row");
-  torch::Tensor hidden;
+  at::Tensor hidden;
   if (hidden_in.has_value()) {
     hidden = *hidden_in;
     TORCH_CHECK(hidden.size(0) == M, "one hidden row per token");
   } else {  // the embedding lookup: a plain gather of bf16 rows (nn.Embedding's forward)
     TORCH_CHECK(embedding.defined(), "forward_rows without hidden needs set_embedding first");
     const int64_t V = embedding.size(0), H = embedding.size(1);
-    hidden = torch::empty({M, H}, embedding.options());
+    hidden = at::empty({M, H}, embedding.options());
     for (int64_t m = 0; m < M; ++m) {
       TORCH_CHECK(0 <= token_ids[m] && token_ids[m] < V, "token id ", token_ids[m], " outside the vocabulary");
       std::memcpy(bf16_ptr_mut(hidden) + m * H, bf16_ptr(embedding) + token_ids[m] * H, H * sizeof(uint16_t));
     }
   }
   const int64_t num_positions = rope_cos.size(0);
-  auto cos = torch::empty({M, D}, rope_cos.options());
-  auto sin_signed = torch::empty({M, D}, rope_cos.options());
-  auto slot_mapping = torch::empty({M}, torch::kInt64);
-  auto num_keys = torch::empty({M}, torch::kInt64);
+  auto cos = at::empty({M, D}, rope_cos.options());
+  auto sin_signed = at::empty({M, D}, rope_cos.options());
+  auto slot_mapping = at::empty({M}, at::kLong);
+  auto num_keys = at::empty({M}, at::kLong);
   int64_t* slot_out = slot_mapping.data_ptr<int64_t>();
   int64_t* keys_out = num_keys.data_ptr<int64_t>();
   std::vector<int64_t> first_key(M);
@@ -389,7 +391,7 @@ torch::Tensor NativeDecoder::forward_rows(c10::optional<torch::Tensor> hidden_in
     std::memcpy(bf16_ptr_mut(sin_signed) + m * D, bf16_ptr(rope_sin_signed) + p * D, D * sizeof(uint16_t));
   }
   // [M, max_keys]: each row's key slots in position order, padded with slot 0 (never read).
-  auto kv_slots = torch::zeros({M, max_keys}, torch::kInt64);
+  auto kv_slots = at::zeros({M, max_keys}, at::kLong);
   for (int64_t m = 0; m < M; ++m) {
     int64_t* out = kv_slots.data_ptr<int64_t>() + m * max_keys;
     const std::vector<int64_t>& table = block_tables[m];
@@ -399,21 +401,21 @@ torch::Tensor NativeDecoder::forward_rows(c10::optional<torch::Tensor> hidden_in
   return run(std::move(hidden), cos, sin_signed, slot_mapping, kv_slots, num_keys, nullptr);
 }
 
-std::tuple<torch::Tensor, torch::Tensor> NativeDecoder::forward_profiled(torch::Tensor hidden, torch::Tensor cos,
-                                                                         torch::Tensor sin_signed,
-                                                                         torch::Tensor slot_mapping,
-                                                                         torch::Tensor kv_slots,
-                                                                         torch::Tensor num_keys) const {
-  torch::Tensor piece_us = torch::zeros({kNumDecodePieces}, torch::kFloat64);
-  torch::Tensor out = run(std::move(hidden), std::move(cos), std::move(sin_signed), slot_mapping, kv_slots, num_keys,
+std::tuple<at::Tensor, at::Tensor> NativeDecoder::forward_profiled(at::Tensor hidden, at::Tensor cos,
+                                                                         at::Tensor sin_signed,
+                                                                         at::Tensor slot_mapping,
+                                                                         at::Tensor kv_slots,
+                                                                         at::Tensor num_keys) const {
+  at::Tensor piece_us = at::zeros({kNumDecodePieces}, at::kDouble);
+  at::Tensor out = run(std::move(hidden), std::move(cos), std::move(sin_signed), slot_mapping, kv_slots, num_keys,
                           piece_us.data_ptr<double>());
   return {out, piece_us};
 }
 
-torch::Tensor NativeDecoder::run(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin_signed,
-                                 const torch::Tensor& slot_mapping, const torch::Tensor& kv_slots,
-                                 const torch::Tensor& num_keys, double* piece_us) const {
-  TORCH_CHECK(hidden.dtype() == torch::kBFloat16 && hidden.dim() == 2, "bf16 [M, H] hidden states expected");
+at::Tensor NativeDecoder::run(at::Tensor hidden, at::Tensor cos, at::Tensor sin_signed,
+                                 const at::Tensor& slot_mapping, const at::Tensor& kv_slots,
+                                 const at::Tensor& num_keys, double* piece_us) const {
+  TORCH_CHECK(hidden.dtype() == at::kBFloat16 && hidden.dim() == 2, "bf16 [M, H] hidden states expected");
   const int64_t M = hidden.size(0);
   hidden = hidden.contiguous().clone();  // the residual stream, updated in place
   cos = cos.reshape({M, head_dim}).contiguous();
@@ -423,39 +425,39 @@ torch::Tensor NativeDecoder::run(torch::Tensor hidden, torch::Tensor cos, torch:
   PieceClock clock(piece_us);
   for (size_t i = 0; i < layers.size(); ++i) {
     const NativeDecoderLayer& layer = layers[i];
-    const torch::Tensor h = rms_norm_bf16(hidden, layer.input_norm, eps);
+    const at::Tensor h = rms_norm_bf16(hidden, layer.input_norm, eps);
     clock.mark(kInputNorm);
-    const torch::Tensor qkv = layer.qkv->forward(h).view({M, num_heads + 2 * num_kv_heads, head_dim});
+    const at::Tensor qkv = layer.qkv->forward(h).view({M, num_heads + 2 * num_kv_heads, head_dim});
     clock.mark(kQkvProj);
-    torch::Tensor q_in = qkv.slice(1, 0, num_heads);
-    torch::Tensor k_in = qkv.slice(1, num_heads, num_heads + num_kv_heads);
-    const torch::Tensor v = qkv.slice(1, num_heads + num_kv_heads);
+    at::Tensor q_in = qkv.slice(1, 0, num_heads);
+    at::Tensor k_in = qkv.slice(1, num_heads, num_heads + num_kv_heads);
+    const at::Tensor v = qkv.slice(1, num_heads + num_kv_heads);
     if (layer.q_norm.has_value()) {  // Qwen3: RMSNorm per head before RoPE
       q_in = at::rms_norm(q_in, {head_dim}, *layer.q_norm, eps);
       k_in = at::rms_norm(k_in, {head_dim}, *layer.k_norm, eps);
     }
-    torch::Tensor q = torch::empty({M, num_heads, head_dim}, hidden.options());
+    at::Tensor q = at::empty({M, num_heads, head_dim}, hidden.options());
     rope_and_write_kv(q_in, k_in, v, cos, sin_signed, slot_mapping, kv_layers[i], q);
     clock.mark(kRopeKvWrite);
-    const torch::Tensor attn = kv_layers[i].attend(q, kv_slots, num_keys, scale);
+    const at::Tensor attn = kv_layers[i].attend(q, kv_slots, num_keys, scale);
     clock.mark(kAttention);
-    torch::Tensor o = layer.o->forward(attn.reshape({M, q_size}));
+    at::Tensor o = layer.o->forward(attn.reshape({M, q_size}));
     clock.mark(kOProj);
     if (all_reduce) all_reduce(o);
     add_into(hidden, o);
-    const torch::Tensor post = rms_norm_bf16(hidden, layer.post_norm, eps);
+    const at::Tensor post = rms_norm_bf16(hidden, layer.post_norm, eps);
     clock.mark(kResidualPostNorm);
-    const torch::Tensor gate_up = layer.gate_up->forward(post);
+    const at::Tensor gate_up = layer.gate_up->forward(post);
     clock.mark(kGateUpProj);
-    const torch::Tensor act = silu_and_mul_bf16(gate_up);
+    const at::Tensor act = silu_and_mul_bf16(gate_up);
     clock.mark(kSiluAndMul);
-    torch::Tensor down = layer.down->forward(act);
+    at::Tensor down = layer.down->forward(act);
     clock.mark(kDownProj);
     if (all_reduce) all_reduce(down);
     add_into(hidden, down);
     clock.mark(kResidual);
   }
-  torch::Tensor out = rms_norm_bf16(hidden, final_norm, eps);
+  at::Tensor out = rms_norm_bf16(hidden, final_norm, eps);
   clock.mark(kFinalNorm);
   return out;
 }

@@ -13,7 +13,7 @@
 // decode paths stay bit-identical.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include "bf16_utils.h"
@@ -32,18 +32,18 @@ using kvflow::through_bf16_lanes;
 constexpr int64_t kLanes = 16;
 constexpr int64_t kGrainElements = 1 << 15;  // rows per thread chunk: ~32k elements (ATen's grain)
 
-const uint16_t* bf16(const torch::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
-uint16_t* bf16_mut(torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+const uint16_t* bf16(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bf16_mut(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
 
 }  // namespace
 
 // x [R, H] bf16 (any row stride, unit inner stride), weight [H] bf16 -> [R, H] bf16.
-torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && weight.dtype() == torch::kBFloat16, "bf16 x and weight expected");
+at::Tensor rms_norm_bf16(at::Tensor x, at::Tensor weight, double eps) {
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && weight.dtype() == at::kBFloat16, "bf16 x and weight expected");
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.numel() == x.size(1), "x [R, H] with unit inner stride");
   weight = weight.contiguous();
   const int64_t R = x.size(0), H = x.size(1), stride = x.stride(0);
-  auto y = torch::empty({R, H}, x.options());
+  auto y = at::empty({R, H}, x.options());
   const uint16_t* xp = bf16(x);
   const uint16_t* wp = bf16(weight);
   uint16_t* yp = bf16_mut(y);
@@ -68,12 +68,12 @@ torch::Tensor rms_norm_bf16(torch::Tensor x, torch::Tensor weight, double eps) {
 }
 
 // gate_up [R, 2I] bf16 ([gate | up] per row, unit inner stride) -> [R, I] bf16.
-torch::Tensor silu_and_mul_bf16(torch::Tensor gate_up) {
-  TORCH_CHECK(gate_up.dtype() == torch::kBFloat16 && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
+at::Tensor silu_and_mul_bf16(at::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dtype() == at::kBFloat16 && gate_up.dim() == 2 && gate_up.stride(1) == 1 &&
                   gate_up.size(1) % 2 == 0,
               "bf16 [R, 2I] expected");
   const int64_t R = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto y = torch::empty({R, I}, gate_up.options());
+  auto y = at::empty({R, I}, gate_up.options());
   const uint16_t* gp = bf16(gate_up);
   uint16_t* yp = bf16_mut(y);
   at::parallel_for(0, R, std::max<int64_t>(1, kGrainElements / I), [&](int64_t begin, int64_t end) {

@@ -35,7 +35,7 @@
 // Output (m, n) is the same chain of operations over the pairs whatever M is: batch-invariant.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include "argmax_lanes.h"
@@ -197,10 +197,10 @@ struct TiledGemv {
 }  // namespace
 
 // W [N, K] bf16 -> its tiles [N_pad / 16, K / 2, 16, 2] (the layout above; padding rows zero).
-torch::Tensor tile_bf16_weight(torch::Tensor w) {
-  TORCH_CHECK(w.dtype() == torch::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0, "bf16 [N, K] with K even");
+at::Tensor tile_bf16_weight(at::Tensor w) {
+  TORCH_CHECK(w.dtype() == at::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0, "bf16 [N, K] with K even");
   const int64_t N = w.size(0), K = w.size(1), tiles = (N + kTileRows - 1) / kTileRows;
-  auto padded = torch::zeros({tiles * kTileRows, K}, w.options());
+  auto padded = at::zeros({tiles * kTileRows, K}, w.options());
   padded.slice(0, 0, N).copy_(w);
   // [t, l, p, 2] -> [t, p, l, 2]
   return padded.view({tiles, kTileRows, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
@@ -209,9 +209,9 @@ torch::Tensor tile_bf16_weight(torch::Tensor w) {
 namespace {
 
 // skinny_linear_bf16; with `tokens` (non-null, [M]), also each row's argmax (argmax_lanes.h).
-torch::Tensor skinny_linear_bf16_impl(torch::Tensor x, const torch::Tensor& w_tiles, int64_t out_features,
-                                      const c10::optional<torch::Tensor>& bias, int64_t* tokens) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && w_tiles.dtype() == torch::kBFloat16, "bf16 inputs expected");
+at::Tensor skinny_linear_bf16_impl(at::Tensor x, const at::Tensor& w_tiles, int64_t out_features,
+                                      const c10::optional<at::Tensor>& bias, int64_t* tokens) {
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && w_tiles.dtype() == at::kBFloat16, "bf16 inputs expected");
   TORCH_CHECK(w_tiles.dim() == 4 && w_tiles.size(2) == kTileRows && w_tiles.size(3) == 2 && w_tiles.is_contiguous(),
               "weights must be tiles [N_pad / 16, K / 2, 16, 2] (tile_bf16_weight)");
   TORCH_CHECK(x.dim() == 2 && x.size(1) == 2 * w_tiles.size(1), "x must be [M, K]");
@@ -220,13 +220,13 @@ torch::Tensor skinny_linear_bf16_impl(torch::Tensor x, const torch::Tensor& w_ti
               "out_features does not match the tiles");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  auto y = torch::empty({M, N}, x.options());
-  torch::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
+  auto y = at::empty({M, N}, x.options());
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   // The AVX2 tile's broadcasts at several rows (exact); one row and the AVX-512 tile read x itself.
-  torch::Tensor x_f32;
+  at::Tensor x_f32;
 #if !defined(__AVX512F__)
-  if (M > 1) x_f32 = x.to(torch::kFloat32);
+  if (M > 1) x_f32 = x.to(at::kFloat);
 #endif
   const float* xf = x_f32.defined() ? x_f32.data_ptr<float>() : nullptr;
   const TiledGemv gemv{reinterpret_cast<const uint16_t*>(w_tiles.data_ptr<at::BFloat16>()),
@@ -247,14 +247,14 @@ torch::Tensor skinny_linear_bf16_impl(torch::Tensor x, const torch::Tensor& w_ti
 
 // x: [M, K] bf16, w_tiles: tile_bf16_weight(W), N = out_features, bias: optional [N] (any float
 // dtype) -> [M, N] bf16.
-torch::Tensor skinny_linear_bf16(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
-                                 c10::optional<torch::Tensor> bias) {
+at::Tensor skinny_linear_bf16(at::Tensor x, at::Tensor w_tiles, int64_t out_features,
+                                 c10::optional<at::Tensor> bias) {
   return skinny_linear_bf16_impl(std::move(x), w_tiles, out_features, bias, nullptr);
 }
 
-torch::Tensor skinny_linear_bf16_greedy(torch::Tensor x, torch::Tensor w_tiles, int64_t out_features,
-                                        c10::optional<torch::Tensor> bias) {
-  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+at::Tensor skinny_linear_bf16_greedy(at::Tensor x, at::Tensor w_tiles, int64_t out_features,
+                                        c10::optional<at::Tensor> bias) {
+  auto tokens = at::empty({x.size(0)}, at::kLong);
   skinny_linear_bf16_impl(std::move(x), w_tiles, out_features, bias, tokens.data_ptr<int64_t>());
   return tokens;
 }

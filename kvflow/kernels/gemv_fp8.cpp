@@ -15,7 +15,7 @@
 // weight rows share a pass at few activation rows, for independent FMA chains. Threads split the rows.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -262,19 +262,19 @@ bool table_form_applies(int64_t K, int64_t block) {
 
 // x: [M, K] bf16; q: [N, K] uint8 (e4m3 bytes); scale: [N, KB] fp32 with KB = ceil(K / block);
 // bias: optional [N] -> [M, N] bf16.
-torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor scale, int64_t block,
-                                c10::optional<torch::Tensor> bias) {
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(0) <= kMaxRows, "bf16 x [M <= 8, K] expected");
-  TORCH_CHECK(q.dtype() == torch::kUInt8 && q.dim() == 2 && q.size(1) == x.size(1), "uint8 q [N, K] expected");
+at::Tensor skinny_linear_fp8(at::Tensor x, at::Tensor q, at::Tensor scale, int64_t block,
+                                c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && x.dim() == 2 && x.size(0) <= kMaxRows, "bf16 x [M <= 8, K] expected");
+  TORCH_CHECK(q.dtype() == at::kByte && q.dim() == 2 && q.size(1) == x.size(1), "uint8 q [N, K] expected");
   const int64_t M = x.size(0), N = q.size(0), K = q.size(1);
   const int64_t KB = (K + block - 1) / block;
-  TORCH_CHECK(block > 0 && scale.dtype() == torch::kFloat32 && scale.size(0) == N && scale.size(1) == KB,
+  TORCH_CHECK(block > 0 && scale.dtype() == at::kFloat && scale.size(0) == N && scale.size(1) == KB,
               "fp32 scale [N, ceil(K / block)] expected");
   q = q.contiguous();
   scale = scale.contiguous();
-  torch::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
-  auto out = torch::empty({M, N}, torch::kFloat32);
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
+  auto out = at::empty({M, N}, at::kFloat);
   const uint8_t* qs = q.data_ptr<uint8_t>();
   const float* ss = scale.data_ptr<float>();
   const float* bs = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
@@ -284,7 +284,7 @@ torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor 
 #if defined(__AVX512F__)
   if (table_form_applies(K, block)) {
     const int64_t K_pad = (K + kChunk - 1) / kChunk * kChunk;
-    const torch::Tensor xb = x.contiguous();  // the bf16 activations as they are: no fp32 round trip
+    const at::Tensor xb = x.contiguous();  // the bf16 activations as they are: no fp32 round trip
     const std::vector<uint16_t> xp =
         x_table_layout(reinterpret_cast<const uint16_t*>(xb.data_ptr<at::BFloat16>()), M, K, K_pad);
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
@@ -300,10 +300,10 @@ torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor 
         default: gemv_rows_table<8>(qs, ss, x, bs, ys, n0, n1, N, K, K_pad, KB, block); break;
       }
     });
-    return out.to(torch::kBFloat16);
+    return out.to(at::kBFloat16);
   }
 #endif
-  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const float* xs = xf.data_ptr<float>();
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     switch (M) {
@@ -317,5 +317,5 @@ torch::Tensor skinny_linear_fp8(torch::Tensor x, torch::Tensor q, torch::Tensor 
       default: gemv_rows<8>(qs, ss, xs, bs, ys, n0, n1, N, K, KB, block); break;
     }
   });
-  return out.to(torch::kBFloat16);
+  return out.to(at::kBFloat16);
 }

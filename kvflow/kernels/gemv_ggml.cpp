@@ -45,7 +45,7 @@
 // multiple of 16, for prefill chunks multiplied a block at a time by oneDNN.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include "activation_quant.h"
@@ -364,9 +364,9 @@ struct Gemv {
   static void store(uint8_t* p, __m512i v) { _mm512_storeu_si512(p, v); }
 };
 
-Tensors check_tensors(int64_t type, const torch::Tensor& values, const torch::Tensor& scales, const torch::Tensor& mins,
-                      const torch::Tensor& supers, int64_t N) {
-  TORCH_CHECK(values.dtype() == torch::kUInt8 && values.dim() == 3 && values.is_contiguous(),
+Tensors check_tensors(int64_t type, const at::Tensor& values, const at::Tensor& scales, const at::Tensor& mins,
+                      const at::Tensor& supers, int64_t N) {
+  TORCH_CHECK(values.dtype() == at::kByte && values.dim() == 3 && values.is_contiguous(),
               "values must be [N_pad / 16, K / 32, block bytes] uint8 (kvflow/quant/gguf_linear.py)");
   TORCH_CHECK(scales.is_contiguous() && mins.is_contiguous() && supers.is_contiguous(), "contiguous params expected");
   const int64_t tiles = values.size(0), K = values.size(1) * kBlock;
@@ -386,15 +386,15 @@ Tensors check_tensors(int64_t type, const torch::Tensor& values, const torch::Te
   }
   TORCH_CHECK(values.size(2) == kNibbleBytes + planes * kPlaneBytes, "block bytes do not match ggml type ", type);
   TORCH_CHECK(scales.numel() == tiles * scale_groups * kTileRows, "scales do not match the tiles");
-  TORCH_CHECK(type == kNVFP4 ? mins.numel() == tiles * kTileRows && mins.dtype() == torch::kFloat32
+  TORCH_CHECK(type == kNVFP4 ? mins.numel() == tiles * kTileRows && mins.dtype() == at::kFloat
                              : mins.numel() == tiles * min_groups * kTileRows,
               "mins do not match the tiles");
   TORCH_CHECK(supers.numel() == tiles * (super_fields ? K / kSuperBlock : 0) * super_fields * kTileRows &&
-                  (super_fields == 0 || (K % kSuperBlock == 0 && supers.dtype() == torch::kFloat16)),
+                  (super_fields == 0 || (K % kSuperBlock == 0 && supers.dtype() == at::kHalf)),
               "supers do not match the tiles");
   const bool fp16_scales = type == kQ4_0 || type == kQ4_1 || type == kQ5_0 || type == kQ5_1;
-  TORCH_CHECK(fp16_scales ? scales.dtype() == torch::kFloat16
-                          : scales.dtype() == (type == kQ6_K ? torch::kInt8 : torch::kUInt8),
+  TORCH_CHECK(fp16_scales ? scales.dtype() == at::kHalf
+                          : scales.dtype() == (type == kQ6_K ? at::kChar : at::kByte),
               "scales of the wrong dtype for ggml type ", type);
   return {values.data_ptr<uint8_t>(), scales.data_ptr(), mins.numel() ? mins.data_ptr() : nullptr,
           supers.numel() ? reinterpret_cast<const uint16_t*>(supers.data_ptr<at::Half>()) : nullptr, K, N, tiles};
@@ -416,19 +416,19 @@ void with_type(int64_t type, const F& f) {
   }
 }
 
-torch::Tensor skinny_linear_ggml_impl(torch::Tensor x, int64_t type, const torch::Tensor& values,
-                                      const torch::Tensor& scales, const torch::Tensor& mins,
-                                      const torch::Tensor& supers, int64_t N, const c10::optional<torch::Tensor>& bias,
+at::Tensor skinny_linear_ggml_impl(at::Tensor x, int64_t type, const at::Tensor& values,
+                                      const at::Tensor& scales, const at::Tensor& mins,
+                                      const at::Tensor& supers, int64_t N, const c10::optional<at::Tensor>& bias,
                                       int64_t* tokens) {
   const Tensors w = check_tensors(type, values, scales, mins, supers, N);
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == w.K, "bf16 x [M, K] expected");
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && x.dim() == 2 && x.size(1) == w.K, "bf16 x [M, K] expected");
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const Activations a = quantize_activations(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, w.K);
-  torch::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   uint16_t* yp = reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
   with_type(type, [&](auto t) {
     constexpr int64_t kType = decltype(t)::value;
@@ -444,27 +444,27 @@ torch::Tensor skinny_linear_ggml_impl(torch::Tensor x, int64_t type, const torch
 
 // x: [M, K] bf16; type: the ggml type id; values, scales, mins, supers: the layout above (empty
 // tensors where a type has none); N = out_features -> [M, N] bf16.
-torch::Tensor skinny_linear_ggml(torch::Tensor x, int64_t type, torch::Tensor values, torch::Tensor scales,
-                                 torch::Tensor mins, torch::Tensor supers, int64_t out_features,
-                                 c10::optional<torch::Tensor> bias) {
+at::Tensor skinny_linear_ggml(at::Tensor x, int64_t type, at::Tensor values, at::Tensor scales,
+                                 at::Tensor mins, at::Tensor supers, int64_t out_features,
+                                 c10::optional<at::Tensor> bias) {
   return skinny_linear_ggml_impl(std::move(x), type, values, scales, mins, supers, out_features, bias, nullptr);
 }
 
-torch::Tensor skinny_linear_ggml_greedy(torch::Tensor x, int64_t type, torch::Tensor values, torch::Tensor scales,
-                                        torch::Tensor mins, torch::Tensor supers, int64_t out_features,
-                                        c10::optional<torch::Tensor> bias) {
-  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+at::Tensor skinny_linear_ggml_greedy(at::Tensor x, int64_t type, at::Tensor values, at::Tensor scales,
+                                        at::Tensor mins, at::Tensor supers, int64_t out_features,
+                                        c10::optional<at::Tensor> bias) {
+  auto tokens = at::empty({x.size(0)}, at::kLong);
   skinny_linear_ggml_impl(std::move(x), type, values, scales, mins, supers, out_features, bias,
                           tokens.data_ptr<int64_t>());
   return tokens;
 }
 
-torch::Tensor dequantize_ggml_rows(int64_t type, torch::Tensor values, torch::Tensor scales, torch::Tensor mins,
-                                   torch::Tensor supers, int64_t out_features, int64_t n_begin, int64_t n_end) {
+at::Tensor dequantize_ggml_rows(int64_t type, at::Tensor values, at::Tensor scales, at::Tensor mins,
+                                   at::Tensor supers, int64_t out_features, int64_t n_begin, int64_t n_end) {
   const Tensors w = check_tensors(type, values, scales, mins, supers, out_features);
   TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= out_features && n_begin % kTileRows == 0,
               "row range out of bounds (or not starting on a 16-row tile)");
-  auto out = torch::empty({n_end - n_begin, w.K}, values.options().dtype(torch::kBFloat16));
+  auto out = at::empty({n_end - n_begin, w.K}, values.options().dtype(at::kBFloat16));
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   with_type(type, [&](auto t) {
     constexpr int64_t kType = decltype(t)::value;

@@ -30,7 +30,7 @@
 // layout, n0 a multiple of 16, for prefill chunks multiplied a block at a time with oneDNN.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include "activation_quant.h"
@@ -207,9 +207,9 @@ struct Weights {
   int64_t N, K, tiles, groups;
 };
 
-Weights check_weights(const torch::Tensor& packed, const torch::Tensor& scales, const torch::Tensor& mins, int64_t g,
+Weights check_weights(const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& mins, int64_t g,
                       int64_t N) {
-  TORCH_CHECK(packed.dtype() == torch::kUInt8 && scales.dtype() == torch::kBFloat16 && mins.dtype() == torch::kBFloat16,
+  TORCH_CHECK(packed.dtype() == at::kByte && scales.dtype() == at::kBFloat16 && mins.dtype() == at::kBFloat16,
               "uint8 packed weights and bf16 scales/mins expected");
   TORCH_CHECK(packed.is_contiguous() && scales.is_contiguous() && mins.is_contiguous(), "contiguous weights expected");
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) % (8 * kXBlock) == 0, "packed must be [N_pad / 16, 8K]");
@@ -223,18 +223,18 @@ Weights check_weights(const torch::Tensor& packed, const torch::Tensor& scales, 
 }
 
 // skinny_linear_int4; with `tokens` (non-null, [M]), also each row's argmax (argmax_lanes.h).
-torch::Tensor skinny_linear_int4_impl(torch::Tensor x, const torch::Tensor& packed, const torch::Tensor& scales,
-                                      const torch::Tensor& mins, int64_t group_size, int64_t out_features,
-                                      const c10::optional<torch::Tensor>& bias, int64_t* tokens) {
+at::Tensor skinny_linear_int4_impl(at::Tensor x, const at::Tensor& packed, const at::Tensor& scales,
+                                      const at::Tensor& mins, int64_t group_size, int64_t out_features,
+                                      const c10::optional<at::Tensor>& bias, int64_t* tokens) {
   const Weights wt = check_weights(packed, scales, mins, group_size, out_features);
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) == wt.K, "bf16 x [M, K]");
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && x.dim() == 2 && x.size(1) == wt.K, "bf16 x [M, K]");
   x = x.contiguous();
   const int64_t M = x.size(0);
   const QuantizedActivations activations =
       quantize_activations(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, wt.K, group_size);
-  auto y = torch::empty({M, wt.N}, x.options());
-  torch::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
+  auto y = at::empty({M, wt.N}, x.options());
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   const Gemv gemv{packed.data_ptr<uint8_t>(),
                   reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()),
                   reinterpret_cast<const uint16_t*>(mins.data_ptr<at::BFloat16>()),
@@ -253,28 +253,28 @@ torch::Tensor skinny_linear_int4_impl(torch::Tensor x, const torch::Tensor& pack
 
 // x: [M, K] bf16; packed, scales, mins: the tile layout above; N = out_features; bias: optional
 // [N] -> [M, N] bf16.
-torch::Tensor skinny_linear_int4(torch::Tensor x, torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
-                                 int64_t group_size, int64_t out_features, c10::optional<torch::Tensor> bias) {
+at::Tensor skinny_linear_int4(at::Tensor x, at::Tensor packed, at::Tensor scales, at::Tensor mins,
+                                 int64_t group_size, int64_t out_features, c10::optional<at::Tensor> bias) {
   return skinny_linear_int4_impl(std::move(x), packed, scales, mins, group_size, out_features, bias, nullptr);
 }
 
-torch::Tensor skinny_linear_int4_greedy(torch::Tensor x, torch::Tensor packed, torch::Tensor scales,
-                                        torch::Tensor mins, int64_t group_size, int64_t out_features,
-                                        c10::optional<torch::Tensor> bias) {
-  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+at::Tensor skinny_linear_int4_greedy(at::Tensor x, at::Tensor packed, at::Tensor scales,
+                                        at::Tensor mins, int64_t group_size, int64_t out_features,
+                                        c10::optional<at::Tensor> bias) {
+  auto tokens = at::empty({x.size(0)}, at::kLong);
   skinny_linear_int4_impl(std::move(x), packed, scales, mins, group_size, out_features, bias,
                           tokens.data_ptr<int64_t>());
   return tokens;
 }
 
 // Rows [n_begin, n_end) of q * s + z as bf16 [n_end - n_begin, K]; n_begin a multiple of 16.
-torch::Tensor dequantize_int4_rows(torch::Tensor packed, torch::Tensor scales, torch::Tensor mins,
+at::Tensor dequantize_int4_rows(at::Tensor packed, at::Tensor scales, at::Tensor mins,
                                    int64_t group_size, int64_t out_features, int64_t n_begin, int64_t n_end) {
   const Weights wt = check_weights(packed, scales, mins, group_size, out_features);
   TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= wt.N && n_begin % kTileRows == 0,
               "row range out of bounds (or not starting on a 16-row tile)");
   const int64_t K = wt.K, g = group_size, rows = n_end - n_begin;
-  auto out = torch::empty({rows, K}, scales.options());
+  auto out = at::empty({rows, K}, scales.options());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());

@@ -26,7 +26,7 @@
 // prefill chunks multiplied a block of rows at a time with oneDNN (compute-bound there).
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include "activation_quant.h"
@@ -157,8 +157,8 @@ struct Gemv {
 
 // The tiles' K_pad (from their shape), checked against the scales: row scales [N] fp32 or, with
 // block scales, fp16 [N_pad / 16, K_pad / 32, 16] for N = out_features.
-int64_t check_tiles(const torch::Tensor& tiles, const torch::Tensor& scales, bool block_scales, int64_t N) {
-  TORCH_CHECK(tiles.dtype() == torch::kUInt8 && scales.dtype() == (block_scales ? torch::kFloat16 : torch::kFloat32),
+int64_t check_tiles(const at::Tensor& tiles, const at::Tensor& scales, bool block_scales, int64_t N) {
+  TORCH_CHECK(tiles.dtype() == at::kByte && scales.dtype() == (block_scales ? at::kHalf : at::kFloat),
               "uint8 tiles and fp32 row scales (fp16 block scales) expected");
   TORCH_CHECK(tiles.is_contiguous() && scales.is_contiguous(), "contiguous tiles and scales expected");
   TORCH_CHECK(tiles.dim() == 4 && tiles.size(2) == kTileRows && tiles.size(3) == 4 &&
@@ -175,21 +175,21 @@ int64_t check_tiles(const torch::Tensor& tiles, const torch::Tensor& scales, boo
 
 // skinny_linear_int8 (block_scales: Q8_0); with `tokens` (non-null, [M]), also each row's argmax
 // (argmax_lanes.h).
-torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tiles, const torch::Tensor& scales,
-                                      bool block_scales, int64_t N, const c10::optional<torch::Tensor>& bias,
+at::Tensor skinny_linear_int8_impl(at::Tensor x, const at::Tensor& tiles, const at::Tensor& scales,
+                                      bool block_scales, int64_t N, const c10::optional<at::Tensor>& bias,
                                       int64_t* tokens) {
   const int64_t K_pad = check_tiles(tiles, scales, block_scales, N);
-  TORCH_CHECK(x.dtype() == torch::kBFloat16 && x.dim() == 2 && x.size(1) <= K_pad &&
+  TORCH_CHECK(x.dtype() == at::kBFloat16 && x.dim() == 2 && x.size(1) <= K_pad &&
                   x.size(1) > K_pad - kvflow::kActivationBlock,
               "bf16 x [M, K] matching the tiles expected");
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto y = torch::empty({M, N}, x.options());
+  auto y = at::empty({M, N}, x.options());
   if (M == 0) return y;
   const kvflow::Int8Activations activations =
       kvflow::quantize_activations_int8(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, x.size(1));
-  torch::Tensor bias_f;
-  if (bias.has_value()) bias_f = bias->to(torch::kFloat32).contiguous();
+  at::Tensor bias_f;
+  if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   const float* row_scales = block_scales ? nullptr : scales.data_ptr<float>();
   const uint16_t* fp16_scales = block_scales ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr;
   const float* bias_p = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
@@ -210,29 +210,29 @@ torch::Tensor skinny_linear_int8_impl(torch::Tensor x, const torch::Tensor& tile
 }  // namespace
 
 // x: [M, K] bf16; tiles: the layout above; scales: [N] fp32; bias: optional [N] -> [M, N] bf16.
-torch::Tensor skinny_linear_int8(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
-                                 c10::optional<torch::Tensor> bias) {
+at::Tensor skinny_linear_int8(at::Tensor x, at::Tensor tiles, at::Tensor scales,
+                                 c10::optional<at::Tensor> bias) {
   const int64_t N = scales.numel();
   return skinny_linear_int8_impl(std::move(x), tiles, scales, false, N, bias, nullptr);
 }
 
-torch::Tensor skinny_linear_int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales,
-                                        c10::optional<torch::Tensor> bias) {
-  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+at::Tensor skinny_linear_int8_greedy(at::Tensor x, at::Tensor tiles, at::Tensor scales,
+                                        c10::optional<at::Tensor> bias) {
+  auto tokens = at::empty({x.size(0)}, at::kLong);
   const int64_t N = scales.numel();
   skinny_linear_int8_impl(std::move(x), tiles, scales, false, N, bias, tokens.data_ptr<int64_t>());
   return tokens;
 }
 
 // Q8_0 (a GGUF file's): x [M, K] bf16, tiles as above, block_scales fp16 [N_pad / 16, K_pad / 32, 16].
-torch::Tensor skinny_linear_q8_0(torch::Tensor x, torch::Tensor tiles, torch::Tensor block_scales,
-                                 int64_t out_features, c10::optional<torch::Tensor> bias) {
+at::Tensor skinny_linear_q8_0(at::Tensor x, at::Tensor tiles, at::Tensor block_scales,
+                                 int64_t out_features, c10::optional<at::Tensor> bias) {
   return skinny_linear_int8_impl(std::move(x), tiles, block_scales, true, out_features, bias, nullptr);
 }
 
-torch::Tensor skinny_linear_q8_0_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor block_scales,
-                                        int64_t out_features, c10::optional<torch::Tensor> bias) {
-  auto tokens = torch::empty({x.size(0)}, torch::kInt64);
+at::Tensor skinny_linear_q8_0_greedy(at::Tensor x, at::Tensor tiles, at::Tensor block_scales,
+                                        int64_t out_features, c10::optional<at::Tensor> bias) {
+  auto tokens = at::empty({x.size(0)}, at::kLong);
   skinny_linear_int8_impl(std::move(x), tiles, block_scales, true, out_features, bias, tokens.data_ptr<int64_t>());
   return tokens;
 }
@@ -241,13 +241,13 @@ namespace {
 
 // Rows [n_begin, n_end) of q * s as bf16 [n_end - n_begin, K] (K = in_features <= K_pad), n_begin a
 // multiple of 16; s a row's scale, or (block scales) its scale of each 32 inputs.
-torch::Tensor dequantize_rows(const torch::Tensor& tiles, const torch::Tensor& scales, bool block_scales, int64_t N,
+at::Tensor dequantize_rows(const at::Tensor& tiles, const at::Tensor& scales, bool block_scales, int64_t N,
                               int64_t in_features, int64_t n_begin, int64_t n_end) {
   const int64_t K_pad = check_tiles(tiles, scales, block_scales, N), K = in_features;
   TORCH_CHECK(0 < K && K <= K_pad && K > K_pad - kvflow::kActivationBlock, "in_features does not match the tiles");
   TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= N && n_begin % kTileRows == 0,
               "row range out of bounds (or not starting on a 16-row tile)");
-  auto out = torch::empty({n_end - n_begin, K}, tiles.options().dtype(torch::kBFloat16));
+  auto out = at::empty({n_end - n_begin, K}, tiles.options().dtype(at::kBFloat16));
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const uint8_t* w = tiles.data_ptr<uint8_t>();
   const float* s = block_scales ? nullptr : scales.data_ptr<float>();
@@ -281,12 +281,12 @@ torch::Tensor dequantize_rows(const torch::Tensor& tiles, const torch::Tensor& s
 
 }  // namespace
 
-torch::Tensor dequantize_int8_rows(torch::Tensor tiles, torch::Tensor scales, int64_t in_features, int64_t n_begin,
+at::Tensor dequantize_int8_rows(at::Tensor tiles, at::Tensor scales, int64_t in_features, int64_t n_begin,
                                    int64_t n_end) {
   return dequantize_rows(tiles, scales, false, scales.numel(), in_features, n_begin, n_end);
 }
 
-torch::Tensor dequantize_q8_0_rows(torch::Tensor tiles, torch::Tensor block_scales, int64_t in_features,
+at::Tensor dequantize_q8_0_rows(at::Tensor tiles, at::Tensor block_scales, int64_t in_features,
                                    int64_t out_features, int64_t n_begin, int64_t n_end) {
   return dequantize_rows(tiles, block_scales, true, out_features, in_features, n_begin, n_end);
 }

@@ -14,7 +14,7 @@
 // free() when the tensor's storage dies.
 
 #include <sys/mman.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 
 #include <cstdlib>
 #include <new>
@@ -24,11 +24,11 @@ constexpr size_t kHugePage = size_t(2) << 20;
 }  // namespace
 
 // An uninitialised [nbytes] uint8 tensor on huge pages (the caller fills or zeroes it).
-torch::Tensor empty_huge_pages(int64_t nbytes) {
+at::Tensor empty_huge_pages(int64_t nbytes) {
   TORCH_CHECK(nbytes > 0, "nbytes must be positive");
   const size_t rounded = (size_t(nbytes) + kHugePage - 1) / kHugePage * kHugePage;
   void* p = nullptr;
   if (posix_memalign(&p, kHugePage, rounded) != 0) throw std::bad_alloc();
   madvise(p, rounded, MADV_HUGEPAGE);  // advice only: an error (THP compiled out) leaves small pages
-  return torch::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, torch::TensorOptions().dtype(torch::kUInt8));
+  return at::from_blob(p, {nbytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
 }

@@ -20,7 +20,7 @@
 // kernel streams the pool's 1 or 0.5 bytes per element instead of gathering a dequantized copy.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include "attention_simd.h"
@@ -598,18 +598,18 @@ void run_all(const Problem<Rows>& P, int64_t B) {
   });
 }
 
-void check_common(const torch::Tensor& q, const torch::Tensor& slots, const torch::Tensor& seq_lens, int64_t Hkv) {
-  TORCH_CHECK(q.dtype() == torch::kBFloat16, "bf16 queries expected");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && seq_lens.dtype() == torch::kInt64, "int64 slots/seq_lens expected");
+void check_common(const at::Tensor& q, const at::Tensor& slots, const at::Tensor& seq_lens, int64_t Hkv) {
+  TORCH_CHECK(q.dtype() == at::kBFloat16, "bf16 queries expected");
+  TORCH_CHECK(slots.dtype() == at::kLong && seq_lens.dtype() == at::kLong, "int64 slots/seq_lens expected");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
   TORCH_CHECK(Hq % Hkv == 0 && slots.size(0) == B && seq_lens.size(0) == B, "shapes");
   TORCH_CHECK(D <= kMaxChunks * kLanes && Hq / Hkv <= 64, "head_dim <= 256 and <= 64 query heads per KV head");
 }
 
 template <typename Rows>
-torch::Tensor launch(torch::Tensor q, Rows k, Rows v, torch::Tensor slots, torch::Tensor seq_lens, double scale,
+at::Tensor launch(at::Tensor q, Rows k, Rows v, at::Tensor slots, at::Tensor seq_lens, double scale,
                      const float* sinks) {
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const Problem<Rows> P{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), k, v,
                         slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
@@ -621,10 +621,10 @@ torch::Tensor launch(torch::Tensor q, Rows k, Rows v, torch::Tensor slots, torch
 }  // namespace
 
 // sinks: [Hq] fp32 sink logits (attention_sinks.h), or none.
-torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                          torch::Tensor slots, torch::Tensor seq_lens, double scale,
-                                          c10::optional<torch::Tensor> sinks) {
-  TORCH_CHECK(key_cache.dtype() == torch::kBFloat16 && value_cache.dtype() == torch::kBFloat16, "bf16 k/v expected");
+at::Tensor paged_decode_attention_bf16(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                                          at::Tensor slots, at::Tensor seq_lens, double scale,
+                                          c10::optional<at::Tensor> sinks) {
+  TORCH_CHECK(key_cache.dtype() == at::kBFloat16 && value_cache.dtype() == at::kBFloat16, "bf16 k/v expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV pools must be contiguous");
   q = q.contiguous();
   // Rows may share one slot list (stride 0); keys must be unit-stride.
@@ -633,13 +633,13 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
   const int64_t Hkv = key_cache.size(1), D = q.size(2);
   check_common(q, slots, seq_lens, Hkv);
   TORCH_CHECK(key_cache.size(2) == D, "head_dim mismatch");
-  torch::Tensor sinks_kept;
+  at::Tensor sinks_kept;
   const float* sp = kvflow::sink_logits(sinks, q.size(1), sinks_kept);
   const auto* kp = reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>());
   const auto* vp = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>());
   if (D % 2 != 0)  // the keys-along-lanes path reads bf16 pairs
     return launch(q, Bf16Rows{kp, Hkv, D}, Bf16Rows{vp, Hkv, D}, slots, seq_lens, scale, sp);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   const Bf16Attention A{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kp, vp,
                         slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
@@ -666,37 +666,37 @@ torch::Tensor paged_decode_attention_bf16(torch::Tensor q, torch::Tensor key_cac
 // kind: "int8" | "fp8_e4m3" | "int4". k_data/v_data: [S, Hkv, D] (int4: [S, Hkv, D / 2] uint8);
 // scales and zeros [S, Hkv] fp16 (zeros only for int4; pass the scales otherwise, unused). sinks:
 // [Hq] fp32 sink logits (attention_sinks.h), or none.
-torch::Tensor paged_decode_attention_quantized(torch::Tensor q, torch::Tensor k_data, torch::Tensor k_scale,
-                                               torch::Tensor k_zero, torch::Tensor v_data, torch::Tensor v_scale,
-                                               torch::Tensor v_zero, torch::Tensor slots, torch::Tensor seq_lens,
+at::Tensor paged_decode_attention_quantized(at::Tensor q, at::Tensor k_data, at::Tensor k_scale,
+                                               at::Tensor k_zero, at::Tensor v_data, at::Tensor v_scale,
+                                               at::Tensor v_zero, at::Tensor slots, at::Tensor seq_lens,
                                                double scale, const std::string& kind,
-                                               c10::optional<torch::Tensor> sinks) {
+                                               c10::optional<at::Tensor> sinks) {
   for (const auto* t : {&k_data, &k_scale, &k_zero, &v_data, &v_scale, &v_zero})
     TORCH_CHECK(t->is_contiguous(), "KV pools must be contiguous");
-  TORCH_CHECK(k_scale.dtype() == torch::kFloat16 && v_scale.dtype() == torch::kFloat16, "fp16 scales expected");
+  TORCH_CHECK(k_scale.dtype() == at::kHalf && v_scale.dtype() == at::kHalf, "fp16 scales expected");
   q = q.contiguous();
   // Rows may share one slot list (stride 0); keys must be unit-stride.
   if (slots.stride(1) != 1) slots = slots.contiguous();
   seq_lens = seq_lens.contiguous();
   const int64_t Hkv = k_data.size(1), D = q.size(2);
   check_common(q, slots, seq_lens, Hkv);
-  torch::Tensor sinks_kept;
+  at::Tensor sinks_kept;
   const float* sp = kvflow::sink_logits(sinks, q.size(1), sinks_kept);
   const auto* ks = reinterpret_cast<const uint16_t*>(k_scale.data_ptr<at::Half>());
   const auto* vs = reinterpret_cast<const uint16_t*>(v_scale.data_ptr<at::Half>());
   if (kind == "int8") {
-    TORCH_CHECK(k_data.dtype() == torch::kInt8 && k_data.size(2) == D, "int8 [S, Hkv, D] pools expected");
+    TORCH_CHECK(k_data.dtype() == at::kChar && k_data.size(2) == D, "int8 [S, Hkv, D] pools expected");
     return launch(q, Int8Rows{k_data.data_ptr<int8_t>(), ks, Hkv, D}, Int8Rows{v_data.data_ptr<int8_t>(), vs, Hkv, D},
                   slots, seq_lens, scale, sp);
   }
   if (kind == "fp8_e4m3") {
-    TORCH_CHECK(k_data.dtype() == torch::kUInt8 && k_data.size(2) == D, "fp8 bytes [S, Hkv, D] expected");
+    TORCH_CHECK(k_data.dtype() == at::kByte && k_data.size(2) == D, "fp8 bytes [S, Hkv, D] expected");
     return launch(q, Fp8Rows{k_data.data_ptr<uint8_t>(), ks, Hkv, D}, Fp8Rows{v_data.data_ptr<uint8_t>(), vs, Hkv, D},
                   slots, seq_lens, scale, sp);
   }
   TORCH_CHECK(kind == "int4", "unknown KV format ", kind);
-  TORCH_CHECK(k_data.dtype() == torch::kUInt8 && D % 2 == 0 && k_data.size(2) == D / 2, "int4 [S, Hkv, D/2] expected");
-  TORCH_CHECK(k_zero.dtype() == torch::kFloat16 && v_zero.dtype() == torch::kFloat16, "fp16 zeros expected");
+  TORCH_CHECK(k_data.dtype() == at::kByte && D % 2 == 0 && k_data.size(2) == D / 2, "int4 [S, Hkv, D/2] expected");
+  TORCH_CHECK(k_zero.dtype() == at::kHalf && v_zero.dtype() == at::kHalf, "fp16 zeros expected");
   const auto* kz = reinterpret_cast<const uint16_t*>(k_zero.data_ptr<at::Half>());
   const auto* vz = reinterpret_cast<const uint16_t*>(v_zero.data_ptr<at::Half>());
   return launch(q, Int4Rows{k_data.data_ptr<uint8_t>(), ks, kz, Hkv, D},

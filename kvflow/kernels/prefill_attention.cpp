@@ -25,7 +25,7 @@
 // keys. The output is rounded to bf16 once.
 
 #include <ATen/Parallel.h>
-#include <torch/extension.h>
+#include "aten_lite.h"
 #include "simd.h"
 
 #include "attention_simd.h"
@@ -263,13 +263,13 @@ void attend_tile(const Chunk& c, int64_t h, int64_t t0, int64_t t1, TileScratch&
 // q [n, Hq, D] bf16 (the chunk's queries, the last n of its L positions), key_cache / value_cache
 // [S, Hkv, D] bf16 pools holding the chunk's keys at slots [L] (position order) -> [n, Hq, D] bf16.
 // sinks: [Hq] fp32 sink logits (attention_sinks.h), or none.
-torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor slots, double scale, c10::optional<torch::Tensor> sinks) {
-  TORCH_CHECK(q.dtype() == torch::kBFloat16 && key_cache.dtype() == torch::kBFloat16 &&
-                  value_cache.dtype() == torch::kBFloat16,
+at::Tensor prefill_attention_bf16(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor slots, double scale, c10::optional<at::Tensor> sinks) {
+  TORCH_CHECK(q.dtype() == at::kBFloat16 && key_cache.dtype() == at::kBFloat16 &&
+                  value_cache.dtype() == at::kBFloat16,
               "bf16 queries and pools expected");
   TORCH_CHECK(key_cache.is_contiguous() && value_cache.is_contiguous(), "KV pools must be contiguous");
-  TORCH_CHECK(slots.dtype() == torch::kInt64 && slots.dim() == 1, "slots: [L] int64");
+  TORCH_CHECK(slots.dtype() == at::kLong && slots.dim() == 1, "slots: [L] int64");
   q = q.contiguous();
   slots = slots.contiguous();
   const int64_t n = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = key_cache.size(1), L = slots.size(0);
@@ -277,13 +277,13 @@ torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, t
   TORCH_CHECK(D % 2 == 0, "head_dim must be even (keys are read as bf16 pairs)");
   TORCH_CHECK(Hq % Hkv == 0 && Hq / Hkv <= kTileVectorsTarget, "at most 64 query heads per KV head");
   TORCH_CHECK(n <= L, "more queries than keys");
-  torch::Tensor sinks_kept;
+  at::Tensor sinks_kept;
   const float* sp = kvflow::sink_logits(sinks, Hq, sinks_kept);
-  auto out = torch::empty_like(q);
+  auto out = at::empty_like(q);
   if (n == 0) return out;
   const int64_t Dw = D / 2, Dv = round_up(D, kLanes), L_pad = round_up(L, kKeyTile);
-  auto kt = torch::empty({Hkv * L_pad * Dw}, torch::kInt32);
-  auto vp = torch::empty({Hkv * (L_pad / 2) * Dv}, torch::kInt32);
+  auto kt = at::empty({Hkv * L_pad * Dw}, at::kInt);
+  auto vp = at::empty({Hkv * (L_pad / 2) * Dv}, at::kInt);
   const Chunk c{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>()),
