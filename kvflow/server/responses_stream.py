@@ -20,6 +20,7 @@ from collections.abc import AsyncIterable, AsyncIterator, Callable
 from typing import Any
 
 from kvflow.server.responses_protocol import ResponsesRequest, response_object
+from kvflow.server.serving_response import chat_sse_data
 
 
 class ResponseEvents:
@@ -44,18 +45,9 @@ class ResponseEvents:
         return f"event: {kind}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
 
     async def translate(self, chunks: AsyncIterable[str | bytes | memoryview]) -> AsyncIterator[str]:
-        buffer = ""
-        try:
-            async for piece in chunks:
-                buffer += piece if isinstance(piece, str) else bytes(piece).decode()
-                while "\n\n" in buffer:
-                    event, buffer = buffer.split("\n\n", 1)
-                    for out in self._chunk(event.removeprefix("data: ").strip()):
-                        yield out
-        finally:
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()
+        async for data in chat_sse_data(chunks):
+            for out in self._chunk(data):
+                yield out
 
     def _chunk(self, data: str) -> list[str]:
         if data == "[DONE]":

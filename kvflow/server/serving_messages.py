@@ -41,6 +41,7 @@ from kvflow.server.errors import APIError, validation_message
 from kvflow.server.protocol import ChatCompletionRequest
 from kvflow.server.serving import ServingContext, off_loop
 from kvflow.server.serving_chat import create_chat_completion, render_chat_prompt
+from kvflow.server.serving_response import chat_sse_data
 from kvflow.server.serving_tools import tool_call_arguments_as_objects
 
 STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
@@ -238,21 +239,11 @@ class MessageEvents:
         self.started = False
 
     async def translate(self, chunks: AsyncIterable[str | bytes | memoryview]) -> AsyncIterator[str]:
-        buffer = ""
-        try:
-            async for piece in chunks:
-                buffer += piece if isinstance(piece, str) else bytes(piece).decode()
-                while "\n\n" in buffer:
-                    event, buffer = buffer.split("\n\n", 1)
-                    for out in self._event(event):
-                        yield out
-        finally:
-            close = getattr(chunks, "aclose", None)
-            if close is not None:
-                await close()
+        async for data in chat_sse_data(chunks):
+            for out in self._event(data):
+                yield out
 
-    def _event(self, event: str) -> list[str]:
-        data = event.removeprefix("data: ").strip()
+    def _event(self, data: str) -> list[str]:
         if data == "[DONE]":
             return self._close_block() + self._finish()
         chunk = json.loads(data)

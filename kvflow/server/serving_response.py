@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -279,3 +279,19 @@ async def collect_finals(stream: OutputStream, raw: HTTPRequest) -> list[Request
         disconnect_task.cancel()
         stream.close()
     return sorted(finals.values(), key=lambda f: choice_index(f.request_id))
+
+
+async def chat_sse_data(chunks: AsyncIterable[str | bytes | memoryview]) -> AsyncIterator[str]:
+    """The `data:` payloads of a chat completion stream's body (a JSON chunk, or "[DONE]"), as the
+    Messages and Responses streams re-shape them; closes the stream when the consumer stops."""
+    buffer = ""
+    try:
+        async for piece in chunks:
+            buffer += piece if isinstance(piece, str) else bytes(piece).decode()
+            while "\n\n" in buffer:
+                event, buffer = buffer.split("\n\n", 1)
+                yield event.removeprefix("data: ").strip()
+    finally:
+        close = getattr(chunks, "aclose", None)
+        if close is not None:
+            await close()
