@@ -63,6 +63,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None
         self.timeline = RequestTimeline(arrival_time if arrival_time is not None else time.monotonic())
+        self.timeline.priority = priority
         # Chained hashes of the full blocks of `all_token_ids`, filled in by the KV cache manager.
         self.block_hashes: list[bytes] = []
         # Draft tokens proposed for the next step (speculative decoding); consumed when scheduled.

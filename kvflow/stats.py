@@ -54,6 +54,8 @@ class RequestTimeline:
     # Structured output: seconds between arrival and its grammar being ready (compiled off the engine
     # thread, or a cache hit); part of queue_time. None for unconstrained requests.
     grammar_compile_time: float | None = None
+    # --scheduling-policy priority: the request's priority (lower first), for queueing per priority.
+    priority: int = 0
 
     def record_scheduled(
         self, now: float, num_tokens: int, num_computed_tokens: int, is_prefill: bool

@@ -29,7 +29,7 @@ from kvflow.server.dashboard.schema import (
 NUM_REQUESTS = 6
 REQUEST_KEYS = {
     "id", "state", "reason", "arrival", "first_scheduled", "first_token", "last_token", "finished",
-    "chunks", "preemptions", "prompt_tokens", "cached_tokens", "output_tokens", "ttft_ms",
+    "chunks", "preemptions", "prompt_tokens", "cached_tokens", "output_tokens", "priority", "ttft_ms",
     "itl_p50_ms", "itl_p99_ms",
 }  # fmt: skip
 T = TypeVar("T")
@@ -290,3 +290,15 @@ def test_speculative_steps_carry_their_drafts(start_server: Callable[..., LiveSe
     assert sum(s["output_tokens"] for s in steps) == sum(b["usage"]["completion_tokens"] for b in bodies)
     seconds = [row for f in frames[1:] for row in f["seconds"]]
     assert seconds and all(len(row) == len(SECOND_FIELDS) for row in seconds)
+
+
+def test_rows_carry_the_requests_priority(start_server: Callable[..., LiveServer]) -> None:
+    """Under --scheduling-policy priority each row says its request's priority (the page's queue
+    time per priority is read from them)."""
+    server = start_server(served_model_name="prioritised", engine={"scheduling_policy": "priority"})
+    load = lambda: send_load(server, NUM_REQUESTS, "q ", priority=lambda i: i % 2 * 5)  # noqa: E731
+    frames, _ = frames_during(server, load, NUM_REQUESTS)
+    finished = {obj["id"]: obj for f in frames[1:] for obj in f["requests"] if obj["state"] == "finished"}
+    assert sorted(obj["priority"] for obj in finished.values()) == sorted(
+        i % 2 * 5 for i in range(NUM_REQUESTS)
+    )

@@ -122,6 +122,7 @@ def request_object(
         "prompt_tokens": num_prompt_tokens,
         "cached_tokens": timeline.num_cached_prompt_tokens,
         "output_tokens": num_output_tokens,
+        "priority": timeline.priority,
         "ttft_ms": _ms(timeline.ttft),
         "itl_p50_ms": _ms(percentile(gaps, 50)) if gaps else None,
         "itl_p99_ms": _ms(percentile(gaps, 99)) if gaps else None,

@@ -434,11 +434,29 @@
     if (charts[id]) charts[id].hooks.draw = [marks];
   }
 
+  // Queue time (first scheduled less arrival) p50 per priority, when the window holds several.
+  function queueByPriority(since) {
+    const waits = new Map();
+    for (const r of S.requests.values()) {
+      if (r.first_scheduled === null || r.arrival < since) continue;
+      const p = r.priority ?? 0;
+      if (!waits.has(p)) waits.set(p, []);
+      waits.get(p).push((r.first_scheduled - r.arrival) * 1000);
+    }
+    if (waits.size < 2) return "";
+    const parts = [...waits.keys()].sort((a, b) => a - b).map((p) => {
+      const sorted = Float64Array.from(waits.get(p)).sort();
+      return `${p}: ${fmt(percentile(sorted, 50))} ms (n=${sorted.length})`;
+    });
+    return "queued p50 by priority · " + parts.join(" · ");
+  }
+
   function drawHistograms(now) {
     const windowS = S.config.window_s;
     const ttft = [];
     for (const r of S.requests.values()) if (r.ttft_ms !== null && r.first_token >= now - windowS) ttft.push(r.ttft_ms);
     histogram("ttft-chart", "ttft-caption", ttft, "TTFT");
+    $("queue-by-priority").textContent = queueByPriority(now - windowS);
     histogram("itl-chart", "itl-caption", S.itl.map((g) => g[1]), "ITL");
   }
 
@@ -455,6 +473,7 @@
   function requestTip(r) {
     const rows = [
       ["state", r.state + (r.reason ? " (" + r.reason + ")" : "")],
+      ["priority", r.priority ?? 0],
       ["TTFT", fmt(r.ttft_ms) + " ms"],
       // While running, the server computes them over the request's last 256 gaps (schema.py).
       ["ITL p50" + (r.state === "finished" ? "" : " (recent)"), fmt(r.itl_p50_ms) + " ms"],
