@@ -87,6 +87,9 @@ PAIRS = {
     "q8_0": Pair("same q8_0.gguf", "q8_0", {}, kvflow_reads_gguf=True),
     "q4_0": Pair("same q4_0.gguf", "q4_0", {}, kvflow_reads_gguf=True),
     "q4_k_m": Pair("same q4_k_m.gguf", "q4_k_m", {}, kvflow_reads_gguf=True),
+    # llama-quantize writes MXFP4 for MoE experts only: this file's projections are MXFP4 by the gguf
+    # package (weight_formats_decode.py), embedding and head bf16; both engines read it.
+    "mxfp4": Pair("same mxfp4-projections.gguf", "mxfp4-projections", {}, kvflow_reads_gguf=True),
 }
 
 
@@ -176,6 +179,10 @@ def convert(checkpoint: Path, bin_dir: Path, gguf_type: str) -> Path:
     out = CACHE_DIR / "gguf" / f"{checkpoint.name}-{gguf_type}.gguf"
     if out.exists():
         return out
+    if gguf_type == "mxfp4-projections":
+        from weight_formats_decode import _mxfp4_gguf
+
+        return _mxfp4_gguf(checkpoint)
     out.parent.mkdir(parents=True, exist_ok=True)
     bf16 = out.with_name(f"{checkpoint.name}-bf16.gguf")
     if not bf16.exists():

@@ -1,5 +1,6 @@
 """The Anthropic Messages API's request body (POST /v1/messages, as the `anthropic` client sends it),
-and its error body. Only what kvflow serves is accepted: an unknown field or block type is a 400
+its error body, and the stop reason and usage of its answers (shared by the whole answer and the
+stream). Only what kvflow serves is accepted: an unknown field or block type is a 400
 naming it, not silently dropped.
 
 Error bodies: `{"type": "error", "error": {"type": <below>, "message": ...}}`
@@ -13,6 +14,8 @@ from http import HTTPStatus
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvflow.server.protocol import cached_prompt_tokens
 
 ANTHROPIC_PATH_PREFIX = "/v1/messages"
 _ERROR_TYPES = {
@@ -141,3 +144,28 @@ class CountTokensRequest(_Strict):
     tools: list[ToolParam] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingParam | None = None
+
+
+# chat finish_reason -> Messages stop_reason (stop: end_turn, or stop_sequence when a stop string matched)
+STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
+
+
+def stop_fields(finish_reason: str | None, stop_reason: Any, body: MessagesRequest) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) in Anthropic's terms."""
+    if (
+        finish_reason == "stop"
+        and isinstance(stop_reason, str)
+        and stop_reason in (body.stop_sequences or ())
+    ):
+        return "stop_sequence", stop_reason
+    return STOP_REASONS.get(finish_reason or "", "end_turn"), None
+
+
+def message_usage(usage: dict[str, Any]) -> dict[str, int]:
+    cached = cached_prompt_tokens(usage)
+    return {
+        "input_tokens": int(usage.get("prompt_tokens", 0)) - cached,
+        "cache_read_input_tokens": cached,
+        "cache_creation_input_tokens": 0,
+        "output_tokens": int(usage.get("completion_tokens", 0)),
+    }

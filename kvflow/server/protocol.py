@@ -371,3 +371,8 @@ class ErrorResponse(BaseModel):
     """Every error answer's body (server/errors.py)."""
 
     error: ErrorInfo
+
+
+def cached_prompt_tokens(usage: dict[str, Any]) -> int:
+    """A chat usage block's prefix-cache hits (`prompt_tokens_details.cached_tokens`), 0 without."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

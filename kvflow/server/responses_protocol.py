@@ -12,6 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kvflow.server.protocol import cached_prompt_tokens
+
 
 class TextFormat(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -109,7 +111,7 @@ def response_object(
 
 
 def responses_usage(usage: dict[str, Any]) -> dict[str, Any]:
-    cached = int(((usage.get("prompt_tokens_details") or {}).get("cached_tokens")) or 0)
+    cached = cached_prompt_tokens(usage)
     return {
         "input_tokens": usage.get("prompt_tokens", 0),
         "input_tokens_details": {"cached_tokens": cached},

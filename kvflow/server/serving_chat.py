@@ -7,13 +7,13 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import Response
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from kvflow.outputs import RequestOutput, TokenLogprobs
 from kvflow.reasoning import ReasoningStreamer
 from kvflow.request import Request
 from kvflow.server.chat_content import check_template_kwargs, template_messages
-from kvflow.server.errors import APIError
+from kvflow.server.errors import APIError, validation_message
 from kvflow.server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -242,3 +242,13 @@ async def create_chat_completion(
     response_id = f"{ID_PREFIX}-{raw.state.request_id}"
     builder = ChatResponseBuilder(ctx, body.n, top_n, response_id, tools, body.prompt_logprobs, prompt.text)
     return await serve_choices(ctx, raw, body, [prompt], requests, builder)
+
+
+def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's body was translated into (kvflow/server/serving_messages.py,
+    serving_responses.py), validated as a chat body is: a 400 naming the field."""
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors())
+        raise APIError(HTTPStatus.BAD_REQUEST, message, param=param) from exc

@@ -23,15 +23,14 @@ from typing import Any
 
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
 
-from kvflow.server.errors import APIError, validation_message
+from kvflow.server.errors import APIError
 from kvflow.server.protocol import ChatCompletionRequest
 from kvflow.server.response_store import ResponseStore
 from kvflow.server.responses_protocol import ResponsesRequest, response_object
 from kvflow.server.responses_stream import ResponseEvents
 from kvflow.server.serving import ServingContext
-from kvflow.server.serving_chat import create_chat_completion
+from kvflow.server.serving_chat import chat_request_from, create_chat_completion
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 REFUSED_FIELDS = ("background", "conversation", "prompt")
@@ -163,11 +162,7 @@ def to_chat_request(body: ResponsesRequest, messages: list[dict[str, Any]]) -> C
         fields["max_tokens"] = body.max_output_tokens
     if body.stream:
         fields["stream_options"] = {"include_usage": True}
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as exc:
-        message, param = validation_message(exc.errors())
-        raise _bad(message, param) from exc
+    return chat_request_from(fields)
 
 
 def output_items(response_id: str, message: dict[str, Any]) -> list[dict[str, Any]]:

@@ -45,7 +45,7 @@ from kvflow.sampling_params import SamplingParams, StructuredOutputsParams
 from kvflow.scheduler_output import GrammarBitmask, SchedulerOutput
 from kvflow.structured.backend import GrammarBackend
 from kvflow.structured.grammar_spec import GrammarSpec, build_grammar
-from kvflow.structured.reasoning_gate import ReasoningGate
+from kvflow.structured.reasoning_gate import ReasoningGate, ReasoningMarkers
 from kvflow.tokenizer import Tokenizer
 
 # Distinct compiled grammars kept (least recently used dropped first). A template is a few hundred KB
@@ -73,7 +73,7 @@ class RequestGrammar:
 class StructuredOutputManager:
     def __init__(self, tokenizer: Tokenizer, reasoning: ReasoningParser | None = None) -> None:
         self._tokenizer = tokenizer
-        self._reasoning = reasoning
+        self._markers = None if reasoning is None else ReasoningMarkers.encode(reasoning, tokenizer)
         # One compile thread: compiles are milliseconds, and the engine thread must keep a core.
         self._compile_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-grammar")
         self._fill_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvflow-bitmask")
@@ -118,8 +118,8 @@ class StructuredOutputManager:
         state: RequestGrammar = request.structured_state
         state.submit_time = time.monotonic()
         state.compiled = self._compiled(state.spec)
-        if self._reasoning is not None:
-            state.gate = ReasoningGate.for_prompt(self._reasoning, self._tokenizer, request.prompt_token_ids)
+        if self._markers is not None:
+            state.gate = ReasoningGate.for_prompt(self._markers, self._tokenizer, request.prompt_token_ids)
         request.status = RequestStatus.WAITING_FOR_GRAMMAR
         self._pending[request.request_id] = request
 

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 from kvflow.reasoning import ReasoningParser
@@ -17,6 +18,21 @@ from kvflow.tokenizer import Tokenizer
 
 Phase = Literal["reasoning", "may_open", "constrained"]
 PROMPT_TAIL_TOKENS = 32  # the prompt's end read for an open or closed think block
+
+
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """A parser's markers as token ids, encoded once per engine (not once per request)."""
+
+    parser: ReasoningParser
+    start_id: int | None  # `<think>` when it is one token, else None (the first token cannot open it)
+    end_ids: tuple[int, ...]
+
+    @classmethod
+    def encode(cls, parser: ReasoningParser, tokenizer: Tokenizer) -> ReasoningMarkers:
+        start = tokenizer.encode(parser.start, add_special_tokens=False)
+        end_ids = tuple(tokenizer.encode(parser.end, add_special_tokens=False))
+        return cls(parser, start[0] if len(start) == 1 else None, end_ids)
 
 
 class ReasoningGate:
@@ -28,17 +44,14 @@ class ReasoningGate:
 
     @classmethod
     def for_prompt(
-        cls, parser: ReasoningParser, tokenizer: Tokenizer, prompt_token_ids: list[int]
+        cls, markers: ReasoningMarkers, tokenizer: Tokenizer, prompt_token_ids: list[int]
     ) -> ReasoningGate:
         tail = tokenizer.decode(prompt_token_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False)
-        start = tokenizer.encode(parser.start, add_special_tokens=False)
-        start_id = start[0] if len(start) == 1 else None
-        end_ids = tuple(tokenizer.encode(parser.end, add_special_tokens=False))
-        state = parser.prompt_state(tail)
+        state = markers.parser.prompt_state(tail)
         phase: Phase = "reasoning" if state == "open" else "constrained"
-        if state == "none" and start_id is not None:
+        if state == "none" and markers.start_id is not None:
             phase = "may_open"
-        return cls(phase, start_id, end_ids)
+        return cls(phase, markers.start_id, markers.end_ids)
 
     @property
     def holds(self) -> bool:
