@@ -1,4 +1,4 @@
-"""Optional native CPU kernels, compiled on first use with torch's JIT extension builder.
+"""Optional native CPU kernels, compiled on first use with ninja (ninja_build.py).
 
 - `skinny_linear_bf16()`: the bf16 GEMV (vdpbf16ps) for few-row (decode) linears on 16-row tiles of the
   weights, and the tiling (gemv_bf16.cpp);
@@ -22,7 +22,7 @@ The kernels are written in AVX-512 intrinsics and built for the best of two targ
 (`simd_target`): AVX512-BF16 + VNNI (Zen 4, Sapphire Rapids), or AVX2 + FMA + F16C (Zen 2/3, Intel
 client cores), where simd.h supplies the same intrinsics over pairs of 256-bit registers
 (avx512_on_avx2.h). Each returns None when the CPU has neither, no compiler is available, or the
-build fails; callers then keep the generic torch path. The build (~1-2.5 min on 2 cores, once per
+build fails; callers then keep the generic torch path. The build (~21 s on 2 cores, once per
 sources, torch, compiler and target; `kvflow build-kernels` does it ahead of time) is cached under
 ~/.cache/kvflow/kernels (KVFLOW_KERNEL_CACHE), one process at a time under a lock that dies with its
 process (build_cache.py); KVFLOW_DISABLE_KERNELS=1 skips it.
@@ -41,7 +41,21 @@ from typing import Any, NamedTuple, Protocol
 
 import torch
 
-from kvflow.kernels.build_cache import build_dir_for, cache_root, locked_build, sources_key, toolchain_key
+from kvflow.kernels.build_cache import (
+    build_dir_for,
+    build_progress,
+    cache_root,
+    locked_build,
+    sources_key,
+    toolchain_key,
+)
+from kvflow.kernels.ninja_build import (
+    compile_flags,
+    import_extension,
+    link_flags,
+    run_ninja,
+    write_build_file,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -119,19 +133,21 @@ SkinnyLinearInt4 = Callable[
 ]
 # (packed, scales, mins, g, N, n_begin, n_end) -> [n_end - n_begin, K] bf16; n_begin % 16 == 0
 DequantizeInt4Rows = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int, int, int], torch.Tensor]
+# Longest first (their compile times on 2 cores, benchmarks/NOTES.md session 23): ninja starts units
+# in this order, so the long ones do not start last and stretch the build.
 _SOURCES = (
-    "argmax.cpp",
-    "bindings.cpp",
-    "decode_forward.cpp",
-    "elementwise.cpp",
-    "gemv_bf16.cpp",
-    "gemv_fp8.cpp",
-    "gemv_ggml.cpp",
-    "gemv_int8.cpp",
-    "gemv_int4.cpp",
-    "huge_pages.cpp",
+    "bindings.cpp",  # 10.7 s (pybind11), needs no precompiled header: starts at once
+    "gemv_ggml.cpp",  # 10.3 s
+    "decode_forward.cpp",  # 9.4 s
     "paged_decode_attention.cpp",
+    "gemv_int8.cpp",
+    "gemv_fp8.cpp",
+    "gemv_int4.cpp",
+    "gemv_bf16.cpp",
     "prefill_attention.cpp",
+    "argmax.cpp",
+    "elementwise.cpp",
+    "huge_pages.cpp",
 )
 
 
@@ -188,7 +204,8 @@ class NativeBuild(NamedTuple):
 
 def native_build_dir(target: SimdTarget) -> Path:
     """Where this kvflow's kernels are built for `target` and this torch, Python and compiler."""
-    inputs = [*(_HERE / s for s in _SOURCES), *sorted(_HERE.glob("*.h"))]
+    # ninja_build.py is the recipe (flags per unit, the precompiled header): a new recipe, a new build.
+    inputs = [*(_HERE / s for s in _SOURCES), *sorted(_HERE.glob("*.h")), _HERE / "ninja_build.py"]
     return build_dir_for(cache_root(), toolchain_key(target.cflags, _LDFLAGS), sources_key(inputs))
 
 
@@ -205,19 +222,20 @@ def native_build() -> NativeBuild:
     sources = [_HERE / s for s in _SOURCES]
     build_dir: Path | None = None
     try:
-        from torch.utils.cpp_extension import load
-
         build_dir = native_build_dir(target)
 
         def build(directory: Path) -> ModuleType:
-            return load(
-                name=_MODULE_NAME,
-                sources=[str(s) for s in sources],
-                extra_cflags=list(target.cflags),
-                extra_ldflags=list(_LDFLAGS),
-                build_directory=str(directory),
-                verbose=False,
+            write_build_file(
+                directory,
+                sources,
+                _MODULE_NAME,
+                compile_flags(_MODULE_NAME, target.cflags),
+                link_flags(_LDFLAGS),
+                pch_source=_HERE / "aten_lite.h",
             )
+            for warning in run_ninja(directory, progress=build_progress):
+                logger.warning("native kernels' build: %s", warning)
+            return import_extension(directory / f"{_MODULE_NAME}.so", _MODULE_NAME)
 
         module = locked_build(
             build_dir,

@@ -68,7 +68,7 @@ at::Tensor argmax_rows(at::Tensor logits) {
               "fp32 or bf16 [R, V] logits");
   logits = logits.contiguous();
   const int64_t R = logits.size(0), V = logits.size(1);
-  auto out = at::empty({R}, logits.options().dtype(at::kLong));
+  auto out = kvflow::empty({R}, logits.options().dtype(at::kLong));
   int64_t* o = out.data_ptr<int64_t>();
   if (logits.dtype() == at::kFloat) argmax_all(logits.data_ptr<float>(), R, V, o);
   else argmax_all(logits.data_ptr<at::BFloat16>(), R, V, o);

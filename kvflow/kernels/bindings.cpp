@@ -1,24 +1,26 @@
 // Python bindings of kvflow's native CPU kernels (one extension, built once by kvflow/kernels).
+// torch's pybind11 casters for tensors (torch/csrc/utils/pybind.h, ~6 s to parse), not
+// <torch/extension.h>, which adds the whole C++ frontend (~19 s): this unit was the build's long pole.
 #include <pybind11/stl.h>
-#include <torch/extension.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include "decode_forward.h"
 
-torch::Tensor empty_huge_pages(int64_t nbytes);
+at::Tensor empty_huge_pages(int64_t nbytes);
 
-torch::Tensor prefill_attention_bf16(torch::Tensor q, torch::Tensor key_cache, torch::Tensor value_cache,
-                                     torch::Tensor slots, double scale, c10::optional<torch::Tensor> sinks);
+at::Tensor prefill_attention_bf16(at::Tensor q, at::Tensor key_cache, at::Tensor value_cache,
+                                     at::Tensor slots, double scale, c10::optional<at::Tensor> sinks);
 
 namespace py = pybind11;
 using kvflow::NativeDecoder;
 using kvflow::NativeDecoderLayer;
 using kvflow::NativeKVLayer;
 using kvflow::NativeLinear;
-using OptTensor = c10::optional<torch::Tensor>;
+using OptTensor = c10::optional<at::Tensor>;
 
 namespace {
 
-std::shared_ptr<NativeLinear> make_linear(NativeLinear::Kind kind, torch::Tensor weight, int64_t in_features) {
+std::shared_ptr<NativeLinear> make_linear(NativeLinear::Kind kind, at::Tensor weight, int64_t in_features) {
   auto linear = std::make_shared<NativeLinear>();
   linear->kind = kind;
   linear->weight = weight.contiguous();
@@ -31,7 +33,7 @@ void bind_decode_forward(py::module& m) {
   py::class_<NativeLinear, std::shared_ptr<NativeLinear>>(m, "NativeLinear")
       .def_static(
           "bf16",
-          [](torch::Tensor tiles, torch::Tensor packed, bool packed_is_blocked, int64_t out_features, OptTensor bias,
+          [](at::Tensor tiles, at::Tensor packed, bool packed_is_blocked, int64_t out_features, OptTensor bias,
              int64_t max_gemv_rows) {
             auto l = make_linear(NativeLinear::Kind::kBf16, tiles, tiles.size(1) * 2);
             l->out_features = out_features;
@@ -45,7 +47,7 @@ void bind_decode_forward(py::module& m) {
           "blocked, N, bias, GEMV row limit")
       .def_static(
           "int8",
-          [](torch::Tensor tiles, torch::Tensor scales, int64_t in_features, OptTensor bias, int64_t max_gemv_rows) {
+          [](at::Tensor tiles, at::Tensor scales, int64_t in_features, OptTensor bias, int64_t max_gemv_rows) {
             auto l = make_linear(NativeLinear::Kind::kInt8, tiles, in_features);
             l->out_features = scales.numel();
             l->scales = scales.contiguous();
@@ -56,7 +58,7 @@ void bind_decode_forward(py::module& m) {
           "int8 16-row tiles (pack_int8_tiles), fp32 row scales [N], K, optional bias, GEMV row limit")
       .def_static(
           "int4",
-          [](torch::Tensor packed, torch::Tensor scales, torch::Tensor mins, int64_t group_size, int64_t out_features,
+          [](at::Tensor packed, at::Tensor scales, at::Tensor mins, int64_t group_size, int64_t out_features,
              OptTensor bias, OptTensor perm, int64_t max_gemv_rows) {
             auto l = make_linear(NativeLinear::Kind::kInt4, packed, packed.size(1) / 8);
             l->out_features = out_features;
@@ -71,7 +73,7 @@ void bind_decode_forward(py::module& m) {
           "int4 16-row tiles [N_pad / 16, 8K], bf16 scales/mins [N_pad / 16, K / g, 16], g, N, bias, perm, GEMV rows")
       .def_static(
           "ggml",
-          [](int64_t ggml_type, torch::Tensor values, torch::Tensor scales, torch::Tensor mins, torch::Tensor supers,
+          [](int64_t ggml_type, at::Tensor values, at::Tensor scales, at::Tensor mins, at::Tensor supers,
              int64_t in_features, int64_t out_features, OptTensor bias, int64_t max_gemv_rows) {
             auto l = make_linear(NativeLinear::Kind::kGgml, values, in_features);
             l->ggml_type = ggml_type;
@@ -86,7 +88,7 @@ void bind_decode_forward(py::module& m) {
           "a GGUF block type by its ggml type id (kvflow/quant/gguf_linear.py's tiles and params), K, N, bias, GEMV rows")
       .def_static(
           "fp8",
-          [](torch::Tensor q, torch::Tensor scales, int64_t block, OptTensor bias) {
+          [](at::Tensor q, at::Tensor scales, int64_t block, OptTensor bias) {
             auto l = make_linear(NativeLinear::Kind::kFp8, q, q.size(1));
             l->scales = scales.contiguous();
             l->group_size = block;
@@ -111,7 +113,7 @@ void bind_decode_forward(py::module& m) {
            "x [M, K] -> [M] int64: each row's argmax of forward(x), taken as the GEMV writes it");
 
   py::class_<NativeDecoder, std::shared_ptr<NativeDecoder>>(m, "NativeDecoder")
-      .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, torch::Tensor final_norm) {
+      .def(py::init([](int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, at::Tensor final_norm) {
         auto d = std::make_shared<NativeDecoder>();
         d->num_heads = num_heads;
         d->num_kv_heads = num_kv_heads;
@@ -122,9 +124,9 @@ void bind_decode_forward(py::module& m) {
       }))
       .def(
           "add_layer",
-          [](NativeDecoder& d, torch::Tensor input_norm, torch::Tensor post_norm, OptTensor q_norm, OptTensor k_norm,
+          [](NativeDecoder& d, at::Tensor input_norm, at::Tensor post_norm, OptTensor q_norm, OptTensor k_norm,
              std::shared_ptr<NativeLinear> qkv, std::shared_ptr<NativeLinear> o, std::shared_ptr<NativeLinear> gate_up,
-             std::shared_ptr<NativeLinear> down, const std::string& kv_kind, std::vector<torch::Tensor> kv_tensors) {
+             std::shared_ptr<NativeLinear> down, const std::string& kv_kind, std::vector<at::Tensor> kv_tensors) {
             TORCH_CHECK(kv_tensors.size() == 6, "kv tensors: key data, value data, key/value scale, key/value zero");
             NativeKVLayer kv{kv_kind,       kv_tensors[0], kv_tensors[1], kv_tensors[2], kv_tensors[3],
                              kv_tensors[4], kv_tensors[5], d.num_kv_heads, d.head_dim};
@@ -136,7 +138,7 @@ void bind_decode_forward(py::module& m) {
           "set_all_reduce",
           [](NativeDecoder& d, py::function fn) {
             // Called from forward (GIL released): the callable runs under the GIL, in place.
-            d.all_reduce = [fn](torch::Tensor& t) {
+            d.all_reduce = [fn](at::Tensor& t) {
               py::gil_scoped_acquire gil;
               fn(t);
             };
@@ -144,9 +146,9 @@ void bind_decode_forward(py::module& m) {
           "tensor parallelism: fn(tensor) sums a row-parallel output over the ranks in place")
       .def(
           "set_paging",
-          [](NativeDecoder& d, torch::Tensor rope_cos, torch::Tensor rope_sin_signed, int64_t block_size,
+          [](NativeDecoder& d, at::Tensor rope_cos, at::Tensor rope_sin_signed, int64_t block_size,
              int64_t sliding_window) {
-            TORCH_CHECK(rope_cos.dtype() == torch::kBFloat16 && rope_sin_signed.dtype() == torch::kBFloat16 &&
+            TORCH_CHECK(rope_cos.dtype() == at::kBFloat16 && rope_sin_signed.dtype() == at::kBFloat16 &&
                             rope_cos.dim() == 2 && rope_cos.size(1) == d.head_dim &&
                             rope_sin_signed.sizes() == rope_cos.sizes(),
                         "bf16 RoPE tables [P, head_dim]");
@@ -159,8 +161,8 @@ void bind_decode_forward(py::module& m) {
           "forward_rows' inputs: RoPE cos / sign-folded sin tables [P, D] bf16, block size, sliding window (0: none)")
       .def(
           "set_embedding",
-          [](NativeDecoder& d, torch::Tensor embedding) {
-            TORCH_CHECK(embedding.dtype() == torch::kBFloat16 && embedding.dim() == 2, "bf16 [V, H] embedding table");
+          [](NativeDecoder& d, at::Tensor embedding) {
+            TORCH_CHECK(embedding.dtype() == at::kBFloat16 && embedding.dim() == 2, "bf16 [V, H] embedding table");
             d.embedding = embedding.contiguous();
           },
           "the token embedding table [V, H] bf16, for forward_rows without hidden")

@@ -8,9 +8,8 @@ switch, and a build is never reused for sources it was not made from.
 
 Lock. A build holds an OS file lock (`fcntl.flock` on `<root>/<key>.lock`). The kernel releases it
 when its process dies, however it dies (Ctrl-C during the first `kvflow demo`, SIGKILL, a timeout),
-so a killed build can never make later starts wait forever. torch's own build lock is a file that
-its owner must delete (`<build dir>/lock`), which a killed build leaves behind; under our lock no
-other kvflow process builds in that directory, so such a file is stale and is removed.
+so a killed build can never make later starts wait forever (a lock file that its owner must
+delete, as torch.utils.cpp_extension's is, wedges every later start after a Ctrl-C).
 
 Progress. A build prints what it does and how long it took; a process that waits for another's build
 says so every WAIT_REPORT_S, and gives up after `wait_timeout_s` (its caller then uses the torch
@@ -39,15 +38,12 @@ T = TypeVar("T")
 
 CACHE_ENV = "KVFLOW_KERNEL_CACHE"
 # While another process builds: how often to say so, and how long to wait at most (a build takes
-# about 45 s on 2 cores (2.5 minutes before aten_lite.h); a much longer wait means that process is
-# stuck, not slow).
+# about 21 s on 2 cores, 2.5 minutes before aten_lite.h and ninja_build.py; a much longer wait
+# means that process is stuck, not slow).
 WAIT_REPORT_S = 10.0
 DEFAULT_WAIT_TIMEOUT_S = 20 * 60.0
 LOCK_POLL_S = 0.2
 PRUNE_AFTER_S = 14 * 24 * 3600.0
-# torch.utils.cpp_extension's build lock (FileBaton), deleted by its owner when it finishes.
-TORCH_BATON = "lock"
-_NOT_COPIED = (TORCH_BATON,)
 
 
 class BuildLockTimeout(TimeoutError):
@@ -99,14 +95,13 @@ def locked_build(
         if fresh:
             _seed_from_sibling(build_dir)
         build_dir.mkdir(exist_ok=True)
-        (build_dir / TORCH_BATON).unlink(missing_ok=True)  # stale: left by a killed build
         os.utime(build_dir)  # "last used", for pruning
         if not fresh:
             return build(build_dir)
-        _progress(f"building {what} in {build_dir} (once for these sources, torch and compiler) ...")
+        build_progress(f"building {what} in {build_dir} (once for these sources, torch and compiler) ...")
         started = time.monotonic()
         result = build(build_dir)
-        _progress(f"built {what} in {time.monotonic() - started:.0f} s")
+        build_progress(f"built {what} in {time.monotonic() - started:.0f} s")
     _prune(root, keep=build_dir)
     return result
 
@@ -146,7 +141,7 @@ def _wait_for_lock(handle: IO[str], lock_path: Path, what: str, wait_timeout_s: 
                 f"{wait_timeout_s:.0f} s ({lock_path})"
             )
         if time.monotonic() >= next_report:
-            _progress(
+            build_progress(
                 f"waiting for another process (pid {_holder(lock_path)}) building {what} "
                 f"({waited:.0f} s so far)"
             )
@@ -175,7 +170,7 @@ def _seed_from_sibling(build_dir: Path) -> None:
             try:
                 build_dir.mkdir(exist_ok=True)
                 for item in sibling.iterdir():
-                    if item.is_file() and item.name not in _NOT_COPIED:
+                    if item.is_file():
                         shutil.copy2(item, build_dir / item.name)
             finally:
                 fcntl.flock(handle, fcntl.LOCK_UN)
@@ -214,7 +209,7 @@ def _digest(parts: Iterator[bytes] | Sequence[bytes]) -> str:
     return h.hexdigest()[:16]
 
 
-def _progress(message: str) -> None:
+def build_progress(message: str) -> None:
     # Printed, not logged: a library's logging is often unconfigured, and a silent multi-minute
     # pause is exactly what this must never look like.
     print(f"[kvflow] {message}", file=sys.stderr, flush=True)

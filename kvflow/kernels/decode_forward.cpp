@@ -27,6 +27,12 @@
 #include <c10/util/Half.h>
 #include <ATen/core/dispatch/Dispatcher.h>  // onednn_linear calls mkldnn's op by its schema
 #include <ATen/TensorOperators.h>  // a + b, a * b on the fallback paths
+// The operators the fallback paths call, beyond aten_lite.h's allocation.
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/rms_norm.h>
+#include <ATen/ops/zeros.h>
 #include "aten_lite.h"
 
 #include "bf16_utils.h"

@@ -43,7 +43,7 @@ at::Tensor rms_norm_bf16(at::Tensor x, at::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && weight.numel() == x.size(1), "x [R, H] with unit inner stride");
   weight = weight.contiguous();
   const int64_t R = x.size(0), H = x.size(1), stride = x.stride(0);
-  auto y = at::empty({R, H}, x.options());
+  auto y = kvflow::empty({R, H}, x.options());
   const uint16_t* xp = bf16(x);
   const uint16_t* wp = bf16(weight);
   uint16_t* yp = bf16_mut(y);
@@ -73,7 +73,7 @@ at::Tensor silu_and_mul_bf16(at::Tensor gate_up) {
                   gate_up.size(1) % 2 == 0,
               "bf16 [R, 2I] expected");
   const int64_t R = gate_up.size(0), I = gate_up.size(1) / 2, stride = gate_up.stride(0);
-  auto y = at::empty({R, I}, gate_up.options());
+  auto y = kvflow::empty({R, I}, gate_up.options());
   const uint16_t* gp = bf16(gate_up);
   uint16_t* yp = bf16_mut(y);
   at::parallel_for(0, R, std::max<int64_t>(1, kGrainElements / I), [&](int64_t begin, int64_t end) {

@@ -200,7 +200,7 @@ struct TiledGemv {
 at::Tensor tile_bf16_weight(at::Tensor w) {
   TORCH_CHECK(w.dtype() == at::kBFloat16 && w.dim() == 2 && w.size(1) % 2 == 0, "bf16 [N, K] with K even");
   const int64_t N = w.size(0), K = w.size(1), tiles = (N + kTileRows - 1) / kTileRows;
-  auto padded = at::zeros({tiles * kTileRows, K}, w.options());
+  auto padded = kvflow::zeros({tiles * kTileRows, K}, w.options());
   padded.slice(0, 0, N).copy_(w);
   // [t, l, p, 2] -> [t, p, l, 2]
   return padded.view({tiles, kTileRows, K / 2, 2}).permute({0, 2, 1, 3}).contiguous();
@@ -220,7 +220,7 @@ at::Tensor skinny_linear_bf16_impl(at::Tensor x, const at::Tensor& w_tiles, int6
               "out_features does not match the tiles");
   x = x.contiguous();
   const int64_t M = x.size(0), K = x.size(1), N = out_features;
-  auto y = at::empty({M, N}, x.options());
+  auto y = kvflow::empty({M, N}, x.options());
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   // The AVX2 tile's broadcasts at several rows (exact); one row and the AVX-512 tile read x itself.
@@ -254,7 +254,7 @@ at::Tensor skinny_linear_bf16(at::Tensor x, at::Tensor w_tiles, int64_t out_feat
 
 at::Tensor skinny_linear_bf16_greedy(at::Tensor x, at::Tensor w_tiles, int64_t out_features,
                                         c10::optional<at::Tensor> bias) {
-  auto tokens = at::empty({x.size(0)}, at::kLong);
+  auto tokens = kvflow::empty({x.size(0)}, at::kLong);
   skinny_linear_bf16_impl(std::move(x), w_tiles, out_features, bias, tokens.data_ptr<int64_t>());
   return tokens;
 }

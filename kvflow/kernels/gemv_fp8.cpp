@@ -274,7 +274,7 @@ at::Tensor skinny_linear_fp8(at::Tensor x, at::Tensor q, at::Tensor scale, int64
   scale = scale.contiguous();
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  auto out = at::empty({M, N}, at::kFloat);
+  auto out = kvflow::empty({M, N}, at::kFloat);
   const uint8_t* qs = q.data_ptr<uint8_t>();
   const float* ss = scale.data_ptr<float>();
   const float* bs = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;

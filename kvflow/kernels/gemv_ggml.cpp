@@ -424,7 +424,7 @@ at::Tensor skinny_linear_ggml_impl(at::Tensor x, int64_t type, const at::Tensor&
   TORCH_CHECK(x.dtype() == at::kBFloat16 && x.dim() == 2 && x.size(1) == w.K, "bf16 x [M, K] expected");
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto y = at::empty({M, N}, x.options());
+  auto y = kvflow::empty({M, N}, x.options());
   if (M == 0) return y;
   const Activations a = quantize_activations(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, w.K);
   at::Tensor bias_f;
@@ -453,7 +453,7 @@ at::Tensor skinny_linear_ggml(at::Tensor x, int64_t type, at::Tensor values, at:
 at::Tensor skinny_linear_ggml_greedy(at::Tensor x, int64_t type, at::Tensor values, at::Tensor scales,
                                         at::Tensor mins, at::Tensor supers, int64_t out_features,
                                         c10::optional<at::Tensor> bias) {
-  auto tokens = at::empty({x.size(0)}, at::kLong);
+  auto tokens = kvflow::empty({x.size(0)}, at::kLong);
   skinny_linear_ggml_impl(std::move(x), type, values, scales, mins, supers, out_features, bias,
                           tokens.data_ptr<int64_t>());
   return tokens;
@@ -464,7 +464,7 @@ at::Tensor dequantize_ggml_rows(int64_t type, at::Tensor values, at::Tensor scal
   const Tensors w = check_tensors(type, values, scales, mins, supers, out_features);
   TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= out_features && n_begin % kTileRows == 0,
               "row range out of bounds (or not starting on a 16-row tile)");
-  auto out = at::empty({n_end - n_begin, w.K}, values.options().dtype(at::kBFloat16));
+  auto out = kvflow::empty({n_end - n_begin, w.K}, values.options().dtype(at::kBFloat16));
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   with_type(type, [&](auto t) {
     constexpr int64_t kType = decltype(t)::value;

@@ -232,7 +232,7 @@ at::Tensor skinny_linear_int4_impl(at::Tensor x, const at::Tensor& packed, const
   const int64_t M = x.size(0);
   const QuantizedActivations activations =
       quantize_activations(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, wt.K, group_size);
-  auto y = at::empty({M, wt.N}, x.options());
+  auto y = kvflow::empty({M, wt.N}, x.options());
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
   const Gemv gemv{packed.data_ptr<uint8_t>(),
@@ -261,7 +261,7 @@ at::Tensor skinny_linear_int4(at::Tensor x, at::Tensor packed, at::Tensor scales
 at::Tensor skinny_linear_int4_greedy(at::Tensor x, at::Tensor packed, at::Tensor scales,
                                         at::Tensor mins, int64_t group_size, int64_t out_features,
                                         c10::optional<at::Tensor> bias) {
-  auto tokens = at::empty({x.size(0)}, at::kLong);
+  auto tokens = kvflow::empty({x.size(0)}, at::kLong);
   skinny_linear_int4_impl(std::move(x), packed, scales, mins, group_size, out_features, bias,
                           tokens.data_ptr<int64_t>());
   return tokens;
@@ -274,7 +274,7 @@ at::Tensor dequantize_int4_rows(at::Tensor packed, at::Tensor scales, at::Tensor
   TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= wt.N && n_begin % kTileRows == 0,
               "row range out of bounds (or not starting on a 16-row tile)");
   const int64_t K = wt.K, g = group_size, rows = n_end - n_begin;
-  auto out = at::empty({rows, K}, scales.options());
+  auto out = kvflow::empty({rows, K}, scales.options());
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const uint8_t* w = packed.data_ptr<uint8_t>();
   const auto* s = reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>());

@@ -184,7 +184,7 @@ at::Tensor skinny_linear_int8_impl(at::Tensor x, const at::Tensor& tiles, const 
               "bf16 x [M, K] matching the tiles expected");
   x = x.contiguous();
   const int64_t M = x.size(0);
-  auto y = at::empty({M, N}, x.options());
+  auto y = kvflow::empty({M, N}, x.options());
   if (M == 0) return y;
   const kvflow::Int8Activations activations =
       kvflow::quantize_activations_int8(reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()), M, x.size(1));
@@ -218,7 +218,7 @@ at::Tensor skinny_linear_int8(at::Tensor x, at::Tensor tiles, at::Tensor scales,
 
 at::Tensor skinny_linear_int8_greedy(at::Tensor x, at::Tensor tiles, at::Tensor scales,
                                         c10::optional<at::Tensor> bias) {
-  auto tokens = at::empty({x.size(0)}, at::kLong);
+  auto tokens = kvflow::empty({x.size(0)}, at::kLong);
   const int64_t N = scales.numel();
   skinny_linear_int8_impl(std::move(x), tiles, scales, false, N, bias, tokens.data_ptr<int64_t>());
   return tokens;
@@ -232,7 +232,7 @@ at::Tensor skinny_linear_q8_0(at::Tensor x, at::Tensor tiles, at::Tensor block_s
 
 at::Tensor skinny_linear_q8_0_greedy(at::Tensor x, at::Tensor tiles, at::Tensor block_scales,
                                         int64_t out_features, c10::optional<at::Tensor> bias) {
-  auto tokens = at::empty({x.size(0)}, at::kLong);
+  auto tokens = kvflow::empty({x.size(0)}, at::kLong);
   skinny_linear_int8_impl(std::move(x), tiles, block_scales, true, out_features, bias, tokens.data_ptr<int64_t>());
   return tokens;
 }
@@ -247,7 +247,7 @@ at::Tensor dequantize_rows(const at::Tensor& tiles, const at::Tensor& scales, bo
   TORCH_CHECK(0 < K && K <= K_pad && K > K_pad - kvflow::kActivationBlock, "in_features does not match the tiles");
   TORCH_CHECK(0 <= n_begin && n_begin <= n_end && n_end <= N && n_begin % kTileRows == 0,
               "row range out of bounds (or not starting on a 16-row tile)");
-  auto out = at::empty({n_end - n_begin, K}, tiles.options().dtype(at::kBFloat16));
+  auto out = kvflow::empty({n_end - n_begin, K}, tiles.options().dtype(at::kBFloat16));
   auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const uint8_t* w = tiles.data_ptr<uint8_t>();
   const float* s = block_scales ? nullptr : scales.data_ptr<float>();

@@ -14,6 +14,7 @@
 // free() when the tensor's storage dies.
 
 #include <sys/mman.h>
+#include <ATen/ops/from_blob.h>
 #include "aten_lite.h"
 
 #include <cstdlib>

@@ -609,7 +609,7 @@ void check_common(const at::Tensor& q, const at::Tensor& slots, const at::Tensor
 template <typename Rows>
 at::Tensor launch(at::Tensor q, Rows k, Rows v, at::Tensor slots, at::Tensor seq_lens, double scale,
                      const float* sinks) {
-  auto out = at::empty_like(q);
+  auto out = kvflow::empty_like(q);
   const Problem<Rows> P{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), k, v,
                         slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
@@ -639,7 +639,7 @@ at::Tensor paged_decode_attention_bf16(at::Tensor q, at::Tensor key_cache, at::T
   const auto* vp = reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>());
   if (D % 2 != 0)  // the keys-along-lanes path reads bf16 pairs
     return launch(q, Bf16Rows{kp, Hkv, D}, Bf16Rows{vp, Hkv, D}, slots, seq_lens, scale, sp);
-  auto out = at::empty_like(q);
+  auto out = kvflow::empty_like(q);
   const Bf16Attention A{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()), kp, vp,
                         slots.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(),
                         reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),

@@ -279,11 +279,11 @@ at::Tensor prefill_attention_bf16(at::Tensor q, at::Tensor key_cache, at::Tensor
   TORCH_CHECK(n <= L, "more queries than keys");
   at::Tensor sinks_kept;
   const float* sp = kvflow::sink_logits(sinks, Hq, sinks_kept);
-  auto out = at::empty_like(q);
+  auto out = kvflow::empty_like(q);
   if (n == 0) return out;
   const int64_t Dw = D / 2, Dv = round_up(D, kLanes), L_pad = round_up(L, kKeyTile);
-  auto kt = at::empty({Hkv * L_pad * Dw}, at::kInt);
-  auto vp = at::empty({Hkv * (L_pad / 2) * Dv}, at::kInt);
+  auto kt = kvflow::empty({Hkv * L_pad * Dw}, at::kInt);
+  auto vp = kvflow::empty({Hkv * (L_pad / 2) * Dv}, at::kInt);
   const Chunk c{reinterpret_cast<const uint16_t*>(q.data_ptr<at::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(key_cache.data_ptr<at::BFloat16>()),
                 reinterpret_cast<const uint16_t*>(value_cache.data_ptr<at::BFloat16>()),

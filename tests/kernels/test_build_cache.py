@@ -20,7 +20,6 @@ import pytest
 from kvflow.kernels import _LDFLAGS, AVX2, AVX512_BF16, native_build_dir, simd_target
 from kvflow.kernels.build_cache import (
     CACHE_ENV,
-    TORCH_BATON,
     BuildLockTimeout,
     build_dir_for,
     locked_build,
@@ -32,18 +31,17 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 # A generous bound for "promptly": the subprocess start and a lock poll take well under a second.
 PROMPTLY_S = 30.0
 
-# A process that starts a build and never finishes it: it marks that it holds the lock, leaves
-# torch's own lock file as a real build would, then sleeps until it is killed.
+# A process that starts a build and never finishes it: it marks that it holds the lock, then sleeps
+# until it is killed.
 _HANGING_BUILD = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from kvflow.kernels.build_cache import TORCH_BATON, locked_build
+    from kvflow.kernels.build_cache import locked_build
 
     build_dir, marker = Path(sys.argv[1]), Path(sys.argv[2])
 
     def build(directory):
-        (directory / TORCH_BATON).write_text("")
         marker.write_text("building")
         time.sleep(3600)
 
@@ -69,7 +67,6 @@ def test_a_build_killed_mid_way_does_not_block_the_next_start(tmp_path: Path) ->
     process = _start_hanging_build(build_dir, tmp_path / "building")
     process.send_signal(signal.SIGKILL)  # Ctrl-C's harsher cousin: no cleanup code runs at all
     process.wait(PROMPTLY_S)
-    assert (build_dir / TORCH_BATON).exists()  # what used to wedge every later start
 
     started = time.monotonic()
     result = locked_build(
@@ -77,7 +74,6 @@ def test_a_build_killed_mid_way_does_not_block_the_next_start(tmp_path: Path) ->
     )
     assert result == "built in toolchain-sources"
     assert time.monotonic() - started < PROMPTLY_S
-    assert not (build_dir / TORCH_BATON).exists()  # torch's stale lock file was cleared under ours
 
 
 def test_a_live_build_is_waited_for_with_a_message_and_a_bound(
@@ -120,7 +116,7 @@ def test_a_new_key_starts_from_the_same_toolchains_newest_build(tmp_path: Path) 
     their timestamps, so ninja sees the others as up to date."""
     old = tmp_path / "tool-aaaa"
     old.mkdir()
-    for name in ("module.so", "a.o", ".ninja_log", TORCH_BATON):
+    for name in ("module.so", "a.o", ".ninja_log"):
         (old / name).write_text(name)
     os.utime(old / "a.o", (1_000_000, 1_000_000))
     other_toolchain = tmp_path / "other-bbbb"
