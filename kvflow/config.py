@@ -83,9 +83,10 @@ class ModelConfig:
     reasoning_parser: ReasoningParserName | None = field(
         default=None,
         metadata={
-            "help": "split a reasoning model's <think>...</think> text into reasoning_content (vLLM's flag): "
-            "deepseek_r1 (DeepSeek-R1, V3.1+), qwen3 (Qwen3, QwQ); structured outputs and tool calls are "
-            "then constrained after the reasoning (kvflow/reasoning.py)"
+            "help": "split a reasoning model's thinking into reasoning_content (vLLM's flag): "
+            "deepseek_r1 (DeepSeek-R1, V3.1+), qwen3 (Qwen3, QwQ): <think>...</think>; openai_gptoss "
+            "(gpt-oss): harmony's analysis channel; structured outputs and tool calls are then constrained "
+            "after the reasoning (kvflow/reasoning/)"
         },
     )
 
@@ -330,7 +331,7 @@ class QuantConfig:
 
 
 SpeculativeMethod = Literal["none", "ngram", "draft"]
-ToolCallParserName = Literal["auto", "hermes", "llama3_json"]
+ToolCallParserName = Literal["auto", "hermes", "llama3_json", "openai"]
 
 
 @dataclass(frozen=True)
@@ -522,7 +523,8 @@ class ServerConfig:
         default="auto",
         metadata={
             "help": "how tool calls are read from the model's text with tool_choice=auto (vLLM's flag): "
-            "hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3), llama3_json (Llama-3.1's JSON); "
+            "hermes (<tool_call>{json}</tool_call>, Qwen2.5/Qwen3), llama3_json (Llama-3.1's JSON), "
+            "openai (gpt-oss's harmony calls; with --reasoning-parser openai_gptoss); "
             "auto: detected from the chat template"
         },
     )

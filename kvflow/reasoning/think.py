@@ -1,6 +1,4 @@
-"""Reasoning output (`--reasoning-parser`, vLLM's and SGLang's flag): the text between a reasoning
-model's markers is `reasoning_content`, the rest `content`; a structured-output or tool-call
-constraint applies once the reasoning has ended, not to it.
+"""The `<think> ... </think>` parsers:
 
     deepseek_r1   DeepSeek-R1 / V3.1+ (chat_template_kwargs `thinking`)
     qwen3         Qwen3 (`enable_thinking`), QwQ
@@ -15,26 +13,24 @@ The constraint (kvflow/structured/manager.py) follows the same rule token by tok
 the output is inside the reasoning, and at the first token, when the prompt leaves the think block
 neither open nor closed, the grammar's tokens and `<think>` are allowed.
 
-`ReasoningStreamer` splits a stream the same way delta by delta: a marker split across deltas is held
-back until it is whole, so the streamed pieces concatenate to the non-streamed split.
+A stream holds back a marker split across deltas until it is whole (safe_prefix).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
-ReasoningParserName = Literal["deepseek_r1", "qwen3"]
-PromptState = Literal["open", "closed", "none"]
-REASONING_PARSERS: tuple[ReasoningParserName, ...] = ("deepseek_r1", "qwen3")
+from kvflow.reasoning.base import PromptState, ReasoningParserName
+
 THINK_START, THINK_END = "<think>", "</think>"
 
 
 @dataclass(frozen=True)
-class ReasoningParser:
+class ThinkReasoningParser:
     name: ReasoningParserName
     start: str = THINK_START
     end: str = THINK_END
+    keeps_special_tokens: bool = False  # `<think>` is a plain added token
 
     def prompt_state(self, prompt_text: str) -> PromptState:
         """Where the prompt leaves the think block: "open" (the output starts inside the reasoning),
@@ -57,44 +53,10 @@ class ReasoningParser:
             return body or None, None
         return body[:at] or None, body[at + len(self.end) :] or None
 
-
-def get_reasoning_parser(name: str | None) -> ReasoningParser | None:
-    if name is None:
-        return None
-    if name not in REASONING_PARSERS:
-        raise ValueError(f"unknown reasoning parser {name!r} (known: {', '.join(REASONING_PARSERS)})")
-    return ReasoningParser(name)
-
-
-class ReasoningStreamer:
-    """One choice's stream split into reasoning and content deltas (module docstring)."""
-
-    def __init__(self, parser: ReasoningParser, prompt_open: bool) -> None:
-        self.parser = parser
-        self.prompt_open = prompt_open
-        self._text = ""  # everything so far
-        self._sent = {"reasoning": 0, "content": 0}  # characters of each part sent
-
-    def feed(self, delta: str, finished: bool) -> tuple[str | None, str | None]:
-        """(reasoning delta, content delta) this delta releases; None where nothing new."""
-        self._text += delta
-        reasoning, content = self.parser.split(
-            self._text if finished else self._safe_prefix(), self.prompt_open
-        )
-        return self._new(reasoning, "reasoning"), self._new(content, "content")
-
-    def _safe_prefix(self) -> str:
+    def safe_prefix(self, text: str) -> str:
         """The text up to any trailing partial marker (the start of `<think>` or `</think>`)."""
-        text = self._text
-        for marker in (self.parser.end, self.parser.start):
+        for marker in (self.end, self.start):
             for k in range(min(len(marker) - 1, len(text)), 0, -1):
                 if text.endswith(marker[:k]):
                     return text[:-k]
         return text
-
-    def _new(self, part: str | None, which: str) -> str | None:
-        sent = self._sent[which]
-        if part is None or len(part) <= sent:
-            return None
-        self._sent[which] = len(part)
-        return part[sent:]

@@ -122,7 +122,7 @@ class ChatResponseBuilder(ResponseBuilder[ChatStreamChoice, ChatChoice]):
         prompt_text: str | None = None,
     ) -> None:
         super().__init__(response_id, ctx.served_model_name)
-        # --reasoning-parser: the output splits into reasoning and content (kvflow/reasoning.py).
+        # --reasoning-parser: the output splits into reasoning and content (kvflow/reasoning/).
         self.reasoning = ctx.engine.engine.reasoning
         self.prompt_open = (
             self.reasoning is not None and self.reasoning.prompt_state(prompt_text or "") == "open"
@@ -228,6 +228,12 @@ async def create_chat_completion(
     requested = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     logprobs = top_n if body.logprobs else None
 
+    reasoning = ctx.engine.engine.reasoning
+    sampled = body
+    if reasoning is not None and reasoning.keeps_special_tokens and body.skip_special_tokens:
+        # harmony's headers are special tokens: the parser reads them in the text
+        sampled = body.model_copy(update={"skip_special_tokens": False})
+
     def prepare() -> tuple[PromptInput, list[Request], ToolPlan]:
         validate = ctx.engine.engine.structured.validate
         tools = plan_tools(body, ctx.tool_call_parser, ctx.tokenizer.chat_template, validate)
@@ -235,7 +241,7 @@ async def create_chat_completion(
         prompt = render_chat_prompt(
             ctx, messages, body.add_generation_prompt, body.chat_template_kwargs, tools.template_tools
         )
-        requests = build_requests(ctx, ID_PREFIX, [prompt], body, requested, logprobs, arrival, constraint)
+        requests = build_requests(ctx, ID_PREFIX, [prompt], sampled, requested, logprobs, arrival, constraint)
         return prompt, requests, tools
 
     prompt, requests, tools = await off_loop(prepare)

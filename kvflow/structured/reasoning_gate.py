@@ -2,7 +2,8 @@
 (kvflow/reasoning.py: `--reasoning-parser`). Phases, token by token:
 
     reasoning     the prompt ended inside `<think>`, or the output opened it: no mask, the grammar
-                  consumes nothing, until the output's tokens spell `</think>`
+                  consumes nothing, until the output's tokens spell `</think>` (the parser's `end`;
+                  harmony's: `<|channel|>final<|message|>`, the prompt having ended at a header)
     may_open      the prompt left the think block neither open nor closed: the first token may be
                   the grammar's or `<think>` (a single token in the tokenizers that use it)
     constrained   the grammar masks and consumes every token (thinking off, or the reasoning ended)
@@ -30,7 +31,7 @@ class ReasoningMarkers:
 
     @classmethod
     def encode(cls, parser: ReasoningParser, tokenizer: Tokenizer) -> ReasoningMarkers:
-        start = tokenizer.encode(parser.start, add_special_tokens=False)
+        start = [] if parser.start is None else tokenizer.encode(parser.start, add_special_tokens=False)
         end_ids = tuple(tokenizer.encode(parser.end, add_special_tokens=False))
         return cls(parser, start[0] if len(start) == 1 else None, end_ids)
 

@@ -24,7 +24,7 @@ import pytest
 from fixtures.live_server import ENGINE_KWARGS, LiveServer
 from tokenizers import AddedToken, Tokenizer
 
-from kvflow.reasoning import ReasoningParser, ReasoningStreamer
+from kvflow.reasoning import ReasoningStreamer, ThinkReasoningParser
 from kvflow.server.launcher import ServerConfig
 from kvflow.structured.reasoning_gate import ReasoningGate
 
@@ -138,7 +138,7 @@ def test_the_gate_holds_the_grammar_until_the_end_marker() -> None:
 
 @pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
 def test_streamed_splits_equal_the_whole_split_however_the_text_is_cut(name: str) -> None:
-    parser = ReasoningParser(name)  # type: ignore[arg-type]
+    parser = ThinkReasoningParser(name)  # type: ignore[arg-type]
     texts = ["<think>abc</think>xyz", "abc</think>xyz", "plain", "<think>cut", "</think>{}", "<th", "a < b"]
     for text in texts:
         for prompt_open in (True, False):
@@ -158,7 +158,7 @@ def _all_cuts(n: int, pieces: int) -> list[tuple[int, ...]]:
 
 
 def test_the_prompt_says_where_the_reasoning_starts() -> None:
-    parser = ReasoningParser("qwen3")
+    parser = ThinkReasoningParser("qwen3")
     assert parser.prompt_state("<|im_start|>assistant\n<think>\n") == "open"
     assert parser.prompt_state("<|im_start|>assistant\n<think>\n\n</think>\n\n") == "closed"
     assert parser.prompt_state("<|im_start|>assistant\n") == "none"
