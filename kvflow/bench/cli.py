@@ -11,6 +11,7 @@ from kvflow.arg_utils import FieldOverrides, add_dataclass_args, dataclass_kwarg
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DATASETS, DatasetSpec
 from kvflow.bench.metrics import parse_slo
+from kvflow.bench.priority import parse_priority_mix
 from kvflow.bench.report import console_table, write_outputs
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.bench.sweep import LoadKey, find_capacity, sweep
@@ -22,8 +23,8 @@ DEFAULT_CAPACITY_PERCENTILE = 90.0
 # those dataclasses cannot say themselves: CLI defaults for the fields they require in Python, and
 # flag names and help for DatasetSpec's and LoadSpec's fields, which carry no metadata.
 BENCH_FLAGS: FieldOverrides = {"base_url": {"default": "http://127.0.0.1:8000/v1"}}
-# Their own flags: the groups below, --slo, --quiet, --replica-metrics.
-BENCH_NOT_FLAGS = ("dataset", "load", "slo", "progress", "replica_metrics")
+# Their own flags: the groups below, --slo, --priority-mix, --quiet, --replica-metrics.
+BENCH_NOT_FLAGS = ("dataset", "load", "slo", "priority_mix", "progress", "replica_metrics")
 DATASET_FLAGS: FieldOverrides = {
     "name": {"flag": "--dataset", "default": "random", "help": f"{', '.join(DATASETS)}, or jsonl:PATH"},
     "num_requests": {"default": 32, "help": "requests measured"},
@@ -54,6 +55,13 @@ def add_bench_parser(sub: Any) -> None:
     requests = bench.add_argument_group(BenchConfig.__name__)
     add_dataclass_args(requests, BenchConfig, exclude=BENCH_NOT_FLAGS, overrides=BENCH_FLAGS)
     requests.add_argument("--slo", default=None, help="e.g. ttft_ms=500,tpot_ms=50 (also itl_p99_ms, e2e_ms)")
+    requests.add_argument(
+        "--priority-mix",
+        default=None,
+        metavar="P:SHARE,...",
+        help="send vLLM's `priority` field, e.g. 0:0.2,5:0.8 (20%% of requests at 0, 80%% at 5; lower is "
+        "served first under --scheduling-policy priority); TTFT is reported per priority",
+    )
     requests.add_argument(
         "--replica-metrics",
         nargs="+",
@@ -95,6 +103,7 @@ def _config(args: argparse.Namespace, load: LoadSpec) -> BenchConfig:
         dataset=DatasetSpec(**dataclass_kwargs(args, DatasetSpec, exclude=DATASET_NOT_FLAGS)),
         load=load,
         slo=parse_slo(args.slo),
+        priority_mix=parse_priority_mix(args.priority_mix),
         progress=not args.quiet,
         replica_metrics=tuple(args.replica_metrics),
         **dataclass_kwargs(args, BenchConfig, exclude=BENCH_NOT_FLAGS),

@@ -56,6 +56,7 @@ class Prompt:
     prompt: str | list[int] | None = None
     num_tokens: int = 0  # the workload's input length (the server's usage replaces it when given)
     num_chars: int = 0
+    priority: int | None = None  # vLLM's `priority` field (kvflow/bench/priority.py); None: not sent
 
 
 def request_body(config: ClientConfig, prompt: Prompt) -> dict[str, Any]:
@@ -72,6 +73,8 @@ def request_body(config: ClientConfig, prompt: Prompt) -> dict[str, Any]:
             body["stream_options"]["continuous_usage_stats"] = True
     if config.ignore_eos:
         body["ignore_eos"] = True
+    if prompt.priority is not None:
+        body["priority"] = prompt.priority
     if config.endpoint == "chat":
         body["messages"] = prompt.messages
     else:
@@ -211,6 +214,7 @@ async def send_request(
     parser = StreamParser(record, config.endpoint, count_tokens)
     record.prompt_tokens = record.prompt_tokens or prompt.num_tokens
     record.prompt_chars = prompt.num_chars
+    record.priority = prompt.priority
     record.send_time = time.perf_counter()
     try:
         async with http.stream(

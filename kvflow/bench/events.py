@@ -47,6 +47,7 @@ class RequestRecord:
     # The server's own timings of the request when it streams them (llama-server's `timings`:
     # prompt_n, prompt_ms, predicted_n, predicted_ms, ...); None otherwise.
     server_timings: dict[str, Any] | None = None
+    priority: int | None = None  # the `priority` field sent (--priority-mix); None: not sent
 
     @property
     def succeeded(self) -> bool:

@@ -47,6 +47,12 @@ def console_table(result: dict[str, Any]) -> str:
         stats = result[key]
         lines.append(f"  {label:<28}" + "".join(f"{_fmt(stats[c]):>10}" for c in STAT_COLUMNS))
     lines += _server_lines(result.get("server") or {})
+    for priority, row in (result.get("per_priority") or {}).items():
+        ttft, e2e = row["ttft_ms"], row["e2e_ms"]
+        lines.append(
+            f"  priority {priority}: {row['completed']} requests, TTFT p50 {_fmt(ttft['p50'])} / p99 "
+            f"{_fmt(ttft['p99'])} ms, e2e p50 {_fmt(e2e['p50'])} ms"
+        )
     for language, row in (result.get("languages") or {}).items():
         lines.append(
             f"  {language}: {row['tokens']} tokens / {row['chars']} chars = {row['tokens_per_char']:.3f}"

@@ -22,6 +22,7 @@ from kvflow.bench.datasets import BenchTokenizer, Conversation, DatasetSpec, Wor
 from kvflow.bench.events import RequestRecord
 from kvflow.bench.gauges import GaugeSamples, sample_gauges
 from kvflow.bench.metrics import aggregate, request_metrics
+from kvflow.bench.priority import assign_priorities, per_priority
 from kvflow.bench.replicas import ReplicaScrapes
 from kvflow.bench.server_metrics import Snapshot, scrape
 from kvflow.bench.server_view import server_section
@@ -51,6 +52,8 @@ class BenchConfig:
         metadata={"help": "model dir with tokenizer.json, or a GGUF file; unset: the server's, if local"},
     )
     slo: dict[str, float] = field(default_factory=dict)
+    # Priority classes of the measured requests and their shares (kvflow/bench/priority.py).
+    priority_mix: dict[int, float] = field(default_factory=dict)
     warmup: int = field(default=2, metadata={"help": "requests sent first and excluded"})
     api_key: str | None = field(default=None, metadata={"help": "sent as 'Authorization: Bearer KEY'"})
     ignore_eos: bool = field(
@@ -223,6 +226,7 @@ class Runner:
         self.replicas = ReplicaScrapes(config.replica_metrics)
         self._seen_prefix_blocks: set[int] = set()  # chained hashes of prompt blocks sent so far
         self.gauges = GaugeSamples()  # /metrics gauges sampled during the measured requests
+        self.priorities: list[int | None] = []  # per measured conversation (set by run)
 
     def count_tokens(self) -> Callable[[str], int] | None:
         tokenizer = self.tokenizer
@@ -263,6 +267,8 @@ class Runner:
         history: list[str] = []
         for t in range(len(conversation.turns)):
             prompt = turn_prompt(conversation, t, history, self.config.endpoint)
+            if not warmup and index < len(self.priorities):
+                prompt.priority = self.priorities[index]
             record = RequestRecord(
                 len(self.records), 0.0, 0, is_warmup=warmup, language=conversation.language
             )
@@ -396,6 +402,7 @@ def request_entry(record: RequestRecord, run_start: float) -> dict[str, Any]:
         "conversation": record.conversation,
         "turn": record.turn,
         "language": record.language,
+        "priority": record.priority,
         "chunks": [[c.time - record.send_time, c.kind, c.num_tokens] for c in record.chunks],
     }
 
@@ -423,6 +430,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     salt = json.dumps(asdict(config.load), sort_keys=True)
     workload = build_workload(spec, tokenizer, num_warmup=config.warmup, salt=salt)
     runner = Runner(config, info, tokenizer)
+    runner.priorities = assign_priorities(len(workload.conversations), config.priority_mix, spec.seed)
     runner.warnings += workload.notes
     if config.endpoint == "chat":
         check_input_lengths(config, workload, runner.warnings)
@@ -432,6 +440,9 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     check_output_counts(measured, tokenizer, runner.warnings)
     result: dict[str, Any] = {"config": _config_dict(config, info)}
     result.update(aggregate(measured, duration, config.slo))
+    by_priority = per_priority(measured)
+    if by_priority is not None:
+        result["per_priority"] = by_priority
     client_ttft = result["ttft_ms"]["mean"]
     timings = [r.server_timings for r in measured if r.succeeded and r.server_timings]
     result["server"] = server_section(
@@ -457,6 +468,7 @@ def _config_dict(config: BenchConfig, info: ServerInfo) -> dict[str, Any]:
         **{f"dataset_{k}" if k == "name" else k: v for k, v in asdict(config.dataset).items()},
         **{k: v for k, v in asdict(config.load).items() if v is not None},
         "slo": config.slo,
+        "priority_mix": {str(p): share for p, share in config.priority_mix.items()},
         "warmup": config.warmup,
         "ignore_eos": config.ignore_eos,
         "temperature": config.temperature,

@@ -46,7 +46,25 @@ def _ttft_evidence(d: Diagnosis) -> dict[str, Any]:
         "max_num_seqs": d.settings.max_num_seqs,
         "max_num_batched_tokens": d.settings.max_num_batched_tokens,
         "grammar_compile_ms_mean": run.grammar_compile_ms,
+        "ttft_ms_by_priority": {
+            str(p): {"p50": p50, "p99": p99} for p, (p50, p99) in run.ttft_by_priority.items()
+        }
+        or None,
     }
+
+
+def _priority_note(d: Diagnosis) -> str:
+    """How the queue falls on the priority classes (kvflow bench --priority-mix), or ""."""
+    classes = d.run.ttft_by_priority
+    if len(classes) < 2:
+        return ""
+    parts = ", ".join(
+        f"priority {p}: p50 {p50:,.1f} ms" for p, (p50, _) in classes.items() if p50 is not None
+    )
+    first, last = classes[min(classes)][0], classes[max(classes)][0]
+    if first and last and last >= 2 * first:
+        return f"; by priority class, {parts}: the later-served class waits {last / first:.1f}x as long"
+    return f"; by priority class, {parts}"
 
 
 def _binding_limit(d: Diagnosis) -> str:
@@ -72,7 +90,7 @@ def _queueing_finding(
     run, s = d.run, d.settings
     ttft = run.ttft_p50_ms or queue
     limit = _binding_limit(d)
-    share = f"queueing is {queue / ttft:.0%} of TTFT ({queue:,.1f} of {ttft:,.1f} ms)"
+    share = f"queueing is {queue / ttft:.0%} of TTFT ({queue:,.1f} of {ttft:,.1f} ms){_priority_note(d)}"
     if limit == "max_num_seqs":
         fix = max_num_seqs_what_if(d)
         cause = Cause(

@@ -48,6 +48,8 @@ class RunEvidence:
     requests: list[RequestSample] = field(default_factory=list)
     closed_loop: bool = True
     itl_gaps_ms: list[float] = field(default_factory=list)  # every per-token gap of every request
+    # kvflow bench --priority-mix: TTFT p50 / p99 (ms) per priority class, lowest value (first served) first
+    ttft_by_priority: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
 
     @property
     def measured(self) -> bool:
@@ -178,6 +180,10 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
         requests=_request_samples(ok),
         closed_loop=closed_loop,
         itl_gaps_ms=[float(g) for r in ok for g in r.get("itl_ms") or ()],
+        ttft_by_priority={
+            int(p): (row["ttft_ms"]["p50"], row["ttft_ms"]["p99"])
+            for p, row in sorted((result.get("per_priority") or {}).items(), key=lambda kv: int(kv[0]))
+        },
     )
 
 

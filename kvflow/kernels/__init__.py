@@ -225,6 +225,9 @@ def native_build() -> NativeBuild:
         build_dir = native_build_dir(target)
 
         def build(directory: Path) -> ModuleType:
+            built = directory / f"{_MODULE_NAME}.so"
+            if built.exists():  # linked last, under the lock: a complete build of these sources
+                return import_extension(built, _MODULE_NAME)
             write_build_file(
                 directory,
                 sources,
@@ -235,7 +238,7 @@ def native_build() -> NativeBuild:
             )
             for warning in run_ninja(directory, progress=build_progress):
                 logger.warning("native kernels' build: %s", warning)
-            return import_extension(directory / f"{_MODULE_NAME}.so", _MODULE_NAME)
+            return import_extension(built, _MODULE_NAME)
 
         module = locked_build(
             build_dir,

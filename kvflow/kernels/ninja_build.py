@@ -153,6 +153,8 @@ def run_ninja(build_dir: Path, progress: Callable[[str], None]) -> list[str]:
                 done, total, verb, what = status.groups()
                 progress(f"{verb} {Path(what).name} ({done}/{total})")
                 continue
+            if line.startswith("ninja: no work to do"):
+                continue
             if line.startswith("FAILED: "):
                 # "FAILED: unit.o", or "FAILED: [code=1] unit.o" (ninja 1.12+)
                 words = [w for w in line.removeprefix("FAILED: ").split() if not w.startswith("[")]
