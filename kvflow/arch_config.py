@@ -309,8 +309,8 @@ def _as_float(value: Any, key: str, source: str) -> float:
     return float(value)
 
 
-def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchConfig:
-    """`source` names the file in errors (the full path when the caller has it)."""
+def _architecture(cfg: dict[str, Any], source: str) -> str:
+    """The supported architecture `architectures` names, its activation checked."""
     archs = cfg.get("architectures") or []
     arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None) if isinstance(archs, list) else None
     if arch is None:
@@ -320,6 +320,11 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
     act = cfg.get("hidden_activation") if arch == "Gemma3ForCausalLM" else cfg.get("hidden_act", "silu")
     if act != ("gelu_pytorch_tanh" if arch == "Gemma3ForCausalLM" else "silu"):
         raise ModelLoadError(f"{source}: hidden activation {act!r} is not supported for {arch}")
+    return arch
+
+
+def _head_counts(cfg: dict[str, Any], source: str) -> tuple[int, int, int]:
+    """(hidden_size, attention heads, KV heads), each positive, the heads divisible by the KV heads."""
     hidden = _int(cfg, "hidden_size", source)
     num_heads = _int(cfg, "num_attention_heads", source)
     num_kv_heads = (
@@ -336,6 +341,13 @@ def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchC
         raise ModelLoadError(
             f"{source}: {num_heads} attention heads not divisible by {num_kv_heads} KV heads"
         )
+    return hidden, num_heads, num_kv_heads
+
+
+def parse_arch_config(cfg: dict[str, Any], source: str = "config.json") -> ArchConfig:
+    """`source` names the file in errors (the full path when the caller has it)."""
+    arch = _architecture(cfg, source)
+    hidden, num_heads, num_kv_heads = _head_counts(cfg, source)
     head_dim = _int(cfg, "head_dim", source) if cfg.get("head_dim") else hidden // num_heads
     num_layers = _int(cfg, "num_hidden_layers", source)
     max_pos = _int(cfg, "max_position_embeddings", source, 2048)
