@@ -106,6 +106,13 @@ def _short_pool(
             + f"; the pool has {pool / GB:,.1f} GB ({card / GB:,.0f} GB card minus "
             f"{d.model.weight_bytes(d.roofline.weight_dtype) / GB:,.1f} GB of weights): {fits:,} fit"
         )
+        plan = d.deployment
+        if plan.min_devices is not None and plan.min_devices > 1:
+            # More devices, not a smaller KV dtype: 0 requests fit in any dtype on one device.
+            best = plan.layouts[0]
+            summary += f"; it needs {plan.min_devices} devices at least ({best.name}: see deployment)"
+            if fits == 0:
+                what_ifs = [w for w in what_ifs if "max_concurrency_at_p95" not in w.predicted]
         cause = Cause("kv_does_not_fit", 0.0, summary, "concurrency")
         return KV_MEMORY.answer(
             "warning",

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from kvflow.doctor.calibrate import Calibration, calibrate
+from kvflow.doctor.deployment import Deployment, plan_deployment
 from kvflow.doctor.evidence import RunEvidence
 from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
@@ -31,6 +32,19 @@ class Diagnosis:
     measured: bool  # False in calculator mode (no benchmark)
     # Decode tokens/s per weight format measured on this machine (kvflow quant-eval, cached), if any.
     quant_speeds: dict[str, float] = field(default_factory=dict)
+
+    @cached_property
+    def deployment(self) -> Deployment:
+        """The fewest devices and the layouts that hold the weights and the planned requests' KV
+        (kvflow/doctor/deployment.py): the running capacity at p95 length, decoding at the run's
+        context."""
+        run = self.run
+        return plan_deployment(
+            self.roofline,
+            self.running_capacity,
+            max(1, round(run.request_len_p95)),
+            max(1, round(run.decode_context)),
+        )
 
     # ------------------------------------------------------------------------------- the server
 

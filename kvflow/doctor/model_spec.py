@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from kvflow.arch_config import ArchConfig, load_hf_config, parse_arch_config
 from kvflow.doctor import kv_kinds, v4_spec
@@ -70,6 +71,17 @@ def weight_bytes_per_param(dtype: str) -> float:
     if dtype not in DTYPE_BYTES:
         raise ValueError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPE_BYTES)}")
     return DTYPE_BYTES[dtype]
+
+
+class WeightRoles(NamedTuple):
+    """A model's weight bytes by role: the layers' dense parts (attention, dense MLPs, shared experts,
+    routers, layer norms), the routed experts, the embedding, the LM head (0 when tied), the final norm."""
+
+    layers_dense: float
+    routed_experts: float
+    embedding: float
+    lm_head: float
+    final_norm: float
 
 
 @dataclass(frozen=True)
@@ -191,17 +203,33 @@ class ModelSpec:
         """Bytes of all weights; quantization applies to the linear layers (embedding and LM head stay
         in the model dtype unless `quantize_embeddings`), as kvflow and GPTQ/AWQ checkpoints do. The
         checkpoint's own format (dtype None or its name) counts each role at its bytes."""
+        return sum(self.weight_bytes_by_role(dtype, quantize_embeddings))
+
+    def weight_bytes_by_role(
+        self, dtype: str | None = None, quantize_embeddings: bool = False
+    ) -> WeightRoles:
+        """weight_bytes, by the role each byte plays (what a parallel layout splits differently)."""
         fmt = self._uses_format(dtype)
         base = weight_bytes_per_param(self.dtype)
+        experts = self.routed_expert_params
+        norms = self.norm_params * base
         if fmt is not None:
-            experts = self.routed_expert_params
-            dense = (self.layer_params - experts) * fmt.layer_bytes + experts * fmt.expert_bytes
-            embed = self.embedding_params * fmt.embedding_bytes + self.lm_head_params * fmt.head_bytes
-            return dense + embed + self.norm_params * base
+            return WeightRoles(
+                (self.layer_params - experts) * fmt.layer_bytes,
+                experts * fmt.expert_bytes,
+                self.embedding_params * fmt.embedding_bytes,
+                self.lm_head_params * fmt.head_bytes,
+                norms,
+            )
         per_param = weight_bytes_per_param(dtype or self.dtype)
-        embed_like = self.embedding_params + self.lm_head_params
-        embed_bytes = embed_like * (per_param if quantize_embeddings else base)
-        return self.layer_params * per_param + embed_bytes + self.norm_params * base
+        embed = per_param if quantize_embeddings else base
+        return WeightRoles(
+            (self.layer_params - experts) * per_param,
+            experts * per_param,
+            self.embedding_params * embed,
+            self.lm_head_params * embed,
+            norms,
+        )
 
     def decode_weight_bytes(self, dtype: str | None = None, batch_size: int = 1) -> float:
         """Weight bytes read per decode step of `batch_size` sequences: every layer (of MoE layers the

@@ -26,6 +26,8 @@ def doctor_json(d: Diagnosis, findings: list[Finding]) -> dict[str, Any]:
         "settings": asdict(d.settings),
         "causes": [{"step": f.step, "finding": f.id, **asdict(c)} for f, c in rank_causes(findings)],
         "findings": [asdict(f) for f in findings],
+        # Calculator mode: how many devices and which layouts hold the model (kvflow/doctor/deployment.py).
+        "deployment": None if d.measured else d.deployment.as_dict(),
     }
 
 
@@ -143,6 +145,9 @@ def text_report(doc: dict[str, Any]) -> str:
         f"  memory: KV pool {mem['kv_pool_bytes'] / 1e9:.3g} GB{estimate} holds {mem['max_concurrency']:,} "
         f"requests of {mem['request_len_p95']:,.0f} tokens"
     )
+    deployment = doc.get("deployment") or {}
+    if deployment and deployment["min_devices"] != 1:  # calculator mode, more than one device needed
+        lines.append("  " + deployment["summary"].replace("\n", "\n  "))
     kv = doc.get("kv") or {}
     if kv.get("summary"):
         lines.append(f"  KV by cache kind: {kv['summary']}")
