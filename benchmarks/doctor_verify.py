@@ -110,6 +110,7 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
         "measured_gain": check.measured_gain,
         "measured_over_predicted": ratio,
         "within_25pct": check.agrees,
+        "value_error": check.value_error,
         "verdict": check.verdict,
         "baseline_spread": check.noise,
     }
@@ -118,16 +119,16 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "| scenario | change | metric | baseline | predicted | measured | gain pred. | gain meas. "
-        f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | baseline spread |"
+        f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | value error | baseline spread |"
     )
-    print("|" + " --- |" * 11)
+    print("|" + " --- |" * 12)
     for r in rows:
         ratio = "-" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.2f}"
         print(
             f"| {r['scenario']} | {r['change']} | {r['metric']} | {r['baseline']:,.1f} | "
             f"{r['predicted']:,.1f} | {r['measured']:,.1f} | {r['predicted_gain']:,.1f} | "
             f"{r['measured_gain']:,.1f} | {ratio} | "
-            f"{VERDICT_MARK[r['verdict']]} | {r['baseline_spread']:.0%} |"
+            f"{VERDICT_MARK[r['verdict']]} | {r['value_error']:.0%} | {r['baseline_spread']:.0%} |"
         )
 
 
@@ -158,6 +159,13 @@ def main() -> None:
         f"\n{met} of {len(rows) - noise} predictions within {AGREEMENT_TOLERANCE:.0%} of the measured gain; "
         f"{noise} more with predicted and measured gains both within the baseline's spread"
     )
+    errors = sorted(r["value_error"] for r in rows if r["verdict"] != "within noise")
+    if errors:
+        median = errors[len(errors) // 2] if len(errors) % 2 else sum(errors[len(errors) // 2 - 1 :][:2]) / 2
+        print(
+            f"error on the predicted value, |predicted - measured| / measured, over the {len(errors)} "
+            f"predictions whose effect exceeds the noise: median {median:.0%}, worst {errors[-1]:.0%}"
+        )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))
 

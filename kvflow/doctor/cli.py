@@ -198,6 +198,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 "predicted": c.predicted,
                 "measured": c.measured,
                 "agrees": c.agrees,
+                "value_error": c.value_error,
+                "noise": c.noise,
                 "verdict": c.verdict,
                 "explanation": c.explain(),
             }
