@@ -25,6 +25,8 @@ from kvflow.doctor.server_settings import EngineSettings, settings_from_metrics,
 
 DEFAULT_CONTEXT = 2048
 DEFAULT_OUTPUT_LEN = 256
+# --verify: pairs per what-if; three state a spread (max - min over the baseline repeats).
+VERIFY_REPEATS = 3
 
 
 def add_doctor_parser(sub: Any) -> None:
@@ -110,6 +112,13 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--html", default=None, help="write an HTML report here")
     parser.add_argument("--verify", action="store_true", help="kvflow only: apply and measure each what-if")
     parser.add_argument(
+        "--verify-repeats",
+        type=int,
+        default=VERIFY_REPEATS,
+        help="--verify: benchmark pairs (baseline, change) per what-if, medians; 3 or more state the "
+        "baseline's spread, against which a change within noise is told apart",
+    )
+    parser.add_argument(
         "--measure-quantization",
         action="store_true",
         help="measure int8/int4 decode speed with kvflow quant-eval (cached per model and machine)",
@@ -189,7 +198,9 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             raise ValueError("--verify needs a kvflow server's settings (--metrics-url or --engine-config)")
         from kvflow.doctor.verify import verify
 
-        checks = verify(args.model, diagnosis.settings, findings, result)
+        if args.verify_repeats < 1:
+            raise ValueError(f"--verify-repeats must be at least 1, got {args.verify_repeats}")
+        checks = verify(args.model, diagnosis.settings, findings, result, repeats=args.verify_repeats)
         doc["verification"] = [
             {
                 "change": c.change,

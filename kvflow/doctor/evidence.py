@@ -20,6 +20,8 @@ class RequestSample:
     send_s: float  # seconds after the run's first send
     ttft_ms: float | None
     e2e_ms: float | None
+    itl_ms: tuple[float, ...] = ()  # its per-token gaps
+    tpot_ms: float | None = None  # (e2e - ttft) / (output tokens - 1)
 
 
 @dataclass
@@ -137,6 +139,8 @@ def _request_samples(ok: list[dict[str, Any]]) -> list[RequestSample]:
             send_s=float(r.get("send_s") or 0.0),
             ttft_ms=r.get("ttft_ms"),
             e2e_ms=r.get("e2e_ms"),
+            itl_ms=tuple(float(g) for g in r.get("itl_ms") or ()),
+            tpot_ms=r.get("tpot_ms"),
         )
         for r in sorted(ok, key=lambda r: r.get("send_s") or 0.0)
     ]

@@ -23,6 +23,8 @@ class WhatIf:
     setting: dict[str, Any] | None = None  # kvflow serve engine arguments `--verify` can apply
     workload: dict[str, Any] | None = None  # benchmark dataset changes `--verify` can apply
     method: str = ""  # how the prediction was made (e.g. "simulated", "measured per-format speed")
+    # metric -> [low, high]: the predicted value with the run's own noise (kvflow/doctor/noise.py)
+    interval: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

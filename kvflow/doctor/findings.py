@@ -18,6 +18,7 @@ from kvflow.doctor.check_quant import check_quantization
 from kvflow.doctor.check_ttft import check_ttft
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import Cause, Finding, WhatIf
+from kvflow.doctor.noise import hold_back_noise
 
 __all__ = ["CHECKS", "Cause", "Diagnosis", "Finding", "WhatIf", "diagnose", "rank_causes"]
 
@@ -32,8 +33,12 @@ CHECKS = (
 
 
 def diagnose(d: Diagnosis) -> list[Finding]:
-    """Every check's finding, in the troubleshooting order."""
-    return [check(d) for check in CHECKS]
+    """Every check's finding, in the troubleshooting order; on a measured run, each latency
+    prediction with the run's noise, and the what-ifs inside it held back (kvflow/doctor/noise.py)."""
+    findings = [check(d) for check in CHECKS]
+    if d.measured:
+        hold_back_noise(d.run, findings)
+    return findings
 
 
 def rank_causes(findings: list[Finding]) -> list[tuple[Finding, Cause]]:

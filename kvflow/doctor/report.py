@@ -160,12 +160,24 @@ def text_report(doc: dict[str, Any]) -> str:
     for f in doc["findings"]:
         lines.append(f"\n{f['step']}. {f['title']} [{SEVERITY_MARK[f['severity']]}] {f['summary']}")
         lines.append(f"   cause: {f['cause']}")
-        shown = {k: v for k, v in f["evidence"].items() if v is not None}
+        held = f["evidence"].get("what_ifs_within_noise") or []
+        shown = {k: v for k, v in f["evidence"].items() if v is not None and k != "what_ifs_within_noise"}
         if shown:
             lines.append("   evidence: " + ", ".join(f"{k}={_num(v)}" for k, v in shown.items()))
         for w in f["what_ifs"]:
-            lines.append(f"   what-if {w['change']}: {w['effect']}")
+            lines.append(f"   what-if {w['change']}: {w['effect']}{_interval_text(w.get('interval') or {})}")
+        if held:
+            changes = "; ".join(w["change"] for w in held)
+            lines.append(f"   within this run's noise, not offered: {changes}")
     return "\n".join(lines)
+
+
+def _interval_text(interval: dict[str, list[float]]) -> str:
+    """ " [ttft_p50_ms 52.1-61.3]": each prediction with the run's noise (kvflow/doctor/noise.py)."""
+    if not interval:
+        return ""
+    spans = ", ".join(f"{m} {lo:,.1f}-{hi:,.1f}" for m, (lo, hi) in interval.items())
+    return f" [{spans} with the run's noise]"
 
 
 def html_report(doc: dict[str, Any], note: str = "") -> str:

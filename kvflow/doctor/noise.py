@@ -1,0 +1,125 @@
+"""How precisely one benchmark run states each latency metric, and which what-ifs predict less than
+that.
+
+A run's p50 TTFT is a statistic of its N requests: rerunning the same load draws N others. The
+doctor estimates that spread from the run itself, by the bootstrap: resample the requests with
+replacement BOOTSTRAP_RESAMPLES times (seeded, so the same run gives the same interval), recompute
+the metric each time, and take the central NOISE_COVERAGE of the values, [lo, hi]. Its relative
+half-width h = (hi - lo) / 2 / value is the run's noise on that metric (a tail metric, p99 ITL, is
+noisier than a median: fewer samples decide it).
+
+    interval of a prediction   predicted x (1 - h), predicted x (1 + h): the run's relative noise,
+                               carried to the value after the change
+    within noise               |predicted - baseline| <= h x baseline for every latency metric the
+                               what-if predicts: a rerun of the same load could show as much change
+                               as the prediction. Such what-ifs are not offered as fixes: the
+                               finding lists them in its evidence (`what_ifs_within_noise`).
+
+The bootstrap sees the variation between requests, not the machine drifting between runs (this VM's
+bandwidth moved 25-46 GB/s between days); `--verify` measures that directly, from the baseline
+repeated beside each change (3 pairs by default), and states its error against that spread.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from kvflow.bench.metrics import percentile
+from kvflow.doctor.evidence import RequestSample, RunEvidence
+from kvflow.doctor.finding import Finding, WhatIf
+
+BOOTSTRAP_RESAMPLES = 200
+NOISE_COVERAGE = 0.9  # the central 90% of the resampled values
+BOOTSTRAP_SEED = 0
+
+
+def _ttft(q: float) -> Callable[[Sequence[RequestSample]], float | None]:
+    return lambda rs: _pct([r.ttft_ms for r in rs if r.ttft_ms is not None], q)
+
+
+def _itl_p99(rs: Sequence[RequestSample]) -> float | None:
+    return _pct([g for r in rs for g in r.itl_ms], 99)
+
+
+def _tpot_p50(rs: Sequence[RequestSample]) -> float | None:
+    return _pct([r.tpot_ms for r in rs if r.tpot_ms is not None], 50)
+
+
+def _e2e_p50(rs: Sequence[RequestSample]) -> float | None:
+    return _pct([r.e2e_ms for r in rs if r.e2e_ms is not None], 50)
+
+
+# The latency metrics what-ifs predict, as functions of a sample of requests (kvflow bench's
+# definitions: TTFT and e2e per request, ITL over every gap, decode_ms_per_step = TPOT p50).
+METRICS: dict[str, Callable[[Sequence[RequestSample]], float | None]] = {
+    "ttft_p50_ms": _ttft(50),
+    "ttft_p95_ms": _ttft(95),
+    "itl_p99_ms": _itl_p99,
+    "decode_ms_per_step": _tpot_p50,
+    "e2e_p50_ms": _e2e_p50,
+}
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return percentile(values, q) if values else None
+
+
+def relative_noise(run: RunEvidence, metric: str) -> float | None:
+    """h for `metric` on this run (module docstring), or None when the run cannot say (no requests
+    with the metric, or a metric this module does not know)."""
+    fn = METRICS.get(metric)
+    requests = run.requests
+    if fn is None or not requests:
+        return None
+    value = fn(requests)
+    if not value:
+        return None
+    rng = random.Random(BOOTSTRAP_SEED)
+    draws = sorted(
+        v
+        for v in (fn([rng.choice(requests) for _ in requests]) for _ in range(BOOTSTRAP_RESAMPLES))
+        if v is not None
+    )
+    if not draws:
+        return None
+    tail = (1.0 - NOISE_COVERAGE) / 2
+    lo, hi = percentile(draws, 100 * tail), percentile(draws, 100 * (1 - tail))
+    return (hi - lo) / 2 / value
+
+
+def baseline(run: RunEvidence, metric: str) -> float | None:
+    """The run's measured value of a what-if's metric."""
+    fn = METRICS.get(metric)
+    return None if fn is None or not run.requests else fn(run.requests)
+
+
+def hold_back_noise(run: RunEvidence, findings: list[Finding]) -> None:
+    """Give every latency prediction its interval; move what-ifs whose every latency prediction is
+    within the run's noise out of `what_ifs` into the finding's evidence (module docstring)."""
+    noise = {m: relative_noise(run, m) for m in METRICS}
+    for finding in findings:
+        offered, held = [], []
+        for what_if in finding.what_ifs:
+            if _within_noise(run, what_if, noise):
+                held.append(what_if)
+            else:
+                offered.append(what_if)
+        finding.what_ifs = offered
+        if held:
+            finding.evidence["what_ifs_within_noise"] = [
+                {"change": w.change, "predicted": w.predicted, "interval": w.interval} for w in held
+            ]
+
+
+def _within_noise(run: RunEvidence, what_if: WhatIf, noise: dict[str, float | None]) -> bool:
+    latency = {m: v for m, v in what_if.predicted.items() if m in METRICS}
+    verdicts = []
+    for metric, predicted in latency.items():
+        h, base = noise.get(metric), baseline(run, metric)
+        if h is None or base is None:
+            continue
+        what_if.interval[metric] = [predicted * (1 - h), predicted * (1 + h)]
+        verdicts.append(abs(predicted - base) <= h * base)
+    # Only a what-if that predicts latency alone, all of it inside the noise, is held back.
+    return bool(verdicts) and all(verdicts) and len(latency) == len(what_if.predicted)

@@ -1,0 +1,53 @@
+"""A run's own noise on each latency metric (kvflow/doctor/noise.py): the bootstrap interval narrows
+as the run holds more requests, a prediction carries it, and what-ifs whose predicted change is
+inside it are held back (listed in the finding's evidence) instead of offered as fixes."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+
+from kvflow.doctor.evidence import RequestSample, calculator_evidence
+from kvflow.doctor.finding import TTFT, WhatIf
+from kvflow.doctor.noise import baseline, hold_back_noise, relative_noise
+
+
+def run_of(n: int, seed: int = 1):  # type: ignore[no-untyped-def]
+    rng = random.Random(seed)
+    requests = []
+    for i in range(n):
+        ttft = rng.gauss(100.0, 20.0)
+        gaps = tuple(max(rng.gauss(10.0, 3.0), 0.1) for _ in range(15))
+        requests.append(RequestSample(32, 16, 0, float(i), ttft, ttft + sum(gaps), gaps, sum(gaps) / 15))
+    return replace(calculator_evidence(32, 1, 16), requests=requests)
+
+
+def test_the_interval_narrows_with_more_requests_and_tails_are_noisier() -> None:
+    few, many = relative_noise(run_of(8), "ttft_p50_ms"), relative_noise(run_of(400), "ttft_p50_ms")
+    assert few is not None and many is not None and 0 < many < few
+    # A p50 over 400 requests of sd 20 around 100: its standard error is ~1.25 ms, the 90% half-width ~2%.
+    assert many == pytest.approx(0.02, abs=0.012)
+    p99 = relative_noise(run_of(40), "itl_p99_ms")
+    p50 = relative_noise(run_of(40), "decode_ms_per_step")
+    assert p99 is not None and p50 is not None and p99 > p50
+    assert relative_noise(run_of(40), "max_concurrency_at_p95") is None  # not a latency the run measures
+    assert relative_noise(run_of(40), "ttft_p50_ms") == relative_noise(run_of(40), "ttft_p50_ms")  # seeded
+
+
+def test_what_ifs_within_the_noise_are_held_back() -> None:
+    run = run_of(16)
+    base = baseline(run, "ttft_p50_ms")
+    h = relative_noise(run, "ttft_p50_ms")
+    assert base is not None and h is not None
+    small = WhatIf("a smaller chunk", "p50 TTFT barely moves", {"ttft_p50_ms": base * (1 - h / 2)})
+    large = WhatIf("more slots", "p50 TTFT halves", {"ttft_p50_ms": base * 0.5})
+    mixed = WhatIf("int8 KV", "more requests", {"ttft_p50_ms": base, "max_concurrency_at_p95": 9.0})
+    finding = TTFT.answer("warning", "s", "c", {}, [small, large, mixed])
+    hold_back_noise(run, [finding])
+    assert [w.change for w in finding.what_ifs] == ["more slots", "int8 KV"]
+    held = finding.evidence["what_ifs_within_noise"]
+    assert [w["change"] for w in held] == ["a smaller chunk"]
+    lo, hi = large.interval["ttft_p50_ms"]
+    assert lo == pytest.approx(base * 0.5 * (1 - h)) and hi == pytest.approx(base * 0.5 * (1 + h))
