@@ -1,0 +1,210 @@
+"""One slow request explained (`kvflow doctor --request ID`, the dashboard's `/dashboard/request/ID`):
+where its TTFT and its slowest gaps went, read from a kvflow server's recorded window (the dashboard's
+request rows and engine steps, kvflow/server/dashboard/schema.py). Torch-free.
+
+    TTFT = queue (arrival -> first scheduled) + prefill (first scheduled -> first token)
+    queue        its grammar compile and its KV restore (both waited in the queue); behind whom:
+                 the requests running while it waited and those that arrived before it and were
+                 scheduled after it arrived; why: the binding limit over the steps it waited through
+                 (max_num_seqs when they ran full, the KV pool when usage stood at KV_FULL or steps
+                 preempted, the token budget when steps filled max_num_batched_tokens; else none of
+                 these: the steps were busy)
+    prefill      each chunk: its tokens and the step that computed it (duration, the other prompt
+                 tokens and decode rows that shared it)
+    preemptions  when it was preempted and when its recomputation started
+    slow gaps    its slowest inter-token gaps: the steps inside each, their prompt tokens (other
+                 requests' chunks stall the decodes of a step), and whether it was preempted then
+
+Times in the output are milliseconds after the request's arrival.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.server.dashboard.schema import STEP_FIELDS
+
+KV_FULL = 0.9  # KV usage at which admission waits for blocks (as the doctor's TTFT check)
+_S = {name: i for i, name in enumerate(STEP_FIELDS)}
+TIME_TOLERANCE_S = 1e-5  # a chunk is stamped with its step's start (both rounded to the microsecond)
+
+
+@dataclass(frozen=True)
+class WindowView:
+    """What the story reads: the dashboard window's request rows and step rows, and the limits."""
+
+    requests: dict[str, dict[str, Any]]
+    steps: Sequence[Sequence[Any]]
+    max_num_seqs: int | None
+    max_num_batched_tokens: int | None
+
+
+def _ms(t: float | None, origin: float) -> float | None:
+    return None if t is None else round((t - origin) * 1e3, 3)
+
+
+def _steps_between(view: WindowView, start: float, end: float) -> list[Sequence[Any]]:
+    """Steps that started in [start, end)."""
+    return [s for s in view.steps if start - TIME_TOLERANCE_S <= s[_S["t"]] < end - TIME_TOLERANCE_S]
+
+
+def _step_at(view: WindowView, t: float) -> Sequence[Any] | None:
+    return next((s for s in view.steps if abs(s[_S["t"]] - t) <= TIME_TOLERANCE_S), None)
+
+
+def _binding_limit(view: WindowView, steps: Sequence[Sequence[Any]]) -> str:
+    if not steps:
+        return "none"
+    if view.max_num_seqs is not None and sum(s[_S["running"]] >= view.max_num_seqs for s in steps) > len(steps) / 2:
+        return "max_num_seqs"
+    if any(s[_S["preemptions"]] for s in steps) or max(s[_S["kv_usage"]] for s in steps) >= KV_FULL:
+        return "kv_pool"
+    budget = view.max_num_batched_tokens
+    if budget is not None and any(s[_S["prefill_tokens"]] + s[_S["decode_tokens"]] >= budget for s in steps):
+        return "token_budget"
+    return "busy"
+
+
+_LIMIT_WORDS = {
+    "max_num_seqs": "every running slot was taken (max_num_seqs={})",
+    "kv_pool": "the KV pool was full (usage at or above 90%, or preemptions)",
+    "token_budget": "steps were full of prompt tokens (max_num_batched_tokens={})",
+    "busy": "the engine was busy with other requests' steps; no limit was reached",
+    "none": "no step ran while it waited",
+}
+
+
+def _queue(view: WindowView, row: dict[str, Any]) -> dict[str, Any]:
+    arrival, scheduled = row["arrival"], row["first_scheduled"]
+    end = scheduled if scheduled is not None else max((s[_S["t"]] for s in view.steps), default=arrival)
+    steps = _steps_between(view, arrival, end)
+    running, ahead = [], []
+    for other in view.requests.values():
+        if other["id"] == row["id"] or other["first_scheduled"] is None:
+            continue
+        done = other["finished"] if other["finished"] is not None else float("inf")
+        if other["first_scheduled"] <= arrival < done:
+            running.append(other["id"])
+        elif other["arrival"] < arrival and arrival <= other["first_scheduled"] <= end:
+            ahead.append(other["id"])
+    limit = _binding_limit(view, steps)
+    setting = view.max_num_seqs if limit == "max_num_seqs" else view.max_num_batched_tokens
+    return {
+        "queue_ms": _ms(scheduled, arrival),
+        "grammar_ms": row.get("grammar_ms"),
+        "restore_ms": row.get("restore_ms"),
+        "steps_waited": len(steps),
+        "running_when_it_arrived": running,
+        "scheduled_ahead_of_it": ahead,
+        "limit": limit,
+        "why": _LIMIT_WORDS[limit].format(setting),
+    }
+
+
+def _chunks(view: WindowView, row: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for t, tokens in row["chunks"]:
+        step = _step_at(view, t)
+        entry: dict[str, Any] = {"at_ms": _ms(t, row["arrival"]), "tokens": tokens, "step_ms": None}
+        if step is not None:
+            entry.update(
+                step_ms=step[_S["dur_ms"]],
+                other_prefill_tokens=max(step[_S["prefill_tokens"]] - tokens, 0),
+                decode_rows=step[_S["decode_tokens"]],
+                running=step[_S["running"]],
+            )
+        out.append(entry)
+    return out
+
+
+def _gaps(view: WindowView, row: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    spans = row.get("preemptions") or []
+    for end, gap_ms in row.get("slowest_gaps") or []:
+        start = end - gap_ms / 1e3
+        steps = _steps_between(view, start, end)
+        preempted = any(p0 is not None and start <= p0 < end for p0, _ in spans)
+        prefill = sum(s[_S["prefill_tokens"]] for s in steps)
+        longest = max((s[_S["dur_ms"]] for s in steps), default=None)
+        if preempted:
+            why = "it was preempted (KV pool full) and waited to be recomputed"
+        elif prefill:
+            why = f"{prefill:,} prompt tokens of other requests were computed in the steps of this gap"
+        else:
+            why = "decode steps only: the step time itself (batch size, context)"
+        out.append(
+            {
+                "end_ms": _ms(end, row["arrival"]),
+                "gap_ms": gap_ms,
+                "steps": len(steps),
+                "prefill_tokens_in_gap": prefill,
+                "longest_step_ms": longest,
+                "preempted": preempted,
+                "why": why,
+            }
+        )
+    return out
+
+
+def explain_request(view: WindowView, request_id: str) -> dict[str, Any]:
+    """The story of `request_id` (module docstring); KeyError when the window does not hold it."""
+    row = view.requests[request_id]
+    arrival = row["arrival"]
+    queue = _queue(view, row)
+    story: dict[str, Any] = {
+        "id": request_id,
+        "state": row["state"],
+        "priority": row.get("priority"),
+        "prompt_tokens": row["prompt_tokens"],
+        "cached_tokens": row.get("cached_tokens"),
+        "output_tokens": row["output_tokens"],
+        "ttft_ms": row.get("ttft_ms"),
+        "queue": queue,
+        "prefill_ms": _ms(row["first_token"], row["first_scheduled"]) if row["first_scheduled"] else None,
+        "prefill_chunks": _chunks(view, row),
+        "preemptions": [
+            {"at_ms": _ms(p0, arrival), "recompute_from_ms": _ms(p1, arrival)} for p0, p1 in row["preemptions"]
+        ],
+        "slowest_gaps": _gaps(view, row),
+    }
+    story["summary"] = story_text(story)
+    return story
+
+
+def story_text(story: dict[str, Any]) -> str:
+    q = story["queue"]
+    lines = [
+        f"request {story['id']} ({story['state']}, priority {story['priority']}): {story['prompt_tokens']:,} "
+        f"prompt tokens ({story['cached_tokens'] or 0:,} cached), {story['output_tokens']:,} output; "
+        f"TTFT {_num(story['ttft_ms'])} ms = queue {_num(q['queue_ms'])} + prefill {_num(story['prefill_ms'])}"
+    ]
+    extras = [f"grammar compile {_num(q['grammar_ms'])} ms" if q["grammar_ms"] else ""]
+    extras.append(f"KV restore {_num(q['restore_ms'])} ms" if q["restore_ms"] else "")
+    behind = ", ".join(q["running_when_it_arrived"][:8]) or "nobody"
+    lines.append(
+        f"  queued {q['steps_waited']} steps behind {behind} (running when it arrived)"
+        + (f", after {', '.join(q['scheduled_ahead_of_it'][:8])} (earlier arrivals)" if q["scheduled_ahead_of_it"] else "")
+        + f": {q['why']}"
+        + "".join(f"; {e}" for e in extras if e)
+    )
+    for c in story["prefill_chunks"]:
+        shared = (
+            f" in a {_num(c['step_ms'])} ms step with {c.get('other_prefill_tokens', 0):,} other prompt tokens "
+            f"and {c.get('decode_rows', 0):,} decodes"
+            if c["step_ms"] is not None
+            else " (its step has left the window)"
+        )
+        lines.append(f"  prefill chunk at +{_num(c['at_ms'])} ms: {c['tokens']:,} tokens{shared}")
+    for p in story["preemptions"]:
+        lines.append(f"  preempted at +{_num(p['at_ms'])} ms, recomputed from +{_num(p['recompute_from_ms'])} ms")
+    for g in story["slowest_gaps"]:
+        lines.append(
+            f"  gap of {_num(g['gap_ms'])} ms ending +{_num(g['end_ms'])} ms over {g['steps']} step(s): {g['why']}"
+        )
+    return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "?" if value is None else f"{value:,.1f}"
