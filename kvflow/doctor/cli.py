@@ -56,6 +56,16 @@ def _add_sources(parser: argparse.ArgumentParser) -> None:
         help="the roofline's hardware: a datasheet entry, or auto/cpu to measure this machine",
     )
     parser.add_argument("--bench", default=None, help="a kvflow bench JSON result to diagnose")
+    parser.add_argument(
+        "--request",
+        default=None,
+        metavar="ID",
+        help="explain one request of a running kvflow server (--server): where its TTFT and slowest "
+        "gaps went; ID as the dashboard's Gantt row shows it, or `slowest`",
+    )
+    parser.add_argument(
+        "--server", default="http://127.0.0.1:8000", help="--request: the kvflow server's base URL"
+    )
     parser.add_argument("--engine-config", default=None, help="JSON of the server's settings")
     parser.add_argument(
         "--metrics-url", default=None, help="the server's /metrics (kvflow: settings from it)"
@@ -173,8 +183,31 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
     return diagnosis, result
 
 
+def cmd_request(args: argparse.Namespace) -> int:
+    """`--request ID`: the server's story of one request (kvflow/server/dashboard/request_story.py)."""
+    import httpx
+
+    url = f"{args.server.rstrip('/')}/dashboard/request/{args.request}"
+    try:
+        response = httpx.get(url, params={"format": "json"}, timeout=30)
+    except httpx.HTTPError as exc:
+        raise ValueError(f"--request: cannot reach {args.server}: {exc}") from exc
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:300]
+        print(f"kvflow doctor --request: {message} (HTTP {response.status_code})", file=sys.stderr)
+        return 1
+    story = response.json()
+    print(json.dumps(story, indent=1) if args.json else story["summary"])
+    return 0
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per scrape would mix into the report
+    if args.request is not None:
+        return cmd_request(args)
     diagnosis, result = build_diagnosis(args)
     findings = diagnose(diagnosis)
     doc = doctor_json(diagnosis, findings)

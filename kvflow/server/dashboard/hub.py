@@ -23,6 +23,7 @@ from typing import Any
 
 from kvflow.server.dashboard.doctor_window import DoctorWindow
 from kvflow.server.dashboard.recorder import Delta
+from kvflow.server.dashboard.request_story import WindowView
 from kvflow.server.dashboard.schema import ITL_FIELDS, SCHEMA_VERSION, SECOND_FIELDS, STEP_FIELDS
 from kvflow.server.dashboard.window import Window, WindowLimits
 
@@ -189,6 +190,15 @@ class DashboardHub:
         horizon = now - self.window.limits.window_s
         while len(self.metrics_samples) > 1 and self.metrics_samples[1][0] <= horizon:
             self.metrics_samples.pop(0)
+
+    def request_view(self) -> WindowView:
+        """The recorded requests and steps, for one request's story (call on the event loop)."""
+        return WindowView(
+            requests=dict(self.window.requests),
+            steps=list(self.window.steps),
+            max_num_seqs=self.config.get("max_num_seqs"),
+            max_num_batched_tokens=self.config.get("max_num_batched_tokens"),
+        )
 
     def doctor_window(self, model_dir: str) -> DoctorWindow:
         """The window for the doctor (call on the event loop: the window's state is the loop's)."""

@@ -15,13 +15,15 @@ from http import HTTPStatus
 from pathlib import Path
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import HTMLResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from kvflow.assets import shared_css
 from kvflow.server.dashboard.doctor_window import LiveDoctor
 from kvflow.server.dashboard.hub import DashboardHub
+from kvflow.server.dashboard.request_story import explain_request, pick_request
 from kvflow.server.dashboard.stream import EventStreamResponse
+from kvflow.server.errors import APIError, error_response
 from kvflow.server.middleware import DASHBOARD_COOKIE, DASHBOARD_KEY_PARAM
 from kvflow.server.shutdown import DrainState
 
@@ -64,6 +66,29 @@ def install_dashboard_routes(
         except ValueError as exc:  # e.g. no finished request in the window yet
             return HTMLResponse(f"<p>{html.escape(str(exc))}</p>", status_code=HTTPStatus.CONFLICT)
         return HTMLResponse(report)
+
+    @router.get("/dashboard/request/{request_id}")
+    async def dashboard_request(request_id: str, request: Request) -> Response:
+        """One request's story (request_story.py): HTML, or JSON with ?format=json; the id as the
+        Gantt row shows it, or `slowest` (the highest TTFT in the window)."""
+        view = hub.request_view()
+        chosen = pick_request(view, request_id)
+        if chosen is None:
+            error = APIError(
+                HTTPStatus.NOT_FOUND,
+                f"request {request_id!r} is not in the dashboard's window (finished requests stay "
+                f"{hub.window.limits.window_s:.0f} s)",
+            )
+            return error_response(error)
+        story = await asyncio.to_thread(explain_request, view, chosen)
+        if request.query_params.get("format") == "json":
+            return JSONResponse(story)
+        body = (
+            f"<!doctype html><html><head><meta charset='utf-8'><title>kvflow: {html.escape(chosen)}</title>"
+            f"<style>{shared_css()}</style></head><body><h1><span class='brand'>kvflow</span> request "
+            f"{html.escape(chosen)}</h1><pre>{html.escape(story['summary'])}</pre></body></html>"
+        )
+        return HTMLResponse(body)
 
     app.include_router(router)
     app.mount("/dashboard/static", StaticFiles(directory=STATIC_DIR), name="dashboard-static")

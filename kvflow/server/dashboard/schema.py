@@ -89,6 +89,9 @@ def step_row(stats: StepStats, num_output_tokens: int) -> list[Any]:
 # running request 4 times a second would cost the engine thread more the longer the outputs grow.
 # At its finish they cover all of its gaps.
 RUNNING_ITL_GAPS = 256
+# The slowest gaps a row carries (with when each ended), for one request's story
+# (kvflow/doctor/request_story.py: what the steps inside each gap were doing).
+SLOWEST_GAPS = 3
 
 
 def request_object(
@@ -126,6 +129,12 @@ def request_object(
         "ttft_ms": _ms(timeline.ttft),
         "itl_p50_ms": _ms(percentile(gaps, 50)) if gaps else None,
         "itl_p99_ms": _ms(percentile(gaps, 99)) if gaps else None,
+        "slowest_gaps": [
+            [_t(times[i + 1]), _ms(gaps[i])]
+            for i in sorted(range(len(gaps)), key=lambda i: -gaps[i])[:SLOWEST_GAPS]
+        ],
+        "grammar_ms": _ms(timeline.grammar_compile_time),
+        "restore_ms": _ms(timeline.kv_restore_time),
     }
 
 

@@ -481,7 +481,14 @@
       ["prompt tokens", r.prompt_tokens], ["cached tokens", r.cached_tokens], ["output tokens", r.output_tokens],
       ["prefill chunks", r.chunks.length], ["preemptions", r.preemptions.length],
     ];
-    return `<b>${esc(r.id)}</b><table>` + rows.map(([k, v]) => `<tr><th>${k}</th><td>${esc(v)}</td></tr>`).join("") + "</table>";
+    return `<b>${esc(r.id)}</b><table>` + rows.map(([k, v]) => `<tr><th>${k}</th><td>${esc(v)}</td></tr>`).join("") +
+      "</table><i>click: where its time went</i>";
+  }
+
+  // A click on a row opens its story (kvflow/server/dashboard/request_story.py): where its TTFT and
+  // its slowest gaps went. The same text as `kvflow doctor --request ID`.
+  function requestStoryUrl(id) {
+    return location.pathname.replace(/\/$/, "") + "/request/" + encodeURIComponent(id);
   }
 
   $("gantt").addEventListener("mousemove", (event) => {
@@ -492,6 +499,11 @@
     showTip(event, requestTip(r));
   });
   $("gantt").addEventListener("mouseleave", hideTip);
+  $("gantt").addEventListener("click", (event) => {
+    const rect = event.target.getBoundingClientRect();
+    const r = S.rows[Math.floor((event.clientY - rect.top) / S.rowH)];
+    if (r) window.open(requestStoryUrl(r.id), "_blank", "noopener");
+  });
 
   $("blockmap").addEventListener("mousemove", (event) => {
     if (!blockLayout || !S.kv) return hideTip();

@@ -1,6 +1,6 @@
-"""One slow request explained (`kvflow doctor --request ID`, the dashboard's `/dashboard/request/ID`):
-where its TTFT and its slowest gaps went, read from a kvflow server's recorded window (the dashboard's
-request rows and engine steps, kvflow/server/dashboard/schema.py). Torch-free.
+"""One slow request explained (the dashboard's `/dashboard/request/ID`, which `kvflow doctor --request
+ID` reads): where its TTFT and its slowest gaps went, from the server's recorded window (the
+dashboard's request rows and engine steps, schema.py). Torch-free: the doctor imports it.
 
     TTFT = queue (arrival -> first scheduled) + prefill (first scheduled -> first token)
     queue        its grammar compile and its KV restore (both waited in the queue); behind whom:
@@ -57,7 +57,8 @@ def _step_at(view: WindowView, t: float) -> Sequence[Any] | None:
 def _binding_limit(view: WindowView, steps: Sequence[Sequence[Any]]) -> str:
     if not steps:
         return "none"
-    if view.max_num_seqs is not None and sum(s[_S["running"]] >= view.max_num_seqs for s in steps) > len(steps) / 2:
+    full = view.max_num_seqs is not None and sum(s[_S["running"]] >= view.max_num_seqs for s in steps)
+    if full and full > len(steps) / 2:  # the slots stood full for most of its wait
         return "max_num_seqs"
     if any(s[_S["preemptions"]] for s in steps) or max(s[_S["kv_usage"]] for s in steps) >= KV_FULL:
         return "kv_pool"
@@ -148,6 +149,16 @@ def _gaps(view: WindowView, row: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def pick_request(view: WindowView, request_id: str) -> str | None:
+    """The id itself when the window holds it; `slowest`: the request with the highest TTFT."""
+    if request_id in view.requests:
+        return request_id
+    if request_id == "slowest":
+        timed = [r for r in view.requests.values() if r.get("ttft_ms") is not None]
+        return max(timed, key=lambda r: r["ttft_ms"])["id"] if timed else None
+    return None
+
+
 def explain_request(view: WindowView, request_id: str) -> dict[str, Any]:
     """The story of `request_id` (module docstring); KeyError when the window does not hold it."""
     row = view.requests[request_id]
@@ -165,7 +176,8 @@ def explain_request(view: WindowView, request_id: str) -> dict[str, Any]:
         "prefill_ms": _ms(row["first_token"], row["first_scheduled"]) if row["first_scheduled"] else None,
         "prefill_chunks": _chunks(view, row),
         "preemptions": [
-            {"at_ms": _ms(p0, arrival), "recompute_from_ms": _ms(p1, arrival)} for p0, p1 in row["preemptions"]
+            {"at_ms": _ms(p0, arrival), "recompute_from_ms": _ms(p1, arrival)}
+            for p0, p1 in row["preemptions"]
         ],
         "slowest_gaps": _gaps(view, row),
     }
@@ -176,32 +188,41 @@ def explain_request(view: WindowView, request_id: str) -> dict[str, Any]:
 def story_text(story: dict[str, Any]) -> str:
     q = story["queue"]
     lines = [
-        f"request {story['id']} ({story['state']}, priority {story['priority']}): {story['prompt_tokens']:,} "
-        f"prompt tokens ({story['cached_tokens'] or 0:,} cached), {story['output_tokens']:,} output; "
-        f"TTFT {_num(story['ttft_ms'])} ms = queue {_num(q['queue_ms'])} + prefill {_num(story['prefill_ms'])}"
+        f"request {story['id']} ({story['state']}, priority {story['priority']}): "
+        f"{story['prompt_tokens']:,} prompt tokens ({story['cached_tokens'] or 0:,} cached), "
+        f"{story['output_tokens']:,} output; TTFT {_num(story['ttft_ms'])} ms = queue "
+        f"{_num(q['queue_ms'])} + prefill {_num(story['prefill_ms'])}"
     ]
-    extras = [f"grammar compile {_num(q['grammar_ms'])} ms" if q["grammar_ms"] else ""]
-    extras.append(f"KV restore {_num(q['restore_ms'])} ms" if q["restore_ms"] else "")
-    behind = ", ".join(q["running_when_it_arrived"][:8]) or "nobody"
-    lines.append(
-        f"  queued {q['steps_waited']} steps behind {behind} (running when it arrived)"
-        + (f", after {', '.join(q['scheduled_ahead_of_it'][:8])} (earlier arrivals)" if q["scheduled_ahead_of_it"] else "")
-        + f": {q['why']}"
-        + "".join(f"; {e}" for e in extras if e)
-    )
-    for c in story["prefill_chunks"]:
-        shared = (
-            f" in a {_num(c['step_ms'])} ms step with {c.get('other_prefill_tokens', 0):,} other prompt tokens "
-            f"and {c.get('decode_rows', 0):,} decodes"
-            if c["step_ms"] is not None
-            else " (its step has left the window)"
+    served_first = [*q["running_when_it_arrived"], *q["scheduled_ahead_of_it"]]
+    shown = ", ".join(served_first[:8]) + (", ..." if len(served_first) > 8 else "")
+    queued = f"  queued {_num(q['queue_ms'])} ms ({q['steps_waited']} steps)"
+    if served_first:
+        queued += (
+            f" behind {len(served_first)} request(s) served first ({shown}; "
+            f"{len(q['running_when_it_arrived'])} already running when it arrived)"
         )
+    queued += f": {q['why']}"
+    if q["grammar_ms"]:
+        queued += f"; grammar compile {_num(q['grammar_ms'])} ms"
+    if q["restore_ms"]:
+        queued += f"; KV restore {_num(q['restore_ms'])} ms"
+    lines.append(queued)
+    for c in story["prefill_chunks"]:
+        shared = " (its step has left the window)"
+        if c["step_ms"] is not None:
+            shared = (
+                f" in a {_num(c['step_ms'])} ms step with {c['other_prefill_tokens']:,} other prompt "
+                f"tokens and {c['decode_rows']:,} decodes"
+            )
         lines.append(f"  prefill chunk at +{_num(c['at_ms'])} ms: {c['tokens']:,} tokens{shared}")
     for p in story["preemptions"]:
-        lines.append(f"  preempted at +{_num(p['at_ms'])} ms, recomputed from +{_num(p['recompute_from_ms'])} ms")
+        lines.append(
+            f"  preempted at +{_num(p['at_ms'])} ms, recomputed from +{_num(p['recompute_from_ms'])} ms"
+        )
     for g in story["slowest_gaps"]:
         lines.append(
-            f"  gap of {_num(g['gap_ms'])} ms ending +{_num(g['end_ms'])} ms over {g['steps']} step(s): {g['why']}"
+            f"  gap of {_num(g['gap_ms'])} ms ending +{_num(g['end_ms'])} ms over {g['steps']} step(s): "
+            f"{g['why']}"
         )
     return "\n".join(lines)
 
