@@ -42,6 +42,7 @@ from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, verify  # no
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "kvflow-bench" / "doctor-verify"
+PROFILE_STEPS = "--no-profile" not in sys.argv  # --no-profile: the two-coefficient step cost
 METRICS_INTERVAL_S = 0.1
 VERDICT_MARK = {"agrees": "yes", "missed": "no", "within noise": "noise"}
 QUANTIZATION = Scenario("quantization", {}, DatasetSpec("random", 8, input_len=32, output_len=96), 1, None)
@@ -86,6 +87,8 @@ def diagnose_and_verify(scenario: Scenario, repeats: int) -> dict[str, Any]:
         bench_json = CACHE / f"{scenario.name}-bench.json"
         bench_json.write_text(json.dumps(result))
         argv = ["doctor", str(model), "--hardware", "cpu", "--bench", str(bench_json)]
+        if PROFILE_STEPS:
+            argv.append("--profile-steps")  # the simulator's step shapes measured (cached per model)
         if scenario.name == "quantization":
             argv.append("--measure-quantization")
         diagnosis, _ = build_diagnosis(build_parser().parse_args(argv))  # settings from the live server
@@ -139,6 +142,9 @@ def main() -> None:
         "--scenarios", default=",".join(names), help="comma-separated, of: " + ", ".join(names)
     )
     parser.add_argument("--output", default=None, help="write the rows as JSON here")
+    parser.add_argument(
+        "--no-profile", action="store_true", help="without kvflow profile-steps (the old step cost)"
+    )
     parser.add_argument("--repeats", type=int, default=5, help="benchmark pairs per what-if (medians)")
     args = parser.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)

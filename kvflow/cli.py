@@ -253,6 +253,19 @@ def _cmd_quant_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_profile_steps(args: argparse.Namespace) -> int:
+    """Measure the engine's step time over prompt lengths and decode batch sizes, as JSON (the
+    doctor's simulator reads it: kvflow/doctor/step_profile.py)."""
+    import json
+
+    from kvflow.engine.engine import LLMEngine
+    from kvflow.engine.step_profile import profile_steps
+
+    engine = LLMEngine.from_kwargs(model=_model_dir(args), **engine_kwargs(args))
+    print(json.dumps(profile_steps(engine, repeats=args.repeats)))
+    return 0
+
+
 def _cmd_build_kernels(args: argparse.Namespace) -> int:
     """Build (or find) the native CPU kernels now, so that a server's first request is not the build."""
     from kvflow.kernels import native_build
@@ -330,6 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="build the native CPU kernels now (otherwise the first model load does, for a few minutes)",
     )
     kernels.set_defaults(func=_cmd_build_kernels)
+    profile = sub.add_parser(
+        "profile-steps",
+        help="measure the engine's step time over prompt lengths and decode batch sizes (JSON; the "
+        "doctor's simulator reads it)",
+    )
+    profile.add_argument("model", nargs="?", help="checkpoint directory (default: the bundled model)")
+    profile.add_argument("--repeats", type=int, default=3, help="probes per prompt length (medians)")
+    add_engine_args(profile)
+    profile.set_defaults(func=_cmd_profile_steps)
     from kvflow.bench.cli import add_bench_parser
 
     add_bench_parser(sub)

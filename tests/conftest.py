@@ -14,6 +14,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from fixtures.checkpoints import build_checkpoint, train_tokenizer
 
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_doctor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """The doctor's caches (quantization speeds, step profiles) start empty in every test session:
+    a profile measured by a benchmark on this machine must not change what a test predicts."""
+    previous = os.environ.get("KVFLOW_CACHE_DIR")
+    os.environ["KVFLOW_CACHE_DIR"] = str(tmp_path_factory.mktemp("kvflow-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("KVFLOW_CACHE_DIR", None)
+    else:
+        os.environ["KVFLOW_CACHE_DIR"] = previous
+
 if TYPE_CHECKING:
     from fixtures.live_server import LiveServer
 

@@ -30,6 +30,7 @@ from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, simulate
 from kvflow.doctor.step_cost import StepCost
+from kvflow.doctor.step_profile import StepProfile
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import KVCacheSpec
 
@@ -197,9 +198,15 @@ SIM_METRICS: dict[str, Callable[[SimRun], float]] = {
 
 
 def calibrate(
-    evidence: RunEvidence, settings: EngineSettings, model: ModelSpec, kv_dtype: str | None = None
+    evidence: RunEvidence,
+    settings: EngineSettings,
+    model: ModelSpec,
+    kv_dtype: str | None = None,
+    profile: StepProfile | None = None,
 ) -> Calibration | None:
-    """Fit the step cost to a kvflow run's step times; None without them (other servers, no /metrics)."""
+    """Fit the step cost to a kvflow run's step times; None without them (other servers, no /metrics).
+    With a measured step profile, the cost's shape is the profile's and the fit adds a constant per
+    step kind (kvflow/doctor/step_profile.py)."""
     sim = sim_settings(settings, model, kv_dtype)
     steps = evidence.server.get("step_time_ms") or {}
     if sim is None or not steps or not evidence.requests:
@@ -219,7 +226,32 @@ def calibrate(
             return None
         cost = replace(fitted, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
         run = simulate(evidence.requests, sim, cost, concurrency, gap)
+    if profile is not None:
+        for _ in range(FIT_ROUNDS):
+            cost = replace(cost, profile=profile, kind_extra_ms=_kind_extras(measured, run, profile))
+            run = simulate(evidence.requests, sim, cost, concurrency, gap)
+            cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
+            run = simulate(evidence.requests, sim, cost, concurrency, gap)
     return Calibration(cost, sim, run, concurrency, evidence, gap)
+
+
+def _kind_extras(
+    measured: dict[str, tuple[float, float]], run: SimRun, profile: StepProfile
+) -> tuple[float, float, float]:
+    """Per step kind, against the profile's time for the simulated steps' mean shape: decode_only the
+    server's mean less it, the prompt kinds the server's mean over it (step_cost.py). A prompt kind
+    the run did not measure borrows the other's factor (1 when neither was measured); decode_only
+    without a measurement adds nothing."""
+    fitted: dict[str, float] = {}
+    for kind in KINDS:
+        count, mean = measured.get(kind, (0.0, 0.0))
+        stats = run.kinds[kind]
+        if count and stats.count:
+            rows, tokens = stats.rows / stats.count, stats.prefill_tokens / stats.count
+            shape = max(profile.shape_ms(round(rows), round(tokens)), 1e-6)
+            fitted[kind] = mean - shape if kind == "decode_only" else mean / shape
+    mixed = fitted.get("mixed", fitted.get("prefill_only", 1.0))
+    return (fitted.get("decode_only", 0.0), mixed, fitted.get("prefill_only", mixed))
 
 
 def _overhead_ms(evidence: RunEvidence, run: SimRun, overhead_now: float) -> float:

@@ -22,6 +22,7 @@ from kvflow.doctor.replicas import replicas_report, replicas_text
 from kvflow.doctor.report import doctor_json, html_report, text_report
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import EngineSettings, settings_from_metrics, settings_from_result
+from kvflow.doctor.step_profile import StepProfile, load_profile, measure_profile
 
 DEFAULT_CONTEXT = 2048
 DEFAULT_OUTPUT_LEN = 256
@@ -129,6 +130,13 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
         "baseline's spread, against which a change within noise is told apart",
     )
     parser.add_argument(
+        "--profile-steps",
+        action="store_true",
+        help="kvflow only: measure the engine's step time over prompt lengths and batch sizes (kvflow "
+        "profile-steps, cached per model and machine) for the simulator's what-ifs; a cached profile "
+        "is used without it",
+    )
+    parser.add_argument(
         "--measure-quantization",
         action="store_true",
         help="measure int8/int4 decode speed with kvflow quant-eval (cached per model and machine)",
@@ -160,6 +168,15 @@ def _quant_speeds(args: argparse.Namespace, weight_dtype: str) -> dict[str, floa
     return load_speeds(args.model, weight_dtype)
 
 
+def _step_profile(args: argparse.Namespace, settings: EngineSettings, dtype: str) -> StepProfile | None:
+    """The step profile for the simulator: measured now with --profile-steps, else a cached one."""
+    if settings.server != "kvflow" or not (Path(args.model) / "config.json").is_file():
+        return None
+    if args.profile_steps:
+        return measure_profile(args.model, dtype, settings.quantization, settings.max_model_len)
+    return load_profile(args.model, dtype, settings.quantization)
+
+
 def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:
     if args.model is None:  # as every command: the bundled model when MODEL is omitted
         args.model = str(bundled_model_dir("target"))
@@ -179,7 +196,10 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
     kv_dtype = args.kv_cache_dtype or settings.kv_cache_dtype or default_kv_dtype(weight_dtype, float_dtype)
     roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
     speeds = _quant_speeds(args, float_dtype)
-    diagnosis = Diagnosis(model, roofline, run, settings, measured=result is not None, quant_speeds=speeds)
+    profile = _step_profile(args, settings, float_dtype) if result is not None else None
+    diagnosis = Diagnosis(
+        model, roofline, run, settings, measured=result is not None, quant_speeds=speeds, step_profile=profile
+    )
     return diagnosis, result
 
 

@@ -15,6 +15,7 @@ from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import EngineSettings
+from kvflow.doctor.step_profile import StepProfile
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 
 # Servers that allocate KV per token when they do not say otherwise (Diagnosis.block_size).
@@ -32,6 +33,8 @@ class Diagnosis:
     measured: bool  # False in calculator mode (no benchmark)
     # Decode tokens/s per weight format measured on this machine (kvflow quant-eval, cached), if any.
     quant_speeds: dict[str, float] = field(default_factory=dict)
+    # The engine's measured step-time curves for this model and machine (kvflow profile-steps), if any.
+    step_profile: StepProfile | None = None
 
     @cached_property
     def deployment(self) -> Deployment:
@@ -53,7 +56,7 @@ class Diagnosis:
         """The simulator fitted to this run's step times (kvflow servers with /metrics only)."""
         if not self.measured:
             return None
-        return calibrate(self.run, self.settings, self.model, self.roofline.kv_dtype)
+        return calibrate(self.run, self.settings, self.model, self.roofline.kv_dtype, self.step_profile)
 
     @property
     def decode_batch(self) -> int:

@@ -14,11 +14,27 @@ step times by kind (kvflow's engine_step_time_seconds{step_kind}) in kvflow/doct
 (A separate fixed cost for steps that carry a prompt chunk, and a separate cost per decode row, were
 tried: fitted to three step means, one of them often from a single step, they came out unstable
 and predicted chunk-size changes worse than the two coefficients above.)
+
+With a measured step profile (kvflow/doctor/step_profile.py) the shape of the cost comes from the
+profile's curves instead, and only a constant per step kind is fitted (what the server adds to the
+profiled engine's step):
+
+    decode-only step   step_ms = D(rows) + extra + overhead
+    step with a prompt step_ms = P(tokens + rows) x scale[kind] + overhead
+A decode step's excess on the server is per-step work (1.3 ms on the planted runs for a 0.5 ms
+forward, about the same at 8 rows), while a step with prompts grows with them (its first tokens, and
+the compute the benchmark's client contends for): an added constant fitted to 1-prompt steps put an
+8-prompt step at half its measured time, a factor put it within 5% (benchmarks/NOTES.md, session 23).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvflow.doctor.step_profile import StepProfile
+
+KIND_INDEX = {"decode_only": 0, "mixed": 1, "prefill_only": 2}
+MIN_STEP_MS = 0.01  # a fitted constant never makes a step free
 
 
 @dataclass(frozen=True)
@@ -27,12 +43,24 @@ class StepCost:
     per_token_ms: float  # one more decode row or prompt token (and per unit of attention work)
     attention_ratio: float  # attention work per (token x key) in token units
     overhead_ms: float = 0.0  # between steps: engine loop, output delivery
+    profile: StepProfile | None = None  # measured curves: the shape of the cost (module docstring)
+    # With a profile, per KIND_INDEX: decode_only's is added to the profile's step (the server's
+    # per-step work besides the forward); mixed's and prefill_only's multiply it (calibrate.py).
+    kind_extra_ms: tuple[float, float, float] = (0.0, 1.0, 1.0)
 
     def work(self, tokens: int, attention: float) -> float:
         """Work in token units: the tokens and what their attention adds."""
         return tokens + self.attention_ratio * attention
 
     def step_ms(self, decode_rows: int, prefill_tokens: int, attention_work: float) -> float:
+        if self.profile is not None:
+            kind = "prefill_only" if prefill_tokens else "decode_only"
+            if decode_rows and prefill_tokens:
+                kind = "mixed"
+            shape = self.profile.shape_ms(decode_rows, prefill_tokens)
+            fitted = self.kind_extra_ms[KIND_INDEX[kind]]
+            server = shape + fitted if kind == "decode_only" else shape * fitted
+            return max(server, MIN_STEP_MS) + self.overhead_ms
         return (
             self.fixed_ms
             + self.overhead_ms
@@ -41,6 +69,8 @@ class StepCost:
 
     def prefill_ms(self, work: tuple[int, float]) -> float:
         """What prompt chunks of (tokens, their attention work) add to a step."""
+        if self.profile is not None:
+            return self.profile.prefill.slope(work[0]) * work[0]
         return self.per_token_ms * self.work(*work)
 
 
