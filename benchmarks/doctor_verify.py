@@ -42,7 +42,7 @@ from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, verify  # no
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "kvflow-bench" / "doctor-verify"
-PROFILE_STEPS = "--no-profile" not in sys.argv  # --no-profile: the two-coefficient step cost
+PROFILE_STEPS = "--profile-steps" in sys.argv  # the doctor's opt-in measured step shapes
 METRICS_INTERVAL_S = 0.1
 VERDICT_MARK = {"agrees": "yes", "missed": "no", "within noise": "noise"}
 QUANTIZATION = Scenario("quantization", {}, DatasetSpec("random", 8, input_len=32, output_len=96), 1, None)
@@ -143,7 +143,7 @@ def main() -> None:
     )
     parser.add_argument("--output", default=None, help="write the rows as JSON here")
     parser.add_argument(
-        "--no-profile", action="store_true", help="without kvflow profile-steps (the old step cost)"
+        "--profile-steps", action="store_true", help="diagnose with kvflow doctor --profile-steps"
     )
     parser.add_argument("--repeats", type=int, default=5, help="benchmark pairs per what-if (medians)")
     args = parser.parse_args()

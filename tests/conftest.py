@@ -27,6 +27,7 @@ def isolated_doctor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     else:
         os.environ["KVFLOW_CACHE_DIR"] = previous
 
+
 if TYPE_CHECKING:
     from fixtures.live_server import LiveServer
 

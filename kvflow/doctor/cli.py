@@ -132,9 +132,9 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--profile-steps",
         action="store_true",
-        help="kvflow only: measure the engine's step time over prompt lengths and batch sizes (kvflow "
-        "profile-steps, cached per model and machine) for the simulator's what-ifs; a cached profile "
-        "is used without it",
+        help="kvflow only: the simulator's step costs from the engine's step times measured over prompt "
+        "lengths and batch sizes (kvflow profile-steps, cached per model and machine) instead of a line "
+        "through the run's step means: better for max_num_seqs what-ifs, worse for chunk sizes so far",
     )
     parser.add_argument(
         "--measure-quantization",
@@ -169,12 +169,14 @@ def _quant_speeds(args: argparse.Namespace, weight_dtype: str) -> dict[str, floa
 
 
 def _step_profile(args: argparse.Namespace, settings: EngineSettings, dtype: str) -> StepProfile | None:
-    """The step profile for the simulator: measured now with --profile-steps, else a cached one."""
-    if settings.server != "kvflow" or not (Path(args.model) / "config.json").is_file():
+    """With --profile-steps, the step profile for the simulator: the cached one, else measured now.
+    Opt-in: on the planted runs it fixed batch-size what-ifs and worsened chunk-size ones
+    (benchmarks/NOTES.md, session 23)."""
+    full_checkpoint = (Path(args.model) / "config.json").is_file()
+    if not args.profile_steps or settings.server != "kvflow" or not full_checkpoint:
         return None
-    if args.profile_steps:
-        return measure_profile(args.model, dtype, settings.quantization, settings.max_model_len)
-    return load_profile(args.model, dtype, settings.quantization)
+    cached = load_profile(args.model, dtype, settings.quantization)
+    return cached or measure_profile(args.model, dtype, settings.quantization, settings.max_model_len)
 
 
 def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:

@@ -54,10 +54,11 @@ class Curve:
             return ys[0]
         if n <= xs[0]:
             return ys[0]
-        i = min(bisect_left(xs, n), len(xs) - 1)
+        if n > xs[-1]:  # beyond the last point: its segment's slope, never falling
+            return ys[-1] + max((ys[-1] - ys[-2]) / (xs[-1] - xs[-2]), 0.0) * (n - xs[-1])
+        i = bisect_left(xs, n)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-        slope = max((y1 - y0) / (x1 - x0), 0.0) if n > xs[-1] else (y1 - y0) / (x1 - x0)
-        return y0 + slope * (n - x0)
+        return y0 + (y1 - y0) / (x1 - x0) * (n - x0)
 
     def slope(self, n: float) -> float:
         """ms per unit of size around n (for what a share of a step's tokens cost)."""

@@ -1,0 +1,95 @@
+"""The simulator's step cost from measured step shapes (kvflow/doctor/step_profile.py, step_cost.py,
+calibrate.py), torch-free:
+
+- the curves interpolate the measured points and extend the last slope (never down);
+- a profiled step: decode-only steps add the fitted constant, prompt steps scale by the fitted factor;
+- calibration recovers a what-if: runs simulated under a known "server" cost (the profile's shapes,
+  a per-step constant on decodes, a factor on prompt steps) give the step means a server would
+  report; calibrated on a one-slot run, the profiled simulator predicts the eight-slot run's TTFT
+  where the two-coefficient line through the two step means overshoots it.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from kvflow.doctor.calibrate import SIM_METRICS, calibrate
+from kvflow.doctor.evidence import RequestSample, calculator_evidence
+from kvflow.doctor.model_spec import ModelSpec
+from kvflow.doctor.server_settings import EngineSettings
+from kvflow.doctor.simulate import SimSettings, simulate
+from kvflow.doctor.step_cost import StepCost
+from kvflow.doctor.step_profile import Curve, StepProfile
+
+# Measured on the planted runs' tiny model (kvflow profile-steps, ms): flat for small shapes, then
+# growing, as a real engine's steps are.
+PROFILE = StepProfile.from_json(
+    {
+        "prefill_ms": {"8": 0.62, "16": 0.62, "32": 0.63, "64": 0.79, "128": 1.05, "256": 1.48, "512": 3.0},
+        "decode_ms": {"1": 0.51, "2": 0.55, "4": 0.62, "8": 0.74, "16": 0.93, "32": 1.41},
+    }
+)
+assert PROFILE is not None
+DECODE_EXTRA_MS, PROMPT_FACTOR = 1.3, 6.8
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def test_curves_interpolate_and_extend_the_last_slope() -> None:
+    curve = Curve((8, 16, 32), (1.0, 1.0, 3.0))
+    assert curve(8) == 1.0 and curve(4) == 1.0 and curve(32) == 3.0
+    assert curve(24) == pytest.approx(2.0)  # halfway from 16 to 32
+    assert curve(64) == pytest.approx(3.0 + 32 * (2.0 / 16))  # the last slope, continued
+    assert Curve((1, 2), (2.0, 1.0))(10) == 1.0  # a falling last segment does not fall further
+    assert curve.slope(20) == pytest.approx(2.0 / 16)
+
+
+def test_a_profiled_step_adds_on_decodes_and_scales_prompts() -> None:
+    cost = StepCost(0.0, 0.0, 0.0, overhead_ms=0.1, profile=PROFILE, kind_extra_ms=(1.3, 4.0, 6.8))
+    assert cost.step_ms(8, 0, 0.0) == pytest.approx(0.74 + 1.3 + 0.1)
+    assert cost.step_ms(0, 256, 0.0) == pytest.approx(1.48 * 6.8 + 0.1)
+    assert cost.step_ms(4, 124, 0.0) == pytest.approx(PROFILE.prefill(128) * 4.0 + 0.1)  # mixed
+
+
+def _server(settings: SimSettings, samples: list[RequestSample], concurrency: int):  # type: ignore[no-untyped-def]
+    truth = StepCost(
+        0.0, 0.0, 0.0, profile=PROFILE, kind_extra_ms=(DECODE_EXTRA_MS, PROMPT_FACTOR, PROMPT_FACTOR)
+    )
+    return simulate(samples, settings, truth, concurrency)
+
+
+def test_calibrated_on_one_slot_the_profile_predicts_eight() -> None:
+    rng = random.Random(0)
+    samples = [RequestSample(32, 32, 0, 0.0, None, None) for _ in range(16)]
+    rng.shuffle(samples)
+    one_slot = SimSettings(1, 2048, None, 16, True)
+    baseline = _server(one_slot, samples, 8)
+    eight = _server(replace(one_slot, max_num_seqs=8), samples, 8)
+    steps = {
+        k: {"count": float(v.count), "mean": v.time_ms / v.count}
+        for k, v in baseline.kinds.items()
+        if v.count
+    }
+    run = replace(
+        calculator_evidence(32, 8, 32),
+        num_requests=len(samples),
+        requests=samples,
+        server={"step_time_ms": steps, "client_minus_server_ttft_ms": 0.0},
+        tpot_p50_ms=SIM_METRICS["decode_ms_per_step"](baseline),
+    )
+    model = ModelSpec.from_config(json.loads((CONFIGS / "qwen2.5-0.5b.json").read_text()))
+    settings = EngineSettings(server="kvflow", max_num_batched_tokens=2048, max_num_seqs=1, block_size=16)
+    profiled = calibrate(run, settings, model, profile=PROFILE)
+    line = calibrate(run, settings, model)
+    assert profiled is not None and line is not None
+    true_ttft = SIM_METRICS["ttft_p50_ms"](eight)
+    profiled_ttft = SIM_METRICS["ttft_p50_ms"](profiled.run(max_num_seqs=8))
+    line_ttft = SIM_METRICS["ttft_p50_ms"](line.run(max_num_seqs=8))
+    assert profiled_ttft == pytest.approx(true_ttft, rel=0.05)
+    assert abs(line_ttft - true_ttft) > 3 * abs(profiled_ttft - true_ttft)  # the line overshoots
+    assert profiled.cost.kind_extra_ms[0] == pytest.approx(DECODE_EXTRA_MS, rel=0.05)
+    assert profiled.cost.kind_extra_ms[2] == pytest.approx(PROMPT_FACTOR, rel=0.05)
