@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 from fixtures.live_server import ENGINE_KWARGS, LiveServer
+from fixtures.reasoning_stream import streamed_split
 from tokenizers import AddedToken, Tokenizer
 
 from kvflow.reasoning import ReasoningStreamer, ThinkReasoningParser
@@ -69,23 +70,7 @@ def chat(server: LiveServer, **body: Any) -> httpx.Response:
 
 
 def streamed(server: LiveServer, **body: Any) -> tuple[str | None, str | None]:
-    reasoning, content = [], []
-    with (
-        server.client() as client,
-        client.stream(
-            "POST",
-            "/v1/chat/completions",
-            json={"model": "thinker", "messages": MESSAGES, "stream": True, **body},
-        ) as response,
-    ):
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for choice in json.loads(line[6:])["choices"]:
-                reasoning.append(choice["delta"].get("reasoning_content") or "")
-                content.append(choice["delta"].get("content") or "")
-    return "".join(reasoning) or None, "".join(content) or None
+    return streamed_split(server, {"model": "thinker", "messages": MESSAGES, **body})
 
 
 def test_forced_markers_split_into_reasoning_and_content(server: LiveServer) -> None:

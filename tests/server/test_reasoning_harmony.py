@@ -21,6 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from fixtures.live_server import ENGINE_KWARGS, LiveServer
+from fixtures.reasoning_stream import streamed_split
 from tokenizers import AddedToken, Tokenizer
 
 from kvflow.reasoning import HarmonyReasoningParser, ReasoningStreamer
@@ -168,22 +169,7 @@ def chat(server: LiveServer, **body: Any) -> httpx.Response:
 
 
 def streamed(server: LiveServer, **body: Any) -> tuple[str | None, str | None]:
-    reasoning, content = [], []
-    with (
-        server.client() as client,
-        client.stream(
-            "POST",
-            "/v1/chat/completions",
-            json={"model": "oss", "messages": MESSAGES, "stream": True, **body},
-        ) as response,
-    ):
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                for choice in json.loads(line[6:])["choices"]:
-                    reasoning.append(choice["delta"].get("reasoning_content") or "")
-                    content.append(choice["delta"].get("content") or "")
-    return "".join(reasoning) or None, "".join(content) or None
+    return streamed_split(server, {"model": "oss", "messages": MESSAGES, **body})
 
 
 def _forced(grammar: str) -> dict[str, Any]:
