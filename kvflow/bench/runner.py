@@ -25,6 +25,7 @@ from kvflow.bench.metrics import aggregate, request_metrics
 from kvflow.bench.priority import assign_priorities, per_priority
 from kvflow.bench.replicas import ReplicaScrapes
 from kvflow.bench.server_metrics import Snapshot, scrape
+from kvflow.bench.server_steps import STEP_KEYS, dashboard_steps, steps_after
 from kvflow.bench.server_view import server_section
 
 # Granularity of the client-side repeated-prefix count: the block size of kvflow's and vLLM's
@@ -227,6 +228,8 @@ class Runner:
         self._seen_prefix_blocks: set[int] = set()  # chained hashes of prompt blocks sent so far
         self.gauges = GaugeSamples()  # /metrics gauges sampled during the measured requests
         self.priorities: list[int | None] = []  # per measured conversation (set by run)
+        # A kvflow server's steps during the measured part: [dur_ms, prefill_tokens, decode_tokens].
+        self.step_records: list[list[float]] = []
 
     def count_tokens(self) -> Callable[[str], int] | None:
         tokenizer = self.tokenizer
@@ -295,6 +298,7 @@ class Runner:
                 await self.run_conversation(http, conversation, i, True, None)
             metrics_url = self.config.server_root + "/metrics"
             self.before = scrape(metrics_url, headers)
+            steps_before = dashboard_steps(self.config.server_root, headers)
             self.replicas.scrape_before(headers)
             samplers = []
             if self.before is not None and self.config.metrics_interval > 0:
@@ -316,6 +320,10 @@ class Runner:
                     with contextlib.suppress(asyncio.CancelledError):
                         await sampler
             self.after = scrape(metrics_url, headers)
+            if steps_before is not None:
+                self.step_records = steps_after(
+                    dashboard_steps(self.config.server_root, headers), steps_before
+                )
             self.replicas.scrape_after(headers)
         return duration
 
@@ -448,6 +456,8 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     result["server"] = server_section(
         runner.before, runner.after, client_ttft, runner.gauges, timings, result["completed"]
     )
+    if runner.step_records:
+        result["server"]["steps"] = {"fields": list(STEP_KEYS), "rows": runner.step_records}
     if config.replica_metrics:
         result["replicas"] = runner.replicas.sections()
     result["server_info"] = info.as_json()

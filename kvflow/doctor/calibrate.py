@@ -20,6 +20,7 @@ outside the step timer, grows with the steps): predicted = (simulated with the c
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -35,6 +36,8 @@ from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import KVCacheSpec
 
 FIT_ROUNDS = 4
+MIN_STEP_RECORDS = 8  # fewer recorded steps of a kind: fit it from the per-kind mean instead
+SHAPE_SPREAD = 0.2  # prompt steps whose profiled times span less than this share: a factor only
 TOKEN_KINDS = ("full_attention", "mla")  # kinds whose blocks hold every token of a request
 
 
@@ -228,7 +231,8 @@ def calibrate(
         run = simulate(evidence.requests, sim, cost, concurrency, gap)
     if profile is not None:
         for _ in range(FIT_ROUNDS):
-            cost = replace(cost, profile=profile, kind_extra_ms=_kind_extras(measured, run, profile))
+            extras = _kind_extras(measured, run, profile, _step_records(evidence))
+            cost = replace(cost, profile=profile, kind_extra_ms=extras)
             run = simulate(evidence.requests, sim, cost, concurrency, gap)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
             run = simulate(evidence.requests, sim, cost, concurrency, gap)
@@ -236,12 +240,14 @@ def calibrate(
 
 
 def _kind_extras(
-    measured: dict[str, tuple[float, float]], run: SimRun, profile: StepProfile
+    measured: dict[str, tuple[float, float]], run: SimRun, profile: StepProfile, steps: list[list[float]]
 ) -> tuple[float, float, float]:
-    """Per step kind, against the profile's time for the simulated steps' mean shape: decode_only the
-    server's mean less it, the prompt kinds the server's mean over it (step_cost.py). A prompt kind
-    the run did not measure borrows the other's factor (1 when neither was measured); decode_only
-    without a measurement adds nothing."""
+    """(added to decode-only steps, factor and constant of prompt steps) against the profile's
+    shapes (step_cost.py): from the server's step records when there are some of each kind, else from
+    the per-kind means at the simulated steps' mean shapes (a prompt kind the run did not measure
+    borrows the other's factor; 1 when neither was)."""
+    decode = [(dur, profile.decode(rows)) for dur, tokens, rows in steps if not tokens and rows]
+    prompt = [(dur, profile.prefill(tokens + rows)) for dur, tokens, rows in steps if tokens]
     fitted: dict[str, float] = {}
     for kind in KINDS:
         count, mean = measured.get(kind, (0.0, 0.0))
@@ -250,8 +256,35 @@ def _kind_extras(
             rows, tokens = stats.rows / stats.count, stats.prefill_tokens / stats.count
             shape = max(profile.shape_ms(round(rows), round(tokens)), 1e-6)
             fitted[kind] = mean - shape if kind == "decode_only" else mean / shape
-    mixed = fitted.get("mixed", fitted.get("prefill_only", 1.0))
-    return (fitted.get("decode_only", 0.0), mixed, fitted.get("prefill_only", mixed))
+    decode_add = fitted.get("decode_only", 0.0)
+    if len(decode) >= MIN_STEP_RECORDS:
+        decode_add = statistics.median(dur - shape for dur, shape in decode)
+    factor = fitted.get("mixed", fitted.get("prefill_only", 1.0))
+    factor, constant = _factor_and_constant(prompt) if len(prompt) >= MIN_STEP_RECORDS else (factor, 0.0)
+    return (decode_add, factor, constant)
+
+
+def _factor_and_constant(pairs: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares dur = factor x shape + constant over the prompt steps; the factor alone (the
+    mean ratio) when the shapes barely vary (SHAPE_SPREAD) or the fit goes negative."""
+    shapes = [shape for _, shape in pairs]
+    if (max(shapes) - min(shapes)) < SHAPE_SPREAD * statistics.mean(shapes):
+        return sum(d for d, _ in pairs) / max(sum(shapes), 1e-9), 0.0
+    solved = _least_squares(
+        [[shape, 1.0] for _, shape in pairs], [dur for dur, _ in pairs], [1.0] * len(pairs)
+    )
+    if solved is not None and solved[0] > 0 and solved[1] >= 0:
+        return solved[0], solved[1]
+    return sum(d for d, _ in pairs) / max(sum(s for _, s in pairs), 1e-9), 0.0
+
+
+def _step_records(evidence: RunEvidence) -> list[list[float]]:
+    """The server's recorded steps, [dur_ms, prefill_tokens, decode_rows] (kvflow/bench/server_steps.py)."""
+    steps = evidence.server.get("steps") or {}
+    fields = steps.get("fields") or []
+    if fields[:3] != ["dur_ms", "prefill_tokens", "decode_tokens"]:
+        return []
+    return [[float(v) for v in row[:3]] for row in steps.get("rows") or []]
 
 
 def _overhead_ms(evidence: RunEvidence, run: SimRun, overhead_now: float) -> float:

@@ -20,11 +20,14 @@ profile's curves instead, and only a constant per step kind is fitted (what the 
 profiled engine's step):
 
     decode-only step   step_ms = D(rows) + extra + overhead
-    step with a prompt step_ms = P(tokens + rows) x scale[kind] + overhead
+    step with a prompt step_ms = P(tokens + rows) x factor + constant + overhead
 A decode step's excess on the server is per-step work (1.3 ms on the planted runs for a 0.5 ms
 forward, about the same at 8 rows), while a step with prompts grows with them (its first tokens, and
 the compute the benchmark's client contends for): an added constant fitted to 1-prompt steps put an
 8-prompt step at half its measured time, a factor put it within 5% (benchmarks/NOTES.md, session 23).
+With the server's own step records (kvflow bench keeps them from a kvflow server) the factor and the
+constant of prompt steps are fitted together over those steps; from the per-kind means alone, the
+factor only.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from dataclasses import dataclass
 
 from kvflow.doctor.step_profile import StepProfile
 
-KIND_INDEX = {"decode_only": 0, "mixed": 1, "prefill_only": 2}
 MIN_STEP_MS = 0.01  # a fitted constant never makes a step free
 
 
@@ -44,9 +46,9 @@ class StepCost:
     attention_ratio: float  # attention work per (token x key) in token units
     overhead_ms: float = 0.0  # between steps: engine loop, output delivery
     profile: StepProfile | None = None  # measured curves: the shape of the cost (module docstring)
-    # With a profile, per KIND_INDEX: decode_only's is added to the profile's step (the server's
-    # per-step work besides the forward); mixed's and prefill_only's multiply it (calibrate.py).
-    kind_extra_ms: tuple[float, float, float] = (0.0, 1.0, 1.0)
+    # With a profile (calibrate.py): (added to a decode-only step, the factor on a step with prompt
+    # tokens, added to a step with prompt tokens).
+    kind_extra_ms: tuple[float, float, float] = (0.0, 1.0, 0.0)
 
     def work(self, tokens: int, attention: float) -> float:
         """Work in token units: the tokens and what their attention adds."""
@@ -54,12 +56,9 @@ class StepCost:
 
     def step_ms(self, decode_rows: int, prefill_tokens: int, attention_work: float) -> float:
         if self.profile is not None:
-            kind = "prefill_only" if prefill_tokens else "decode_only"
-            if decode_rows and prefill_tokens:
-                kind = "mixed"
             shape = self.profile.shape_ms(decode_rows, prefill_tokens)
-            fitted = self.kind_extra_ms[KIND_INDEX[kind]]
-            server = shape + fitted if kind == "decode_only" else shape * fitted
+            decode_add, prompt_factor, prompt_add = self.kind_extra_ms
+            server = shape * prompt_factor + prompt_add if prefill_tokens else shape + decode_add
             return max(server, MIN_STEP_MS) + self.overhead_ms
         return (
             self.fixed_ms

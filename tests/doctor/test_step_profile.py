@@ -49,16 +49,14 @@ def test_curves_interpolate_and_extend_the_last_slope() -> None:
 
 
 def test_a_profiled_step_adds_on_decodes_and_scales_prompts() -> None:
-    cost = StepCost(0.0, 0.0, 0.0, overhead_ms=0.1, profile=PROFILE, kind_extra_ms=(1.3, 4.0, 6.8))
+    cost = StepCost(0.0, 0.0, 0.0, overhead_ms=0.1, profile=PROFILE, kind_extra_ms=(1.3, 6.8, 0.5))
     assert cost.step_ms(8, 0, 0.0) == pytest.approx(0.74 + 1.3 + 0.1)
-    assert cost.step_ms(0, 256, 0.0) == pytest.approx(1.48 * 6.8 + 0.1)
-    assert cost.step_ms(4, 124, 0.0) == pytest.approx(PROFILE.prefill(128) * 4.0 + 0.1)  # mixed
+    assert cost.step_ms(0, 256, 0.0) == pytest.approx(1.48 * 6.8 + 0.5 + 0.1)
+    assert cost.step_ms(4, 124, 0.0) == pytest.approx(PROFILE.prefill(128) * 6.8 + 0.5 + 0.1)  # mixed
 
 
 def _server(settings: SimSettings, samples: list[RequestSample], concurrency: int):  # type: ignore[no-untyped-def]
-    truth = StepCost(
-        0.0, 0.0, 0.0, profile=PROFILE, kind_extra_ms=(DECODE_EXTRA_MS, PROMPT_FACTOR, PROMPT_FACTOR)
-    )
+    truth = StepCost(0.0, 0.0, 0.0, profile=PROFILE, kind_extra_ms=(DECODE_EXTRA_MS, PROMPT_FACTOR, 0.0))
     return simulate(samples, settings, truth, concurrency)
 
 
@@ -92,4 +90,36 @@ def test_calibrated_on_one_slot_the_profile_predicts_eight() -> None:
     assert profiled_ttft == pytest.approx(true_ttft, rel=0.05)
     assert abs(line_ttft - true_ttft) > 3 * abs(profiled_ttft - true_ttft)  # the line overshoots
     assert profiled.cost.kind_extra_ms[0] == pytest.approx(DECODE_EXTRA_MS, rel=0.05)
-    assert profiled.cost.kind_extra_ms[2] == pytest.approx(PROMPT_FACTOR, rel=0.05)
+    assert profiled.cost.kind_extra_ms[1] == pytest.approx(PROMPT_FACTOR, rel=0.05)
+
+
+def test_the_servers_step_records_separate_a_factor_from_a_constant() -> None:
+    """Prompt steps of varied sizes, each costing 2 x the profile + 3 ms on the "server": fitted over
+    the recorded steps, both come back (the per-kind means alone give one factor)."""
+    rng = random.Random(1)
+    steps = []
+    for _ in range(40):
+        tokens, rows = rng.choice((16, 64, 128, 256)), rng.randint(0, 4)
+        steps.append([2.0 * PROFILE.prefill(tokens + rows) + 3.0, float(tokens), float(rows)])
+    for _ in range(40):
+        rows = rng.randint(1, 8)
+        steps.append([PROFILE.decode(rows) + 1.3, 0.0, float(rows)])
+    samples = [RequestSample(64, 16, 0, 0.0, None, None) for _ in range(8)]
+    run = replace(
+        calculator_evidence(64, 4, 16),
+        num_requests=len(samples),
+        requests=samples,
+        server={
+            "step_time_ms": {
+                "decode_only": {"count": 40.0, "mean": 2.0},
+                "mixed": {"count": 40.0, "mean": 9.0},
+            },
+            "steps": {"fields": ["dur_ms", "prefill_tokens", "decode_tokens"], "rows": steps},
+        },
+    )
+    model = ModelSpec.from_config(json.loads((CONFIGS / "qwen2.5-0.5b.json").read_text()))
+    settings = EngineSettings(server="kvflow", max_num_batched_tokens=512, max_num_seqs=4, block_size=16)
+    cal = calibrate(run, settings, model, profile=PROFILE)
+    assert cal is not None
+    decode_add, factor, constant = cal.cost.kind_extra_ms
+    assert (decode_add, factor, constant) == (pytest.approx(1.3), pytest.approx(2.0), pytest.approx(3.0))
