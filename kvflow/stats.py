@@ -131,6 +131,9 @@ class StepStats:
     kv_cache_usage: float  # used blocks / usable blocks, after the step
     num_preemptions: int  # requests preempted while scheduling this step
     spec: SpecDecodeStats | None = None  # speculative decoding in this step (None: none ran)
+    # Keys the step's queries attend, summed (causal: a chunk of n tokens ending at position e sees
+    # n x (e - (n - 1) / 2)): what attention adds to a step beyond its token count.
+    attention_work: float = 0.0
 
     @property
     def num_tokens(self) -> int:

@@ -15,12 +15,12 @@ from typing import Any
 import httpx
 
 READ_TIMEOUT_S = 10.0
-STEP_KEYS = ("dur_ms", "prefill_tokens", "decode_tokens")  # what each recorded step keeps
+STEP_KEYS = ("dur_ms", "prefill_tokens", "decode_tokens", "attention")  # what each recorded step keeps
 
 
 def dashboard_steps(server_root: str, headers: dict[str, str] | None) -> list[dict[str, float]] | None:
-    """The window's steps ({"t", "dur_ms", "prefill_tokens", "decode_tokens"}, oldest first), or None
-    when the server has no kvflow dashboard."""
+    """The window's steps ({"t", "dur_ms", "prefill_tokens", "decode_tokens", "attention"}, oldest
+    first), or None when the server has no kvflow dashboard (or one too old to record attention)."""
     try:
         with httpx.stream(
             "GET", server_root + "/dashboard/events", headers=headers, timeout=READ_TIMEOUT_S
@@ -47,7 +47,7 @@ def steps_after(
     steps: list[dict[str, float]] | None, before: list[dict[str, float]] | None
 ) -> list[list[float]]:
     """The steps of `steps` that ran after the last one of `before` (the measured part), as
-    [dur_ms, prefill_tokens, decode_tokens] rows."""
+    [dur_ms, prefill_tokens, decode_tokens, attention] rows."""
     if not steps:
         return []
     last = max((s["t"] for s in before or ()), default=float("-inf"))

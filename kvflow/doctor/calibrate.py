@@ -231,8 +231,8 @@ def calibrate(
         run = simulate(evidence.requests, sim, cost, concurrency, gap)
     if profile is not None:
         for _ in range(FIT_ROUNDS):
-            extras = _kind_extras(measured, run, profile, _step_records(evidence))
-            cost = replace(cost, profile=profile, kind_extra_ms=extras)
+            extras, per_key = _kind_extras(measured, run, profile, _step_records(evidence))
+            cost = replace(cost, profile=profile, kind_extra_ms=extras, attention_ms_per_key=per_key)
             run = simulate(evidence.requests, sim, cost, concurrency, gap)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
             run = simulate(evidence.requests, sim, cost, concurrency, gap)
@@ -241,13 +241,11 @@ def calibrate(
 
 def _kind_extras(
     measured: dict[str, tuple[float, float]], run: SimRun, profile: StepProfile, steps: list[list[float]]
-) -> tuple[float, float, float]:
-    """(added to decode-only steps, factor and constant of prompt steps) against the profile's
-    shapes (step_cost.py): from the server's step records when there are some of each kind, else from
-    the per-kind means at the simulated steps' mean shapes (a prompt kind the run did not measure
-    borrows the other's factor; 1 when neither was)."""
-    decode = [(dur, profile.decode(rows)) for dur, tokens, rows in steps if not tokens and rows]
-    prompt = [(dur, profile.prefill(tokens + rows)) for dur, tokens, rows in steps if tokens]
+) -> tuple[tuple[float, float, float], float]:
+    """((added to decode-only steps, factor and constant of prompt steps), ms per key attended beyond
+    the probes) against the profile's shapes (step_cost.py): from the server's step records when
+    there are enough, else from the per-kind means at the simulated steps' mean shapes (a prompt kind
+    the run did not measure borrows the other's factor; 1 when neither was) with no attention term."""
     fitted: dict[str, float] = {}
     for kind in KINDS:
         count, mean = measured.get(kind, (0.0, 0.0))
@@ -257,34 +255,49 @@ def _kind_extras(
             shape = max(profile.shape_ms(round(rows), round(tokens)), 1e-6)
             fitted[kind] = mean - shape if kind == "decode_only" else mean / shape
     decode_add = fitted.get("decode_only", 0.0)
+    factor, constant, per_key = fitted.get("mixed", fitted.get("prefill_only", 1.0)), 0.0, 0.0
+    # (duration, profiled shape, keys beyond the probe's) of each recorded step
+    prompt: list[tuple[float, float, float]] = []
+    decode: list[tuple[float, float, float]] = []
+    for dur, tokens, rows, attention in steps:
+        t, r = int(tokens), int(rows)
+        beyond = max(attention - profile.probe_attention(r, t), 0.0)
+        (prompt if t else decode).append((dur, profile.shape_ms(r, t), beyond))
+    if len(prompt) >= MIN_STEP_RECORDS:
+        factor, constant, per_key = _prompt_fit(prompt)
     if len(decode) >= MIN_STEP_RECORDS:
-        decode_add = statistics.median(dur - shape for dur, shape in decode)
-    factor = fitted.get("mixed", fitted.get("prefill_only", 1.0))
-    factor, constant = _factor_and_constant(prompt) if len(prompt) >= MIN_STEP_RECORDS else (factor, 0.0)
-    return (decode_add, factor, constant)
+        decode_add = statistics.median(dur - shape - per_key * beyond for dur, shape, beyond in decode)
+    return (decode_add, factor, constant), per_key
 
 
-def _factor_and_constant(pairs: list[tuple[float, float]]) -> tuple[float, float]:
-    """Least squares dur = factor x shape + constant over the prompt steps; the factor alone (the
-    mean ratio) when the shapes barely vary (SHAPE_SPREAD) or the fit goes negative."""
-    shapes = [shape for _, shape in pairs]
-    if (max(shapes) - min(shapes)) < SHAPE_SPREAD * statistics.mean(shapes):
-        return sum(d for d, _ in pairs) / max(sum(shapes), 1e-9), 0.0
-    solved = _least_squares(
-        [[shape, 1.0] for _, shape in pairs], [dur for dur, _ in pairs], [1.0] * len(pairs)
-    )
-    if solved is not None and solved[0] > 0 and solved[1] >= 0:
-        return solved[0], solved[1]
-    return sum(d for d, _ in pairs) / max(sum(s for _, s in pairs), 1e-9), 0.0
+def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, float]:
+    """Least squares dur = factor x shape + constant + per_key x keys beyond the probe, over the
+    prompt steps; the terms the steps cannot separate (shapes or keys that barely vary, a negative
+    coefficient) are dropped, down to the factor alone (the mean ratio)."""
+    shapes = [s for _, s, _ in steps]
+    varied_shape = (max(shapes) - min(shapes)) >= SHAPE_SPREAD * statistics.mean(shapes)
+    keys = [k for _, _, k in steps]
+    varied_keys = max(keys) > 0 and (max(keys) - min(keys)) >= SHAPE_SPREAD * max(keys)
+    durations = [d for d, _, _ in steps]
+    for with_constant, with_keys in ((True, True), (True, False), (False, True)):
+        if (with_constant and not varied_shape) or (with_keys and not varied_keys):
+            continue
+        design = [[s, *([1.0] if with_constant else []), *([k] if with_keys else [])] for _, s, k in steps]
+        solved = _least_squares(design, durations, [1.0] * len(steps))
+        if solved is not None and solved[0] > 0 and min(solved) >= 0:
+            constant = solved[1] if with_constant else 0.0
+            per_key = solved[-1] if with_keys else 0.0
+            return solved[0], constant, per_key
+    return sum(durations) / max(sum(shapes), 1e-9), 0.0, 0.0
 
 
 def _step_records(evidence: RunEvidence) -> list[list[float]]:
-    """The server's recorded steps, [dur_ms, prefill_tokens, decode_rows] (kvflow/bench/server_steps.py)."""
+    """The server's recorded steps, [dur_ms, prefill_tokens, decode_rows, attention]
+    (kvflow/bench/server_steps.py); none from a result without the attention column."""
     steps = evidence.server.get("steps") or {}
-    fields = steps.get("fields") or []
-    if fields[:3] != ["dur_ms", "prefill_tokens", "decode_tokens"]:
+    if (steps.get("fields") or [])[:4] != ["dur_ms", "prefill_tokens", "decode_tokens", "attention"]:
         return []
-    return [[float(v) for v in row[:3]] for row in steps.get("rows") or []]
+    return [[float(v) for v in row[:4]] for row in steps.get("rows") or []]
 
 
 def _overhead_ms(evidence: RunEvidence, run: SimRun, overhead_now: float) -> float:

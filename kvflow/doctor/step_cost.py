@@ -21,6 +21,7 @@ profiled engine's step):
 
     decode-only step   step_ms = D(rows) + extra + overhead
     step with a prompt step_ms = P(tokens + rows) x factor + constant + overhead
+    either               + per_key x (keys attended beyond the probe's: a chunk after a long context)
 A decode step's excess on the server is per-step work (1.3 ms on the planted runs for a 0.5 ms
 forward, about the same at 8 rows), while a step with prompts grows with them (its first tokens, and
 the compute the benchmark's client contends for): an added constant fitted to 1-prompt steps put an
@@ -49,6 +50,8 @@ class StepCost:
     # With a profile (calibrate.py): (added to a decode-only step, the factor on a step with prompt
     # tokens, added to a step with prompt tokens).
     kind_extra_ms: tuple[float, float, float] = (0.0, 1.0, 0.0)
+    # With a profile: ms per attended key beyond what the profile's probe of the same shape attended.
+    attention_ms_per_key: float = 0.0
 
     def work(self, tokens: int, attention: float) -> float:
         """Work in token units: the tokens and what their attention adds."""
@@ -59,6 +62,8 @@ class StepCost:
             shape = self.profile.shape_ms(decode_rows, prefill_tokens)
             decode_add, prompt_factor, prompt_add = self.kind_extra_ms
             server = shape * prompt_factor + prompt_add if prefill_tokens else shape + decode_add
+            beyond = max(attention_work - self.profile.probe_attention(decode_rows, prefill_tokens), 0.0)
+            server += self.attention_ms_per_key * beyond
             return max(server, MIN_STEP_MS) + self.overhead_ms
         return (
             self.fixed_ms

@@ -39,6 +39,9 @@ PROFILE_TIMEOUT_S = 900.0
 # model's context): what-ifs reach past the server's own settings.
 PROFILE_MAX_NUM_SEQS = 32
 PROFILE_MAX_TOKENS = 1024
+# The context of the decode probes (kvflow/engine/step_profile.py: a 16-token prompt, 12 outputs): the
+# keys a probed decode row attends, on average.
+DECODE_PROBE_CONTEXT = 16 + 12 / 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,13 @@ class StepProfile:
 
     def shape_ms(self, rows: int, tokens: int) -> float:
         return self.prefill(tokens + rows) if tokens else self.decode(rows)
+
+    @staticmethod
+    def probe_attention(rows: int, tokens: int) -> float:
+        """Keys the probe of this shape attended: a prompt of T tokens alone sees T (T + 1) / 2, a
+        decode row DECODE_PROBE_CONTEXT. A step attends more when its chunks follow a context."""
+        total = tokens + rows
+        return total * (total + 1) / 2 if tokens else rows * DECODE_PROBE_CONTEXT
 
     @classmethod
     def from_json(cls, data: dict[str, dict[str, float]]) -> StepProfile | None:

@@ -557,6 +557,10 @@ class LLMEngine:
             kv_cache_usage=self.scheduler.kv_cache_usage,
             num_preemptions=len(scheduler_output.preempted_request_ids),
             spec=spec if spec.num_drafts else None,
+            attention_work=sum(
+                len(s.token_ids) * (s.num_computed_tokens + (len(s.token_ids) + 1) / 2)
+                for s in scheduler_output.scheduled
+            ),
         )
 
     @property

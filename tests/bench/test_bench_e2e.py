@@ -48,8 +48,8 @@ def test_cli_run_writes_json_and_html_whose_counts_add_up(
     # The server's own steps of the measured part (kvflow/bench/server_steps.py): every prompt token
     # prefilled once, every later token one decode row.
     steps = server_view["steps"]
-    assert steps["fields"] == ["dur_ms", "prefill_tokens", "decode_tokens"]
-    assert all(dur > 0 for dur, _, _ in steps["rows"])
+    assert steps["fields"] == ["dur_ms", "prefill_tokens", "decode_tokens", "attention"]
+    assert all(dur > 0 and attention > 0 for dur, _, _, attention in steps["rows"])
     assert sum(row[1] for row in steps["rows"]) == NUM_REQUESTS * INPUT_LEN
     assert sum(row[2] for row in steps["rows"]) == NUM_REQUESTS * (OUTPUT_LEN - 1)
     assert html.read_text().lstrip().lower().startswith("<!doctype html")

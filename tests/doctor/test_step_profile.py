@@ -93,17 +93,22 @@ def test_calibrated_on_one_slot_the_profile_predicts_eight() -> None:
     assert profiled.cost.kind_extra_ms[1] == pytest.approx(PROMPT_FACTOR, rel=0.05)
 
 
-def test_the_servers_step_records_separate_a_factor_from_a_constant() -> None:
-    """Prompt steps of varied sizes, each costing 2 x the profile + 3 ms on the "server": fitted over
-    the recorded steps, both come back (the per-kind means alone give one factor)."""
+def test_the_servers_step_records_separate_factor_constant_and_attention() -> None:
+    """Prompt steps of varied sizes and contexts, each costing 2 x the profile + 3 ms + 1e-4 ms per
+    key beyond what the probe of its size attended, and decode steps the profile + 1.3 ms: fitted
+    over the recorded steps, all four come back (the per-kind means alone give one factor)."""
     rng = random.Random(1)
     steps = []
-    for _ in range(40):
-        tokens, rows = rng.choice((16, 64, 128, 256)), rng.randint(0, 4)
-        steps.append([2.0 * PROFILE.prefill(tokens + rows) + 3.0, float(tokens), float(rows)])
+    for _ in range(60):
+        tokens, rows, context = rng.choice((16, 64, 128, 256)), rng.randint(0, 4), rng.choice((0, 256, 768))
+        n = tokens + rows
+        attention = n * (context + (n + 1) / 2)
+        steps.append(
+            [2.0 * PROFILE.prefill(n) + 3.0 + 1e-4 * n * context, float(tokens), float(rows), attention]
+        )
     for _ in range(40):
         rows = rng.randint(1, 8)
-        steps.append([PROFILE.decode(rows) + 1.3, 0.0, float(rows)])
+        steps.append([PROFILE.decode(rows) + 1.3, 0.0, float(rows), rows * 22.0])
     samples = [RequestSample(64, 16, 0, 0.0, None, None) for _ in range(8)]
     run = replace(
         calculator_evidence(64, 4, 16),
@@ -112,9 +117,9 @@ def test_the_servers_step_records_separate_a_factor_from_a_constant() -> None:
         server={
             "step_time_ms": {
                 "decode_only": {"count": 40.0, "mean": 2.0},
-                "mixed": {"count": 40.0, "mean": 9.0},
+                "mixed": {"count": 60.0, "mean": 9.0},
             },
-            "steps": {"fields": ["dur_ms", "prefill_tokens", "decode_tokens"], "rows": steps},
+            "steps": {"fields": ["dur_ms", "prefill_tokens", "decode_tokens", "attention"], "rows": steps},
         },
     )
     model = ModelSpec.from_config(json.loads((CONFIGS / "qwen2.5-0.5b.json").read_text()))
@@ -123,3 +128,4 @@ def test_the_servers_step_records_separate_a_factor_from_a_constant() -> None:
     assert cal is not None
     decode_add, factor, constant = cal.cost.kind_extra_ms
     assert (decode_add, factor, constant) == (pytest.approx(1.3), pytest.approx(2.0), pytest.approx(3.0))
+    assert cal.cost.attention_ms_per_key == pytest.approx(1e-4)

@@ -38,6 +38,7 @@ STEP_FIELDS = (
     "preemptions",
     "spec_draft_tokens",
     "spec_accepted_tokens",
+    "attention",  # keys the step's queries attended, summed (StepStats.attention_work)
 )
 SECOND_FIELDS = (
     "t",  # the second's start (whole seconds of the monotonic clock)
@@ -82,6 +83,7 @@ def step_row(stats: StepStats, num_output_tokens: int) -> list[Any]:
         stats.num_preemptions,
         spec.num_draft_tokens if spec is not None else 0,
         spec.num_accepted_tokens if spec is not None else 0,
+        round(stats.attention_work),
     ]
 
 
