@@ -272,14 +272,17 @@ def _kind_extras(
 
 def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Least squares dur = factor x shape + constant + per_key x keys beyond the probe, over the
-    prompt steps; the terms the steps cannot separate (shapes or keys that barely vary, a negative
-    coefficient) are dropped, down to the factor alone (the mean ratio)."""
+    prompt steps; terms the steps cannot separate (shapes or keys that barely vary, a negative
+    coefficient) are dropped, the constant first, down to the factor alone (the mean ratio)."""
     shapes = [s for _, s, _ in steps]
     varied_shape = (max(shapes) - min(shapes)) >= SHAPE_SPREAD * statistics.mean(shapes)
     keys = [k for _, _, k in steps]
     varied_keys = max(keys) > 0 and (max(keys) - min(keys)) >= SHAPE_SPREAD * max(keys)
     durations = [d for d, _, _ in steps]
-    for with_constant, with_keys in ((True, True), (True, False), (False, True)):
+    # When the steps cannot tell a constant from the attention (two clusters of shapes, say: a
+    # prompt's first chunk and its second, which attends the first), the attention is kept: it is
+    # what makes a later chunk dearer, and a constant would charge every short prompt for it.
+    for with_constant, with_keys in ((True, True), (False, True), (True, False)):
         if (with_constant and not varied_shape) or (with_keys and not varied_keys):
             continue
         design = [[s, *([1.0] if with_constant else []), *([k] if with_keys else [])] for _, s, k in steps]
