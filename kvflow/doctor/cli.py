@@ -67,6 +67,11 @@ def _add_sources(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--server", default="http://127.0.0.1:8000", help="--request: the kvflow server's base URL"
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="--request: the server's API key, when it has one (sent as 'Authorization: Bearer KEY')",
+    )
     parser.add_argument("--engine-config", default=None, help="JSON of the server's settings")
     parser.add_argument(
         "--metrics-url", default=None, help="the server's /metrics (kvflow: settings from it)"
@@ -211,7 +216,8 @@ def cmd_request(args: argparse.Namespace) -> int:
 
     url = f"{args.server.rstrip('/')}/dashboard/request/{args.request}"
     try:
-        response = httpx.get(url, params={"format": "json"}, timeout=30)
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+        response = httpx.get(url, params={"format": "json"}, headers=headers, timeout=30)
     except httpx.HTTPError as exc:
         raise ValueError(f"--request: cannot reach {args.server}: {exc}") from exc
     if response.status_code != 200:

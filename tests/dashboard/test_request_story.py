@@ -79,3 +79,19 @@ def test_each_prefill_chunk_with_the_step_that_computed_it(
     assert main(["doctor", "--request", rid, "--server", server.base_url]) == 0
     printed = capsys.readouterr().out
     assert f"request {rid}" in printed and "prefill chunk at +" in printed
+
+
+def test_the_command_sends_the_servers_api_key(
+    start_server: Callable[..., LiveServer], capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = start_server(served_model_name="keyed", api_key="sesame")
+    with server.client() as client:
+        body = {"model": "keyed", "prompt": "hello", "max_tokens": 4}
+        assert (
+            client.post("/v1/completions", json=body, headers={"Authorization": "Bearer sesame"}).status_code
+            == 200
+        )
+    assert main(["doctor", "--request", "slowest", "--server", server.base_url]) == 1
+    assert "HTTP 401" in capsys.readouterr().err
+    assert main(["doctor", "--request", "slowest", "--server", server.base_url, "--api-key", "sesame"]) == 0
+    assert "TTFT" in capsys.readouterr().out
