@@ -224,10 +224,12 @@ def native_build() -> NativeBuild:
     try:
         build_dir = native_build_dir(target)
 
+        def load(directory: Path) -> ModuleType:
+            return import_extension(directory / f"{_MODULE_NAME}.so", _MODULE_NAME)
+
         def build(directory: Path) -> ModuleType:
-            built = directory / f"{_MODULE_NAME}.so"
-            if built.exists():  # linked last, under the lock: a complete build of these sources
-                return import_extension(built, _MODULE_NAME)
+            # Not skipped when a .so is there: a new key's directory starts as a copy of an older
+            # build (build_cache.py), which ninja brings up to date unit by unit.
             write_build_file(
                 directory,
                 sources,
@@ -238,13 +240,14 @@ def native_build() -> NativeBuild:
             )
             for warning in run_ninja(directory, progress=build_progress):
                 logger.warning("native kernels' build: %s", warning)
-            return import_extension(built, _MODULE_NAME)
+            return load(directory)
 
         module = locked_build(
             build_dir,
             build,
             "kvflow's native CPU kernels",
             is_built=lambda d: (d / f"{_MODULE_NAME}.so").exists(),
+            load=load,  # a finished build (linked last, under the lock) loads without ninja
         )
         return NativeBuild(module, f"built for {target.name}", build_dir)
     except Exception as e:  # a missing compiler or ninja, or a stuck build, must not stop the engine

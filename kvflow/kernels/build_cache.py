@@ -85,9 +85,10 @@ def locked_build(
     what: str,
     wait_timeout_s: float = DEFAULT_WAIT_TIMEOUT_S,
     is_built: Callable[[Path], bool] | None = None,
+    load: Callable[[Path], T] | None = None,
 ) -> T:
     """`build(build_dir)` under the directory's lock (module docstring). `is_built(dir)` says whether
-    a finished build is there (then nothing is printed: loading it is quick)."""
+    a finished build is there: then `load(dir)` (default: `build`) runs instead, quietly."""
     root = build_dir.parent
     root.mkdir(parents=True, exist_ok=True)
     with build_lock(root / f"{build_dir.name}.lock", what, wait_timeout_s):
@@ -97,7 +98,7 @@ def locked_build(
         build_dir.mkdir(exist_ok=True)
         os.utime(build_dir)  # "last used", for pruning
         if not fresh:
-            return build(build_dir)
+            return (load or build)(build_dir)
         build_progress(f"building {what} in {build_dir} (once for these sources, torch and compiler) ...")
         started = time.monotonic()
         result = build(build_dir)

@@ -175,3 +175,25 @@ def test_build_kernels_command_says_why_kernels_are_unavailable() -> None:
     )
     assert result.returncode == 0  # an unsuited machine is not an error: the torch paths serve
     assert "unavailable (disabled by KVFLOW_DISABLE_KERNELS=1)" in result.stderr
+
+
+def test_a_directory_seeded_from_an_older_build_is_built_not_loaded(tmp_path: Path) -> None:
+    """The copy of an older build carries that build's module: the new key's sources must still be
+    compiled (ninja brings the copy up to date); only a directory that was finished before is loaded."""
+    old = tmp_path / "tool-aaaa"
+    old.mkdir()
+    (old / "module.so").write_text("old sources")
+    new = tmp_path / "tool-bbbb"
+
+    def is_built(directory: Path) -> bool:
+        return (directory / "module.so").exists()
+
+    def build(directory: Path) -> str:
+        (directory / "module.so").write_text("new sources")
+        return "built"
+
+    def load(directory: Path) -> str:
+        return "loaded " + (directory / "module.so").read_text()
+
+    assert locked_build(new, build, "stand-in kernels", is_built=is_built, load=load) == "built"
+    assert locked_build(new, build, "stand-in kernels", is_built=is_built, load=load) == "loaded new sources"
