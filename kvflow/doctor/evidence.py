@@ -57,6 +57,16 @@ class RunEvidence:
     def measured(self) -> bool:
         return self.num_requests > 0
 
+    def metric(self, name: str) -> float | None:
+        """The run's value of a what-if's latency metric (decode_ms_per_step: TPOT p50), or None."""
+        return {
+            "ttft_p50_ms": self.ttft_p50_ms,
+            "ttft_p95_ms": self.ttft_p95_ms,
+            "itl_p99_ms": self.itl_p99_ms,
+            "decode_ms_per_step": self.tpot_p50_ms,
+            "e2e_p50_ms": self.e2e_p50_ms,
+        }.get(name)
+
     @property
     def request_len_p95(self) -> float:
         return self.prompt_p95 + self.output_p95

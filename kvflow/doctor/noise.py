@@ -88,12 +88,6 @@ def relative_noise(run: RunEvidence, metric: str) -> float | None:
     return (hi - lo) / 2 / value
 
 
-def baseline(run: RunEvidence, metric: str) -> float | None:
-    """The run's measured value of a what-if's metric."""
-    fn = METRICS.get(metric)
-    return None if fn is None or not run.requests else fn(run.requests)
-
-
 def hold_back_noise(run: RunEvidence, findings: list[Finding]) -> None:
     """Give every latency prediction its interval; move what-ifs whose every latency prediction is
     within the run's noise out of `what_ifs` into the finding's evidence (module docstring)."""
@@ -116,7 +110,7 @@ def _within_noise(run: RunEvidence, what_if: WhatIf, noise: dict[str, float | No
     latency = {m: v for m, v in what_if.predicted.items() if m in METRICS}
     verdicts = []
     for metric, predicted in latency.items():
-        h, base = noise.get(metric), baseline(run, metric)
+        h, base = noise.get(metric), run.metric(metric)
         if h is None or base is None:
             continue
         what_if.interval[metric] = [predicted * (1 - h), predicted * (1 + h)]

@@ -17,17 +17,6 @@ KV_HEADROOM = 1.25
 PROMPT_WORTH_CUTTING = 0.2  # the prompt's prefill is at least this share of TTFT
 
 
-def measured_value(d: Diagnosis, metric: str) -> float | None:
-    run = d.run
-    return {
-        "ttft_p50_ms": run.ttft_p50_ms,
-        "ttft_p95_ms": run.ttft_p95_ms,
-        "itl_p99_ms": run.itl_p99_ms,
-        "decode_ms_per_step": run.tpot_p50_ms,
-        "e2e_p50_ms": run.e2e_p50_ms,
-    }.get(metric)
-
-
 def simulated(d: Diagnosis, metrics: tuple[str, ...], **change: Any) -> dict[str, float] | None:
     """Each metric's measured value moved by the simulated effect of `change`; None without a
     calibrated simulator."""
@@ -39,7 +28,7 @@ def simulated(d: Diagnosis, metrics: tuple[str, ...], **change: Any) -> dict[str
         return None
     predicted = {}
     for metric in metrics:
-        value = measured_value(d, metric)
+        value = d.run.metric(metric)
         if value is not None:
             predicted[metric] = cal.predict(metric, value, changed)
     return predicted
