@@ -38,6 +38,7 @@ from typing import Any
 
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.roofline import GPU_MEMORY_UTILIZATION, PhaseTime, Roofline
+from kvflow.doctor.tensor_parallel import kv_heads_per_rank, splits_heads
 
 # Accelerators per node (HGX H100 / H200, MI300X platforms): tensor parallelism stays inside one.
 NODE_DEVICES = 8
@@ -157,7 +158,7 @@ def plan_deployment(roofline: Roofline, concurrency: int, request_len: int, cont
     candidates = [
         _tp_pp(roofline, usable, kv_total, t, p, concurrency, context_len)
         for t in TP_SIZES
-        if _tp_divides(m, t)
+        if splits_heads(m.arch, t)
         for p in range(1, m.arch.num_hidden_layers + 1)
         if t * p <= MAX_DEVICES
     ]
@@ -197,18 +198,11 @@ def _listed(fitting: list[Layout]) -> list[Layout]:
     return listed
 
 
-def _tp_divides(m: ModelSpec, t: int) -> bool:
-    a = m.arch
-    heads, kv = a.num_attention_heads, a.num_key_value_heads
-    return heads % t == 0 and (kv % t == 0 or t % kv == 0)
-
-
 def _kv_share(m: ModelSpec, t: int) -> float:
     """The part of a token's KV one tensor-parallel rank holds."""
-    if m.arch.mla is not None or m.arch.kv_latent is not None:
+    if m.arch.mla is not None:
         return 1.0  # one latent per token, not per head: every rank holds it whole
-    kv = m.arch.num_key_value_heads
-    return max(1, kv // t) / kv
+    return kv_heads_per_rank(m.arch, t) / m.arch.num_key_value_heads
 
 
 def _tp_pp(

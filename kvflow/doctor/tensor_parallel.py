@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvflow.arch_config import ArchConfig
 from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec, weight_bytes_per_param
 from kvflow.doctor.roofline import PhaseTime, Roofline
 
@@ -80,6 +81,18 @@ class TensorParallelEstimate:
         )
 
 
+def splits_heads(arch: ArchConfig, n: int) -> bool:
+    """n ranks split the attention heads evenly, and the KV heads (each rank a share, or each KV head
+    on n / KV heads ranks)."""
+    kv = arch.num_key_value_heads
+    return arch.num_attention_heads % n == 0 and (kv % n == 0 or n % kv == 0)
+
+
+def kv_heads_per_rank(arch: ArchConfig, n: int) -> int:
+    """KV heads one of n ranks holds (a whole one, replicated, when n > KV heads)."""
+    return max(1, arch.num_key_value_heads // n)
+
+
 def estimate(
     model: ModelSpec, roofline: Roofline, tensor_parallel_size: int, batch: int, context_len: int
 ) -> TensorParallelEstimate:
@@ -89,17 +102,13 @@ def estimate(
         raise ValueError(
             "tensor-parallel estimates cover dense llama-family models (kvflow shards only those)"
         )
-    if (
-        a.num_attention_heads % n
-        or a.intermediate_size % n
-        or (a.num_key_value_heads % n and n % a.num_key_value_heads)
-    ):
+    if not splits_heads(a, n) or a.intermediate_size % n:
         raise ValueError(
             f"tensor_parallel_size {n} does not split {a.num_attention_heads} heads / "
             f"{a.num_key_value_heads} KV heads / intermediate {a.intermediate_size} (kvflow refuses it too)"
         )
     layers, h, d = a.num_hidden_layers, a.hidden_size, a.head_dim
-    kv_rank = max(1, a.num_key_value_heads // n)
+    kv_rank = kv_heads_per_rank(a, n)
     kv_proj = 2 * h * a.num_key_value_heads * d + (2 * a.num_key_value_heads * d if a.qkv_bias else 0)
     kv_proj_rank = 2 * h * kv_rank * d + (2 * kv_rank * d if a.qkv_bias else 0)
     norms = 2 * h + (2 * d if a.qk_norm else 0)
