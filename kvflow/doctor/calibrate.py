@@ -230,8 +230,9 @@ def calibrate(
         cost = replace(fitted, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
         run = simulate(evidence.requests, sim, cost, concurrency, gap)
     if profile is not None:
+        records = _record_fit(profile, _step_records(evidence))
         for _ in range(FIT_ROUNDS):
-            extras, per_key = _kind_extras(measured, run, profile, _step_records(evidence))
+            extras, per_key = _kind_extras(measured, run, profile, records)
             cost = replace(cost, profile=profile, kind_extra_ms=extras, attention_ms_per_key=per_key)
             run = simulate(evidence.requests, sim, cost, concurrency, gap)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
@@ -239,13 +240,34 @@ def calibrate(
     return Calibration(cost, sim, run, concurrency, evidence, gap)
 
 
+RecordFit = tuple[float | None, tuple[float, float, float] | None]
+
+
+def _record_fit(profile: StepProfile, steps: list[list[float]]) -> RecordFit:
+    """From the server's step records, once (they do not change between fit rounds): (added to
+    decode-only steps, (factor, constant, ms per key beyond the probe) of prompt steps); None for a
+    kind with fewer than MIN_STEP_RECORDS records."""
+    prompt: list[tuple[float, float, float]] = []  # (duration, profiled shape, keys beyond the probe's)
+    decode: list[tuple[float, float, float]] = []
+    for dur, tokens, rows, attention in steps:
+        t, r = int(tokens), int(rows)
+        beyond = max(attention - profile.probe_attention(r, t), 0.0)
+        (prompt if t else decode).append((dur, profile.shape_ms(r, t), beyond))
+    prompt_fit = _prompt_fit(prompt) if len(prompt) >= MIN_STEP_RECORDS else None
+    per_key = prompt_fit[2] if prompt_fit else 0.0
+    decode_add = None
+    if len(decode) >= MIN_STEP_RECORDS:
+        decode_add = statistics.median(dur - shape - per_key * beyond for dur, shape, beyond in decode)
+    return decode_add, prompt_fit
+
+
 def _kind_extras(
-    measured: dict[str, tuple[float, float]], run: SimRun, profile: StepProfile, steps: list[list[float]]
+    measured: dict[str, tuple[float, float]], run: SimRun, profile: StepProfile, records: RecordFit
 ) -> tuple[tuple[float, float, float], float]:
     """((added to decode-only steps, factor and constant of prompt steps), ms per key attended beyond
-    the probes) against the profile's shapes (step_cost.py): from the server's step records when
-    there are enough, else from the per-kind means at the simulated steps' mean shapes (a prompt kind
-    the run did not measure borrows the other's factor; 1 when neither was) with no attention term."""
+    the probes) against the profile's shapes (step_cost.py): what the step records fitted, else from
+    the per-kind means at the simulated steps' mean shapes (a prompt kind the run did not measure
+    borrows the other's factor; 1 when neither was) with no constant and no attention term."""
     fitted: dict[str, float] = {}
     for kind in KINDS:
         count, mean = measured.get(kind, (0.0, 0.0))
@@ -254,19 +276,12 @@ def _kind_extras(
             rows, tokens = stats.rows / stats.count, stats.prefill_tokens / stats.count
             shape = max(profile.shape_ms(round(rows), round(tokens)), 1e-6)
             fitted[kind] = mean - shape if kind == "decode_only" else mean / shape
-    decode_add = fitted.get("decode_only", 0.0)
-    factor, constant, per_key = fitted.get("mixed", fitted.get("prefill_only", 1.0)), 0.0, 0.0
-    # (duration, profiled shape, keys beyond the probe's) of each recorded step
-    prompt: list[tuple[float, float, float]] = []
-    decode: list[tuple[float, float, float]] = []
-    for dur, tokens, rows, attention in steps:
-        t, r = int(tokens), int(rows)
-        beyond = max(attention - profile.probe_attention(r, t), 0.0)
-        (prompt if t else decode).append((dur, profile.shape_ms(r, t), beyond))
-    if len(prompt) >= MIN_STEP_RECORDS:
-        factor, constant, per_key = _prompt_fit(prompt)
-    if len(decode) >= MIN_STEP_RECORDS:
-        decode_add = statistics.median(dur - shape - per_key * beyond for dur, shape, beyond in decode)
+    decode_add, prompt_fit = records
+    if decode_add is None:
+        decode_add = fitted.get("decode_only", 0.0)
+    if prompt_fit is None:
+        prompt_fit = (fitted.get("mixed", fitted.get("prefill_only", 1.0)), 0.0, 0.0)
+    factor, constant, per_key = prompt_fit
     return (decode_add, factor, constant), per_key
 
 
