@@ -19,6 +19,7 @@ to its own clock with the frame's `now`.
 
 from __future__ import annotations
 
+import heapq
 from typing import Any
 
 from kvflow.kv_cache.block_map import BlockMap
@@ -133,7 +134,7 @@ def request_object(
         "itl_p99_ms": _ms(percentile(gaps, 99)) if gaps else None,
         "slowest_gaps": [
             [_t(times[i + 1]), _ms(gaps[i])]
-            for i in sorted(range(len(gaps)), key=lambda i: -gaps[i])[:SLOWEST_GAPS]
+            for i in heapq.nlargest(SLOWEST_GAPS, range(len(gaps)), key=gaps.__getitem__)
         ],
         "grammar_ms": _ms(timeline.grammar_compile_time),
         "restore_ms": _ms(timeline.kv_restore_time),
