@@ -2,7 +2,8 @@
 against measured, over a grid of chunk sizes, KV pool sizes and concurrencies (the table Vidur
 reports for itself).
 
-    python benchmarks/simulator_fidelity.py [--profile-steps] [--output rows.json]
+    python benchmarks/simulator_fidelity.py [--profile-steps] [--output rows.json] [--from-cache]
+        [--record tests/doctor/recorded_runs]
 
 For each setting: start `kvflow serve` on the tiny Llama, run a benchmark (mixed prompt lengths),
 diagnose it (settings from the live server), and compare the calibrated simulator's replay of the
@@ -10,11 +11,14 @@ same requests under the same settings (kvflow/doctor/calibrate.py; client TTFT =
 server TTFT + the measured client offset) with what the client measured. The step costs are fitted
 to this run, so this is the simulator's scheduling, queueing and tail model reproducing a run, not a
 what-if's prediction (benchmarks/doctor_verify.py measures those). Not in CI: 8 servers, ~2 min.
+`--record DIR` keeps the runs (trimmed, gzipped) and the model's config.json for
+tests/doctor/test_simulator_fidelity.py, which asserts the errors stay under what was measured here.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -28,21 +32,22 @@ from fixtures.live_server import ENGINE_KWARGS  # noqa: E402
 
 from kvflow.bench.arrivals import LoadSpec  # noqa: E402
 from kvflow.bench.datasets import DatasetSpec  # noqa: E402
-from kvflow.bench.metrics import percentile  # noqa: E402
 from kvflow.bench.runner import BenchConfig, run_benchmark  # noqa: E402
 from kvflow.cli import build_parser  # noqa: E402
 from kvflow.doctor.cli import build_diagnosis  # noqa: E402
+from kvflow.doctor.fidelity import fidelity  # noqa: E402
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "kvflow-bench" / "simulator-fidelity"
-DATASET = DatasetSpec("random", 24, input_len=96, output_len=32, range_ratio=0.5)
+# 64 requests: each run's ITL p99 rests on ~20 of ~2,000 gaps (24 requests left it to ~7).
+DATASET = DatasetSpec("random", 64, input_len=96, output_len=32, range_ratio=0.5)
 # (max_num_batched_tokens, num_kv_blocks or None for the default pool, concurrency)
 GRID = [(budget, blocks, c) for budget in (64, 512) for blocks in (None, 20) for c in (2, 8)]
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 
 
-def _p(values: list[float], q: float) -> float:
-    return percentile(values, q) if values else float("nan")
+def run_path(budget: int, blocks: int | None, concurrency: int) -> Path:
+    return CACHE / f"b{budget}-k{blocks}-c{concurrency}.json"
 
 
 def one(
@@ -63,41 +68,33 @@ def one(
             progress=False,
         )
         result = run_benchmark(config)
-        path = CACHE / f"b{budget}-k{blocks}-c{concurrency}.json"
+        path = run_path(budget, blocks, concurrency)
         path.write_text(json.dumps(result))
-        argv = ["doctor", str(model), "--hardware", "cpu", "--bench", str(path)]
-        diagnosis, _ = build_diagnosis(
-            build_parser().parse_args(argv + (["--profile-steps"] if profile else []))
-        )
     finally:
         stop_server(server)
-    cal = diagnosis.calibration
-    if cal is None:
+    return compare(model, path, budget, blocks, concurrency, profile)
+
+
+def compare(
+    model: Path, path: Path, budget: int, blocks: int | None, concurrency: int, profile: bool
+) -> list[dict[str, Any]]:
+    """The calibrated simulator against the recorded run at `path` (a kvflow bench result)."""
+    result = json.loads(path.read_text())
+    argv = ["doctor", str(model), "--hardware", "cpu", "--bench", str(path)]
+    diagnosis, _ = build_diagnosis(build_parser().parse_args(argv + (["--profile-steps"] if profile else [])))
+    if diagnosis.calibration is None:
         return []
-    sim, offset = cal.baseline, cal.client_gap_ms
-    simulated = {
-        "ttft_p50_ms": _p(sim.ttft_ms, 50) + offset,
-        "ttft_p99_ms": _p(sim.ttft_ms, 99) + offset,
-        "itl_p50_ms": _p(sim.itl_ms, 50),
-        "itl_p99_ms": _p(sim.itl_ms, 99),
-    }
-    measured = {
-        "ttft_p50_ms": result["ttft_ms"]["p50"],
-        "ttft_p99_ms": result["ttft_ms"]["p99"],
-        "itl_p50_ms": result["itl_ms"]["p50"],
-        "itl_p99_ms": result["itl_ms"]["p99"],
-    }
     setting = f"budget {budget}, {'default pool' if blocks is None else f'{blocks} blocks'}, c={concurrency}"
     return [
         {
             "setting": setting,
-            "metric": m,
-            "measured": measured[m],
-            "simulated": simulated[m],
-            "error": abs(simulated[m] - measured[m]) / measured[m],
+            "metric": row.metric,
+            "measured": row.measured,
+            "simulated": row.simulated,
+            "error": row.error,
             "preemptions": result["server"].get("num_preemptions"),
         }
-        for m in METRICS
+        for row in fidelity(diagnosis.calibration, result)
     ]
 
 
@@ -105,12 +102,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile-steps", action="store_true", help="calibrate with kvflow profile-steps")
     parser.add_argument("--output", default=None, help="write the rows as JSON here")
+    parser.add_argument("--record", default=None, help="keep the runs here for the tests (trimmed, gzipped)")
+    parser.add_argument(
+        "--from-cache", action="store_true", help="re-diagnose the runs last recorded (no servers)"
+    )
     args = parser.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     model = CACHE / "tiny-llama"
     if not (model / "config.json").is_file():
         build_checkpoint(model, "llama")
-    rows = [r for budget, blocks, c in GRID for r in one(model, budget, blocks, c, args.profile_steps)]
+    rows = []
+    for budget, blocks, c in GRID:
+        if args.from_cache:
+            rows += compare(model, run_path(budget, blocks, c), budget, blocks, c, args.profile_steps)
+        else:
+            rows += one(model, budget, blocks, c, args.profile_steps)
     print("| setting | metric | measured ms | simulated ms | error | preemptions |")
     print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
@@ -124,6 +130,32 @@ def main() -> None:
             print(f"{metric}: median error {errors[len(errors) // 2]:.0%}, worst {errors[-1]:.0%}")
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))
+    if args.record:
+        record(Path(args.record), model)
+
+
+def record(directory: Path, model: Path) -> None:
+    """The recorded runs for the tests: what the doctor reads of each, rounded to the microsecond."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text((model / "config.json").read_text())
+    for budget, blocks, c in GRID:
+        result = json.loads(run_path(budget, blocks, c).read_text())
+        for request in result["requests"]:
+            for key in ("chunks", "ttft_first_chunk_ms", "conversation", "turn", "language"):
+                request.pop(key, None)
+        text = json.dumps(_rounded(result), separators=(",", ":"))
+        name = run_path(budget, blocks, c).name + ".gz"
+        (directory / name).write_bytes(gzip.compress(text.encode(), mtime=0))
+
+
+def _rounded(value: Any) -> Any:
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    return value
 
 
 if __name__ == "__main__":

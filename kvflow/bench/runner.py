@@ -24,7 +24,7 @@ from kvflow.bench.gauges import GaugeSamples, sample_gauges
 from kvflow.bench.metrics import aggregate, request_metrics
 from kvflow.bench.priority import assign_priorities, per_priority
 from kvflow.bench.replicas import ReplicaScrapes
-from kvflow.bench.server_metrics import Snapshot, scrape
+from kvflow.bench.server_metrics import Snapshot, engine_config, scrape
 from kvflow.bench.server_steps import STEP_KEYS, dashboard_steps, steps_after
 from kvflow.bench.server_view import server_section
 
@@ -461,6 +461,9 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     if config.replica_metrics:
         result["replicas"] = runner.replicas.sections()
     result["server_info"] = info.as_json()
+    exported = engine_config(runner.before) if runner.before is not None else None
+    if exported is not None:  # the doctor reads the settings from here once the server is gone
+        result["server_info"]["engine_config"] = {"server": exported[0], "labels": exported[1]}
     result["errors"] = dict(Counter(r.error for r in measured if r.error is not None))
     result["warnings"] = runner.warnings
     if spec.name == "multilingual":

@@ -51,3 +51,15 @@ def scrape(metrics_url: str, headers: dict[str, str] | None = None) -> Snapshot 
         return parse_metrics(response.text)
     except ValueError:  # something else answers at /metrics (a web UI's page): no metrics here
         return None
+
+
+# vLLM's idiom, which kvflow follows: a constant-1 gauge whose labels are the engine's configuration.
+ENGINE_INFO_METRICS = ("kvflow:cache_config_info", "vllm:cache_config_info")
+
+
+def engine_config(snapshot: Snapshot) -> tuple[str, dict[str, str]] | None:
+    """(the server kind, its configuration labels) from a scrape, when it exports them."""
+    for name in ENGINE_INFO_METRICS:
+        for labels in snapshot.get(name, {}):
+            return name.split(":")[0], dict(labels)
+    return None

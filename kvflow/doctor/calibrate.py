@@ -11,6 +11,9 @@ solved for the two coefficients (least squares, weighted by step counts). Simula
 fitted costs, refit, a few times: the composition depends on the costs (long steps gather more
 arrivals).
 
+With the server's step records, each simulated step also draws a recorded step's departure from
+its fitted cost (step_residuals): the tails (ITL p99) are made of the few long steps a mean hides.
+
 Predictions scale the simulated change onto the measurement: the client's number is the server's
 plus a delivery offset (client minus server TTFT, for TTFT and E2E), and the server's is the
 simulated one times a factor the baseline fixes (what the simulator leaves out, per-step work
@@ -237,7 +240,28 @@ def calibrate(
             run = simulate(evidence.requests, sim, cost, concurrency, gap)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
             run = simulate(evidence.requests, sim, cost, concurrency, gap)
+    residuals = step_residuals(cost, _step_records(evidence))
+    if any(residuals):
+        cost = replace(cost, residuals_ms=residuals)
+        run = simulate(evidence.requests, sim, cost, concurrency, gap)
+        cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
+        run = simulate(evidence.requests, sim, cost, concurrency, gap)
     return Calibration(cost, sim, run, concurrency, evidence, gap)
+
+
+def step_residuals(cost: StepCost, steps: list[list[float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """The recorded steps' durations beyond the fitted cost's (decode-only steps, steps with prompt
+    tokens), each kind centred on zero so the draws keep the fitted mean; a kind with fewer than
+    MIN_STEP_RECORDS records gets none (its steps cost their mean)."""
+    by_kind: tuple[list[float], list[float]] = ([], [])
+    for dur, tokens, rows, attention in steps:
+        modelled = cost.step_ms(int(rows), int(tokens), attention) - cost.overhead_ms
+        by_kind[1 if tokens else 0].append(dur - modelled)
+    decode, prompt = (
+        tuple(r - statistics.mean(kind) for r in kind) if len(kind) >= MIN_STEP_RECORDS else ()
+        for kind in by_kind
+    )
+    return decode, prompt
 
 
 RecordFit = tuple[float | None, tuple[float, float, float] | None]

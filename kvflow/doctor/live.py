@@ -16,7 +16,7 @@ from typing import Any
 
 from kvflow.bench.gauges import GaugeSamples
 from kvflow.bench.metrics import summarize
-from kvflow.bench.server_metrics import parse_metrics
+from kvflow.bench.server_metrics import engine_config, parse_metrics
 from kvflow.bench.server_view import server_section
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.evidence import evidence_from_bench
@@ -25,7 +25,7 @@ from kvflow.doctor.hardware import Hardware, named_hardware
 from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec, default_kv_dtype
 from kvflow.doctor.report import doctor_json, html_report
 from kvflow.doctor.roofline import Roofline
-from kvflow.doctor.server_settings import ENGINE_INFO_METRICS, EngineSettings
+from kvflow.doctor.server_settings import EngineSettings
 from kvflow.server.dashboard.doctor_window import DoctorWindow
 
 
@@ -79,11 +79,8 @@ def _request_entry(r: dict[str, Any], started: float) -> dict[str, Any]:
 
 
 def _settings(metrics_text: bytes) -> EngineSettings:
-    snapshot = parse_metrics(metrics_text.decode())
-    for name in ENGINE_INFO_METRICS:
-        for labels in snapshot.get(name, {}):
-            return EngineSettings.from_labels(dict(labels), server=name.split(":")[0])
-    return EngineSettings()
+    exported = engine_config(parse_metrics(metrics_text.decode()))
+    return EngineSettings() if exported is None else EngineSettings.from_labels(exported[1], exported[0])
 
 
 class LiveDiagnosis:

@@ -13,9 +13,8 @@ from typing import Any
 
 import httpx
 
-from kvflow.bench.server_metrics import Snapshot, scrape
+from kvflow.bench.server_metrics import Snapshot, engine_config, scrape
 
-ENGINE_INFO_METRICS = ("kvflow:cache_config_info", "vllm:cache_config_info")
 # llama.cpp's file types -> the weight formats the doctor models (the k-quants are about 4.5 bits).
 LLAMACPP_FTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "Q8_0": "int8"}
 LLAMACPP_KV_DTYPE = "float16"  # llama-server's default -ctk / -ctv
@@ -132,9 +131,9 @@ def settings_from_metrics(metrics_url: str) -> EngineSettings:
     labels, SGLang's configuration gauges, llama-server's /props and model card (its /metrics has
     none); unknown settings when it tells nothing."""
     snapshot = scrape(metrics_url) or {}
-    for name in ENGINE_INFO_METRICS:
-        for labels in snapshot.get(name, {}):
-            return EngineSettings.from_labels(dict(labels), server=name.split(":")[0])
+    exported = engine_config(snapshot)
+    if exported is not None:
+        return EngineSettings.from_labels(exported[1], server=exported[0])
     if any(name.startswith("sglang:") for name in snapshot):
         return sglang_settings(snapshot)
     if any(name.startswith("llamacpp:") for name in snapshot):
@@ -145,9 +144,13 @@ def settings_from_metrics(metrics_url: str) -> EngineSettings:
 
 
 def settings_from_result(result: dict[str, Any]) -> EngineSettings:
-    """What a bench result itself records about the server (llama-server's model card and /props),
-    for when the server is gone."""
+    """What a bench result itself records about the server (kvflow's and vLLM's configuration labels,
+    llama-server's model card and /props), for when the server is gone."""
     info = result.get("server_info") or {}
+    exported = info.get("engine_config")
+    if isinstance(exported, dict) and isinstance(exported.get("labels"), dict):
+        labels = {str(k): str(v) for k, v in exported["labels"].items()}
+        return EngineSettings.from_labels(labels, str(exported.get("server") or "unknown"))
     if info.get("meta") and info.get("props"):
         return llamacpp_settings(info["meta"], info["props"])
     return EngineSettings()

@@ -27,13 +27,14 @@ runs, applied to the measured numbers, so what both share cancels).
 from __future__ import annotations
 
 import math
+import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvflow.doctor.evidence import RequestSample
 from kvflow.doctor.sim_blocks import SimBlockPool, other_group_blocks
-from kvflow.doctor.step_cost import StepCost, attention_work
+from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, attention_work
 from kvflow.kv_cache.specs import KVCacheSpec
 
 KINDS = ("decode_only", "mixed", "prefill_only")
@@ -249,15 +250,17 @@ def simulate(
     cost: StepCost,
     concurrency: int | None,
     client_gap_ms: float = 0.0,
+    seed: int = 0,
 ) -> SimRun:
     """Replay `samples` (in send order): closed loop with `concurrency` clients, each sending its
     next request `client_gap_ms` after the server finished its last (delivery, the client, the new
-    request's trip), else open loop at the samples' send times."""
+    request's trip), else open loop at the samples' send times. `seed` drives the steps' drawn
+    departures from their mean cost (StepCost.residuals_ms): the same seed, the same draws."""
     requests = [
         _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), s.send_s)
         for i, s in enumerate(samples)
     ]
-    replay = _Replay(requests, _Scheduler(settings, cost), cost, concurrency, client_gap_ms)
+    replay = _Replay(requests, _Scheduler(settings, cost), cost, concurrency, client_gap_ms, seed)
     now = 0.0
     while len(replay.done) + len(replay.sched.capped) < len(requests):
         advanced = replay.advance(now)
@@ -277,8 +280,10 @@ class _Replay:
         cost: StepCost,
         concurrency: int | None,
         client_gap_ms: float,
+        seed: int,
     ) -> None:
         self.sched, self.cost, self.client_gap_ms = sched, cost, client_gap_ms
+        self.rng = random.Random(seed)
         self.closed = concurrency is not None
         self.upcoming: deque[_Request] = deque(requests)
         if self.closed:  # the first `concurrency` clients send at once, the rest when one finishes
@@ -316,6 +321,7 @@ class _Replay:
         """One engine step over `scheduled`: its cost, then each request's progress."""
         rows, tokens, attention, work = _step_parts(scheduled)
         step_ms = self.cost.step_ms(rows, tokens, attention)
+        step_ms = max(step_ms + self.cost.drawn_residual_ms(tokens > 0, self.rng), MIN_STEP_MS)
         kind = "mixed" if rows and tokens else ("prefill_only" if tokens else "decode_only")
         self.kinds[kind].add(step_ms, rows, tokens, attention)
         now += step_ms

@@ -29,10 +29,16 @@ the compute the benchmark's client contends for): an added constant fitted to 1-
 With the server's own step records (kvflow bench keeps them from a kvflow server) the factor and the
 constant of prompt steps are fitted together over those steps; from the per-kind means alone, the
 factor only.
+
+The fitted cost is each step's mean. A server's steps also vary around it (a /metrics scrape or an
+HTTP burst holding the GIL stretches the step running then), and tail latencies (ITL p99) are made
+of those few long steps, so with step records the simulator adds to each step a departure drawn
+from the recorded ones (`residuals_ms`, a bootstrap of the measured run's own variation).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from kvflow.doctor.step_profile import StepProfile
@@ -52,6 +58,10 @@ class StepCost:
     kind_extra_ms: tuple[float, float, float] = (0.0, 1.0, 0.0)
     # With a profile: ms per attended key beyond what the profile's probe of the same shape attended.
     attention_ms_per_key: float = 0.0
+    # What the server's recorded steps took beyond this cost, centred on zero per kind (decode-only
+    # steps, steps with prompt tokens): each simulated step draws one (calibrate.py), so the
+    # simulated steps vary as the recorded ones did. Empty: every step costs its mean.
+    residuals_ms: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 
     def work(self, tokens: int, attention: float) -> float:
         """Work in token units: the tokens and what their attention adds."""
@@ -70,6 +80,11 @@ class StepCost:
             + self.overhead_ms
             + self.per_token_ms * self.work(decode_rows + prefill_tokens, attention_work)
         )
+
+    def drawn_residual_ms(self, has_prompt: bool, rng: random.Random) -> float:
+        """One recorded step's departure from its mean, for a step of this kind (0 without records)."""
+        residuals = self.residuals_ms[1 if has_prompt else 0]
+        return rng.choice(residuals) if residuals else 0.0
 
     def prefill_ms(self, work: tuple[int, float]) -> float:
         """What prompt chunks of (tokens, their attention work) add to a step."""

@@ -13,6 +13,7 @@ from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.cli import main
+from kvflow.doctor.server_settings import settings_from_result
 
 NUM_REQUESTS = 8
 INPUT_LEN, OUTPUT_LEN = 24, 6
@@ -52,6 +53,10 @@ def test_cli_run_writes_json_and_html_whose_counts_add_up(
     assert all(dur > 0 and attention > 0 for dur, _, _, attention in steps["rows"])
     assert sum(row[1] for row in steps["rows"]) == NUM_REQUESTS * INPUT_LEN
     assert sum(row[2] for row in steps["rows"]) == NUM_REQUESTS * (OUTPUT_LEN - 1)
+    # The server's settings travel with the result: the doctor reads them once the server is gone.
+    settings = settings_from_result(result)
+    assert settings.server == "kvflow" and settings.max_num_batched_tokens is not None
+    assert settings.max_model_len == server.ctx.max_model_len
     assert html.read_text().lstrip().lower().startswith("<!doctype html")
 
 

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import math
 
+from kvflow.bench.gauges import GaugeSamples, gauge_lines
 from kvflow.bench.server_metrics import label_key, parse_metrics
 from kvflow.bench.server_view import histogram_quantile, server_section
+from kvflow.server.metrics import EngineMetrics
 
 # Names as llama.cpp and SGLang write them: the parser must not care whose they are.
 FOREIGN = """\
@@ -61,3 +63,22 @@ def test_deltas_cover_only_the_run() -> None:
     section = server_section(before, after, client_ttft_mean_ms=None)
     assert section["metrics_prefix"] == "kvflow:" and section["prompt_tokens"] == 250.0
     assert "ttft" not in section["not_exported"] and "num_preemptions" in section["not_exported"]
+
+
+def test_a_gauge_sample_parses_only_the_gauges_lines() -> None:
+    """kvflow bench's sampler (kvflow/bench/gauges.py) filters the text to the gauges it samples
+    before parsing (the parse of a whole kvflow /metrics stalled the streams' event loop): the
+    samples are those of the whole text, from a fraction of its lines."""
+    metrics = EngineMetrics("m", 256, {"max_num_seqs": "8"})
+    metrics.num_running.labels("m").set(3)
+    metrics.kv_usage.labels("m").set(0.25)
+    sglang = "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs 2\n"
+    text = metrics.render().decode() + FOREIGN + sglang
+    kept = gauge_lines(text)
+    assert len(kept.splitlines()) < len(text.splitlines()) / 5
+    whole, filtered = GaugeSamples(), GaugeSamples()
+    whole.add(parse_metrics(text))
+    filtered.add(parse_metrics(kept))
+    assert filtered.values == whole.values
+    assert filtered.summary("kvflow:num_requests_running") == {"mean": 3.0, "max": 3.0, "samples": 1.0}
+    assert filtered.summary("kvflow:kv_cache_usage_perc") == {"mean": 0.25, "max": 0.25, "samples": 1.0}

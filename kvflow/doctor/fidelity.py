@@ -1,0 +1,63 @@
+"""How closely the calibrated simulator reproduces the run it was fitted on (Vidur's validation:
+simulated against measured latency percentiles of the same requests under the same settings).
+
+The client's TTFT is the simulated server TTFT plus the measured client offset (delivery and the
+client, kvflow/doctor/calibrate.py); ITL is the server's cadence, which the client sees directly.
+Used by benchmarks/simulator_fidelity.py and the recorded-run tests (tests/doctor/
+test_simulator_fidelity.py), which report the same table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvflow.bench.metrics import percentile
+from kvflow.doctor.calibrate import Calibration, calibrate
+from kvflow.doctor.evidence import evidence_from_bench
+from kvflow.doctor.model_spec import ModelSpec
+from kvflow.doctor.server_settings import settings_from_result
+
+# metric -> (the bench result's latency section, the percentile)
+FIDELITY_METRICS: dict[str, tuple[str, float]] = {
+    "ttft_p50_ms": ("ttft_ms", 50),
+    "ttft_p99_ms": ("ttft_ms", 99),
+    "itl_p50_ms": ("itl_ms", 50),
+    "itl_p99_ms": ("itl_ms", 99),
+}
+
+
+@dataclass(frozen=True)
+class FidelityRow:
+    metric: str
+    measured: float
+    simulated: float
+
+    @property
+    def error(self) -> float:
+        """|simulated - measured| / measured."""
+        return abs(self.simulated - self.measured) / self.measured if self.measured > 0 else float("inf")
+
+
+def fidelity(calibration: Calibration, result: dict[str, Any]) -> list[FidelityRow]:
+    """Each of FIDELITY_METRICS, measured (the bench result) against the calibrated baseline."""
+    run, offset = calibration.baseline, calibration.client_gap_ms
+    rows = []
+    for metric, (section, q) in FIDELITY_METRICS.items():
+        measured = (result.get(section) or {}).get(f"p{q:g}")
+        values = run.ttft_ms if section == "ttft_ms" else run.itl_ms
+        if measured is None or not values:
+            continue
+        simulated = percentile(values, q) + (offset if section == "ttft_ms" else 0.0)
+        rows.append(FidelityRow(metric, float(measured), simulated))
+    return rows
+
+
+def replay_recorded(model_dir: str, result: dict[str, Any]) -> list[FidelityRow] | None:
+    """Calibrate on a recorded kvflow bench result alone (the settings it recorded, the model's
+    config.json; no server, no torch) and compare; None when it cannot be calibrated (not a kvflow
+    run, no step times)."""
+    model = ModelSpec.from_dir(model_dir)
+    settings = settings_from_result(result)
+    calibration = calibrate(evidence_from_bench(result), settings, model, settings.kv_cache_dtype)
+    return None if calibration is None else fidelity(calibration, result)
