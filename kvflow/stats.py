@@ -56,6 +56,9 @@ class RequestTimeline:
     grammar_compile_time: float | None = None
     # --scheduling-policy priority: the request's priority (lower first), for queueing per priority.
     priority: int = 0
+    # The HTTP request's x-request-id (the client's, or the one the server made up): what a client's
+    # own record knows the request by, so its story can be found (kvflow doctor --request).
+    x_request_id: str | None = None
 
     def record_scheduled(
         self, now: float, num_tokens: int, num_computed_tokens: int, is_prefill: bool

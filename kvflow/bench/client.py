@@ -25,6 +25,10 @@ import httpx
 
 from kvflow.bench.events import ChunkEvent, ChunkKind, RequestRecord
 
+# The request-id header kvflow and vLLM take from a client (and echo): the server's records of the
+# request carry it.
+REQUEST_ID_HEADER = "X-Request-Id"
+
 Endpoint = Literal["chat", "completions"]
 # The message of an HTTP error is cut to this many characters in the records.
 MAX_ERROR_CHARS = 500
@@ -215,11 +219,12 @@ async def send_request(
     record.prompt_tokens = record.prompt_tokens or prompt.num_tokens
     record.prompt_chars = prompt.num_chars
     record.priority = prompt.priority
+    headers = config.headers
+    if record.x_request_id is not None:
+        headers[REQUEST_ID_HEADER] = record.x_request_id
     record.send_time = time.perf_counter()
     try:
-        async with http.stream(
-            "POST", path, json=request_body(config, prompt), headers=config.headers
-        ) as response:
+        async with http.stream("POST", path, json=request_body(config, prompt), headers=headers) as response:
             if response.status_code != 200:
                 body = (await response.aread()).decode("utf-8", "replace")
                 record.error = f"HTTP {response.status_code}: {_error_message(body)}"[:MAX_ERROR_CHARS]

@@ -48,6 +48,9 @@ class RequestRecord:
     # prompt_n, prompt_ms, predicted_n, predicted_ms, ...); None otherwise.
     server_timings: dict[str, Any] | None = None
     priority: int | None = None  # the `priority` field sent (--priority-mix); None: not sent
+    # The x-request-id header sent: a kvflow server records the request under it (its dashboard's
+    # request row), which is how `kvflow doctor --request` finds this request's story.
+    x_request_id: str | None = None
 
     @property
     def succeeded(self) -> bool:

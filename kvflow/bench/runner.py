@@ -8,6 +8,7 @@ import contextlib
 import json
 import sys
 import time
+import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -25,7 +26,14 @@ from kvflow.bench.metrics import aggregate, request_metrics
 from kvflow.bench.priority import assign_priorities, per_priority
 from kvflow.bench.replicas import ReplicaScrapes
 from kvflow.bench.server_metrics import Snapshot, engine_config, scrape
-from kvflow.bench.server_steps import STEP_KEYS, dashboard_steps, steps_after
+from kvflow.bench.server_steps import (
+    STEP_KEYS,
+    dashboard_hello,
+    last_step_time,
+    recorded_steps,
+    run_window,
+    steps_after,
+)
 from kvflow.bench.server_view import server_section
 
 # Granularity of the client-side repeated-prefix count: the block size of kvflow's and vLLM's
@@ -230,6 +238,9 @@ class Runner:
         self.priorities: list[int | None] = []  # per measured conversation (set by run)
         # A kvflow server's steps during the measured part: [dur_ms, prefill_tokens, decode_tokens].
         self.step_records: list[list[float]] = []
+        self.window: dict[str, Any] | None = None  # the server's record of the run's requests
+        # Each request's x-request-id: this run's tag and the request's index, unique on the server.
+        self.request_id_prefix = f"kvflow-bench-{uuid.uuid4().hex[:8]}-"
 
     def count_tokens(self) -> Callable[[str], int] | None:
         tokenizer = self.tokenizer
@@ -275,6 +286,7 @@ class Runner:
             record = RequestRecord(
                 len(self.records), 0.0, 0, is_warmup=warmup, language=conversation.language
             )
+            record.x_request_id = f"{self.request_id_prefix}{record.index}"
             if len(conversation.turns) > 1:
                 record.conversation, record.turn = index, t
             self.records.append(record)
@@ -298,7 +310,7 @@ class Runner:
                 await self.run_conversation(http, conversation, i, True, None)
             metrics_url = self.config.server_root + "/metrics"
             self.before = scrape(metrics_url, headers)
-            steps_before = dashboard_steps(self.config.server_root, headers)
+            steps_before = recorded_steps(dashboard_hello(self.config.server_root, headers))
             self.replicas.scrape_before(headers)
             samplers = []
             if self.before is not None and self.config.metrics_interval > 0:
@@ -321,9 +333,10 @@ class Runner:
                         await sampler
             self.after = scrape(metrics_url, headers)
             if steps_before is not None:
-                self.step_records = steps_after(
-                    dashboard_steps(self.config.server_root, headers), steps_before
-                )
+                start = last_step_time(steps_before)
+                hello = dashboard_hello(self.config.server_root, headers)
+                self.step_records = steps_after(recorded_steps(hello), start)
+                self.window = run_window(hello, start)
             self.replicas.scrape_after(headers)
         return duration
 
@@ -411,6 +424,7 @@ def request_entry(record: RequestRecord, run_start: float) -> dict[str, Any]:
         "turn": record.turn,
         "language": record.language,
         "priority": record.priority,
+        "x_request_id": record.x_request_id,
         "chunks": [[c.time - record.send_time, c.kind, c.num_tokens] for c in record.chunks],
     }
 
@@ -458,6 +472,8 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
     )
     if runner.step_records:
         result["server"]["steps"] = {"fields": list(STEP_KEYS), "rows": runner.step_records}
+    if runner.window is not None:
+        result["server"]["window"] = runner.window
     if config.replica_metrics:
         result["replicas"] = runner.replicas.sections()
     result["server_info"] = info.as_json()

@@ -13,6 +13,7 @@ from kvflow.assets import bundled_model_dir
 from kvflow.bench.gauges import GaugeSamples
 from kvflow.bench.server_metrics import scrape
 from kvflow.bench.server_view import server_section
+from kvflow.doctor.bench_request import bench_story
 from kvflow.doctor.evidence import RunEvidence, calculator_evidence, evidence_from_bench
 from kvflow.doctor.findings import Diagnosis, diagnose
 from kvflow.doctor.hardware import NAMED, named_hardware
@@ -61,8 +62,9 @@ def _add_sources(parser: argparse.ArgumentParser) -> None:
         "--request",
         default=None,
         metavar="ID",
-        help="explain one request of a running kvflow server (--server): where its TTFT and slowest "
-        "gaps went; ID as the dashboard's Gantt row shows it, or `slowest`",
+        help="explain one request: where its TTFT and slowest gaps went. Of a running kvflow server "
+        "(--server; ID as the dashboard's Gantt row shows it, or its x-request-id), or of a kvflow "
+        "bench result (--bench; ID its index in the result's requests); or `slowest`",
     )
     parser.add_argument(
         "--server", default="http://127.0.0.1:8000", help="--request: the kvflow server's base URL"
@@ -211,8 +213,14 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
 
 
 def cmd_request(args: argparse.Namespace) -> int:
-    """`--request ID`: the server's story of one request (kvflow/server/dashboard/request_story.py)."""
+    """`--request ID`: the server's story of one request (kvflow/server/dashboard/request_story.py),
+    from a bench result's window (--bench) or the live server's."""
     import httpx
+
+    if args.bench:
+        told = bench_story(json.loads(Path(args.bench).read_text()), args.request)
+        print(json.dumps(told, indent=1) if args.json else told["summary"])
+        return 0
 
     url = f"{args.server.rstrip('/')}/dashboard/request/{args.request}"
     try:

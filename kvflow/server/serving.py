@@ -162,6 +162,7 @@ def build_requests(
     logprobs: int | None,
     arrival_time: float,
     structured_outputs: StructuredOutputsParams | None = None,
+    x_request_id: str | None = None,
 ) -> list[Request]:
     """One engine request per (prompt, choice): choice index = prompt index * n + j, as OpenAI orders
     them. With a seed, choice j samples with seed + j (identical choices would be pointless)."""
@@ -185,6 +186,7 @@ def build_requests(
                 priority=body.priority,
             )
             request.prompt = prompt.text
+            request.timeline.x_request_id = x_request_id
             ctx.engine.engine.accept_kv_transfer(request, body.kv_transfer_params)
             requests.append(request)
     return requests

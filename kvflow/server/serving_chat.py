@@ -241,7 +241,17 @@ async def create_chat_completion(
         prompt = render_chat_prompt(
             ctx, messages, body.add_generation_prompt, body.chat_template_kwargs, tools.template_tools
         )
-        requests = build_requests(ctx, ID_PREFIX, [prompt], sampled, requested, logprobs, arrival, constraint)
+        requests = build_requests(
+            ctx,
+            ID_PREFIX,
+            [prompt],
+            sampled,
+            requested,
+            logprobs,
+            arrival,
+            constraint,
+            x_request_id=raw.state.request_id,
+        )
         return prompt, requests, tools
 
     prompt, requests, tools = await off_loop(prepare)

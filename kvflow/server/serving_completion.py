@@ -225,7 +225,15 @@ async def create_completion(ctx: ServingContext, body: CompletionRequest, raw: H
         constraint = structured_outputs_from(body, ctx.engine.engine.structured.validate)
         prompts = _tokenize(ctx, items)
         return prompts, build_requests(
-            ctx, ID_PREFIX, prompts, body, body.max_tokens, body.logprobs, arrival, constraint
+            ctx,
+            ID_PREFIX,
+            prompts,
+            body,
+            body.max_tokens,
+            body.logprobs,
+            arrival,
+            constraint,
+            x_request_id=raw.state.request_id,
         )
 
     prompts, requests = await off_loop(prepare)

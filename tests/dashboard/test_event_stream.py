@@ -30,7 +30,7 @@ NUM_REQUESTS = 6
 REQUEST_KEYS = {
     "id", "state", "reason", "arrival", "first_scheduled", "first_token", "last_token", "finished",
     "chunks", "preemptions", "prompt_tokens", "cached_tokens", "output_tokens", "priority", "ttft_ms",
-    "itl_p50_ms", "itl_p99_ms", "slowest_gaps", "grammar_ms", "restore_ms",
+    "itl_p50_ms", "itl_p99_ms", "slowest_gaps", "grammar_ms", "restore_ms", "x_request_id",
 }  # fmt: skip
 T = TypeVar("T")
 UPDATE_KEYS = {

@@ -1,14 +1,17 @@
 """One slow request explained (kvflow/doctor/request_story.py) from a live server's recorded window,
 with a planted cause of each kind: one running slot (queued behind whom, and max_num_seqs named), a
 KV pool too small for two requests (its preemptions and the gap they cost), and a token budget
-smaller than the prompt (each chunk with the step that computed it). The same story comes as JSON
-(`/dashboard/request/ID?format=json`), as the page the dashboard links each Gantt row to, and from
-`kvflow doctor --request ID --server URL`."""
+smaller than the prompt (each chunk with the step that computed it, and the queue's wait named
+max_num_batched_tokens), a structured-output request (its grammar compile in the queue). The same
+story comes as JSON (`/dashboard/request/ID?format=json`, ID also the request's x-request-id), as
+the page the dashboard links each Gantt row to, from `kvflow doctor --request ID --server URL`, and
+from a kvflow bench result once the server is gone (`--bench RESULT`, ID the request's index)."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -95,3 +98,53 @@ def test_the_command_sends_the_servers_api_key(
     assert "HTTP 401" in capsys.readouterr().err
     assert main(["doctor", "--request", "slowest", "--server", server.base_url, "--api-key", "sesame"]) == 0
     assert "TTFT" in capsys.readouterr().out
+
+
+def test_a_token_budget_wait_and_a_grammar_compile(start_server: Callable[..., LiveServer]) -> None:
+    server = start_server(served_model_name="budget", engine={"max_num_batched_tokens": 16})
+    send_load(server, 4, "a long shared preamble that takes several chunks of sixteen tokens each " * 2)
+    limits = {rid: story(server, rid)["queue"] for rid in window_rows(server)}
+    assert any(
+        q["limit"] == "token_budget" and "max_num_batched_tokens=16" in q["why"] for q in limits.values()
+    )
+    body = {
+        "model": "budget",
+        "prompt": "a json object:",
+        "max_tokens": 8,
+        "response_format": {"type": "json_object"},
+    }
+    with server.client() as client:
+        response = client.post("/v1/completions", json=body, headers={"x-request-id": "grammar-request-1"})
+        assert response.status_code == 200, response.text
+    told = story(server, "grammar-request-1")  # found by the x-request-id the client sent
+    assert told["queue"]["grammar_ms"] is not None and told["queue"]["grammar_ms"] >= 0
+    assert "grammar compile" in told["summary"]
+
+
+def test_a_bench_results_request_after_the_server_is_gone(
+    start_server: Callable[..., LiveServer], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server = start_server(served_model_name="one-slot-bench", engine={"max_num_seqs": 1})
+    out = tmp_path / "result.json"
+    args = ["bench", "--base-url", server.base_url + "/v1", "--num-requests", "6", "--concurrency", "3"]
+    args += ["--input-len", "24", "--output-len", "6", "--output", str(out), "--quiet"]
+    assert main(args) == 0
+    server.stop()
+    capsys.readouterr()
+    result = json.loads(out.read_text())
+    sent = {r["index"]: r["x_request_id"] for r in result["requests"]}
+    assert len(set(sent.values())) == 6 and all(sent.values())
+    rows = result["server"]["window"]["requests"]
+    assert set(sent.values()) <= {r["x_request_id"] for r in rows}  # each recorded under its header
+    assert main(["doctor", "--request", "slowest", "--bench", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("bench request ") and "max_num_seqs=1" in printed
+    index = sorted(sent)[2]
+    assert main(["doctor", "--request", str(index), "--bench", str(out), "--json"]) == 0
+    told = json.loads(capsys.readouterr().out)
+    client = told["client"]
+    assert client["index"] == index and client["x_request_id"] == sent[index]
+    assert client["ttft_ms"] == pytest.approx(told["ttft_ms"] + client["delivery_ms"])
+    assert told["ttft_ms"] == pytest.approx(told["queue"]["queue_ms"] + told["prefill_ms"], abs=0.01)
+    assert main(["doctor", "--request", "99", "--bench", str(out)]) == 2
+    assert "not a succeeded request of this result" in capsys.readouterr().err

@@ -150,9 +150,13 @@ def _gaps(view: WindowView, row: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def pick_request(view: WindowView, request_id: str) -> str | None:
-    """The id itself when the window holds it; `slowest`: the request with the highest TTFT."""
+    """The id itself when the window holds it; else the request whose HTTP x-request-id it is (the
+    first choice of an n > 1 request); `slowest`: the request with the highest TTFT."""
     if request_id in view.requests:
         return request_id
+    by_header = sorted(rid for rid, row in view.requests.items() if row.get("x_request_id") == request_id)
+    if by_header:
+        return by_header[0]
     if request_id == "slowest":
         timed = [r for r in view.requests.values() if r.get("ttft_ms") is not None]
         return max(timed, key=lambda r: r["ttft_ms"])["id"] if timed else None

@@ -129,6 +129,7 @@ def request_object(
         "cached_tokens": timeline.num_cached_prompt_tokens,
         "output_tokens": num_output_tokens,
         "priority": timeline.priority,
+        "x_request_id": timeline.x_request_id,
         "ttft_ms": _ms(timeline.ttft),
         "itl_p50_ms": _ms(percentile(gaps, 50)) if gaps else None,
         "itl_p99_ms": _ms(percentile(gaps, 99)) if gaps else None,
