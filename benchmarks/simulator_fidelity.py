@@ -140,6 +140,7 @@ def record(directory: Path, model: Path) -> None:
     (directory / "config.json").write_text((model / "config.json").read_text())
     for budget, blocks, c in GRID:
         result = json.loads(run_path(budget, blocks, c).read_text())
+        result["server"].pop("window", None)  # the requests' stories: not what the replay reads
         for request in result["requests"]:
             for key in ("chunks", "ttft_first_chunk_ms", "conversation", "turn", "language"):
                 request.pop(key, None)

@@ -33,7 +33,7 @@ from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, simulate
-from kvflow.doctor.step_cost import StepCost
+from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost
 from kvflow.doctor.step_profile import StepProfile
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import KVCacheSpec
@@ -242,7 +242,7 @@ def calibrate(
             run = simulate(evidence.requests, sim, cost, concurrency, gap)
     residuals = step_residuals(cost, _step_records(evidence))
     if any(residuals):
-        cost = replace(cost, residuals_ms=residuals)
+        cost = replace(cost, residuals=residuals)
         run = simulate(evidence.requests, sim, cost, concurrency, gap)
         cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
         run = simulate(evidence.requests, sim, cost, concurrency, gap)
@@ -250,13 +250,19 @@ def calibrate(
 
 
 def step_residuals(cost: StepCost, steps: list[list[float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The recorded steps' durations beyond the fitted cost's (decode-only steps, steps with prompt
-    tokens), each kind centred on zero so the draws keep the fitted mean; a kind with fewer than
-    MIN_STEP_RECORDS records gets none (its steps cost their mean)."""
+    """The recorded steps' departures from the fitted cost: decode-only steps' in ms (a stall adds
+    the same to any decode step, and decode steps are alike in size), steps with prompt tokens' as a
+    fraction of the modelled step (a run's prompt steps span one chunk size to another: a 512-token
+    chunk's +-10 ms added to a what-if's 8-token step would be most of it). Each kind centred on zero
+    so the draws keep the fitted mean; a kind with fewer than MIN_STEP_RECORDS records gets none (its
+    steps cost their mean)."""
     by_kind: tuple[list[float], list[float]] = ([], [])
     for dur, tokens, rows, attention in steps:
         modelled = cost.step_ms(int(rows), int(tokens), attention) - cost.overhead_ms
-        by_kind[1 if tokens else 0].append(dur - modelled)
+        if tokens:
+            by_kind[1].append(dur / max(modelled, MIN_STEP_MS) - 1.0)
+        else:
+            by_kind[0].append(dur - modelled)
     decode, prompt = (
         tuple(r - statistics.mean(kind) for r in kind) if len(kind) >= MIN_STEP_RECORDS else ()
         for kind in by_kind

@@ -255,7 +255,7 @@ def simulate(
     """Replay `samples` (in send order): closed loop with `concurrency` clients, each sending its
     next request `client_gap_ms` after the server finished its last (delivery, the client, the new
     request's trip), else open loop at the samples' send times. `seed` drives the steps' drawn
-    departures from their mean cost (StepCost.residuals_ms): the same seed, the same draws."""
+    departures from their mean cost (StepCost.residuals): the same seed, the same draws."""
     requests = [
         _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), s.send_s)
         for i, s in enumerate(samples)
@@ -321,7 +321,7 @@ class _Replay:
         """One engine step over `scheduled`: its cost, then each request's progress."""
         rows, tokens, attention, work = _step_parts(scheduled)
         step_ms = self.cost.step_ms(rows, tokens, attention)
-        step_ms = max(step_ms + self.cost.drawn_residual_ms(tokens > 0, self.rng), MIN_STEP_MS)
+        step_ms = max(self.cost.with_drawn_residual(step_ms, tokens > 0, self.rng), MIN_STEP_MS)
         kind = "mixed" if rows and tokens else ("prefill_only" if tokens else "decode_only")
         self.kinds[kind].add(step_ms, rows, tokens, attention)
         now += step_ms

@@ -33,7 +33,7 @@ factor only.
 The fitted cost is each step's mean. A server's steps also vary around it (a /metrics scrape or an
 HTTP burst holding the GIL stretches the step running then), and tail latencies (ITL p99) are made
 of those few long steps, so with step records the simulator adds to each step a departure drawn
-from the recorded ones (`residuals_ms`, a bootstrap of the measured run's own variation).
+from the recorded ones (`residuals`, a bootstrap of the measured run's own variation).
 """
 
 from __future__ import annotations
@@ -58,10 +58,11 @@ class StepCost:
     kind_extra_ms: tuple[float, float, float] = (0.0, 1.0, 0.0)
     # With a profile: ms per attended key beyond what the profile's probe of the same shape attended.
     attention_ms_per_key: float = 0.0
-    # What the server's recorded steps took beyond this cost, centred on zero per kind (decode-only
-    # steps, steps with prompt tokens): each simulated step draws one (calibrate.py), so the
-    # simulated steps vary as the recorded ones did. Empty: every step costs its mean.
-    residuals_ms: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+    # What the server's recorded steps took beyond this cost, centred on zero per kind: decode-only
+    # steps' in ms, steps with prompt tokens' as fractions of the step (calibrate.step_residuals).
+    # Each simulated step draws one, so the simulated steps vary as the recorded ones did. Empty:
+    # every step costs its mean.
+    residuals: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
 
     def work(self, tokens: int, attention: float) -> float:
         """Work in token units: the tokens and what their attention adds."""
@@ -81,10 +82,15 @@ class StepCost:
             + self.per_token_ms * self.work(decode_rows + prefill_tokens, attention_work)
         )
 
-    def drawn_residual_ms(self, has_prompt: bool, rng: random.Random) -> float:
-        """One recorded step's departure from its mean, for a step of this kind (0 without records)."""
-        residuals = self.residuals_ms[1 if has_prompt else 0]
-        return rng.choice(residuals) if residuals else 0.0
+    def with_drawn_residual(self, step_ms: float, has_prompt: bool, rng: random.Random) -> float:
+        """`step_ms` plus one recorded step's departure from its mean, drawn for a step of this kind:
+        ms added to a decode-only step, a fraction of a step with prompt tokens; unchanged without
+        records."""
+        residuals = self.residuals[1 if has_prompt else 0]
+        if not residuals:
+            return step_ms
+        drawn = rng.choice(residuals)
+        return step_ms * (1.0 + drawn) if has_prompt else step_ms + drawn
 
     def prefill_ms(self, work: tuple[int, float]) -> float:
         """What prompt chunks of (tokens, their attention work) add to a step."""
