@@ -10,6 +10,7 @@ from a kvflow bench result once the server is gone (`--bench RESULT`, ID the req
 from __future__ import annotations
 
 import json
+import random
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -148,3 +149,20 @@ def test_a_bench_results_request_after_the_server_is_gone(
     assert told["ttft_ms"] == pytest.approx(told["queue"]["queue_ms"] + told["prefill_ms"], abs=0.01)
     assert main(["doctor", "--request", "99", "--bench", str(out)]) == 2
     assert "not a succeeded request of this result" in capsys.readouterr().err
+
+
+def test_a_kv_restore_from_the_offload_tier(start_server: Callable[..., LiveServer], tmp_path: Path) -> None:
+    """A pool of 30 4-token blocks holds about two 44-token prompts: the first is evicted to the tier
+    on disk by the next three, and its return (the same prompt and 5 more tokens) reads it back."""
+    engine = {"block_size": 4, "num_kv_blocks": 30, "max_num_seqs": 1, "kv_offload_path": str(tmp_path)}
+    server = start_server(served_model_name="offload", engine=engine)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 200) for _ in range(44 + i)] for i in range(4)]
+    with server.client() as client:
+        for i, prompt in enumerate([*prompts, prompts[0] + [5, 6, 7, 8, 9]]):
+            body = {"model": "offload", "prompt": prompt, "max_tokens": 8, "ignore_eos": True}
+            response = client.post("/v1/completions", json=body, headers={"x-request-id": f"turn-{i}"})
+            assert response.status_code == 200, response.text
+    told = story(server, "turn-4")
+    assert told["cached_tokens"] >= 40 and told["queue"]["restore_ms"] is not None
+    assert "KV restore" in told["summary"]
