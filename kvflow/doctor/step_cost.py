@@ -63,6 +63,9 @@ class StepCost:
     # Each simulated step draws one, so the simulated steps vary as the recorded ones did. Empty:
     # every step costs its mean.
     residuals: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+    # Every step's server time x this: the same steps on a share of the cores (a what-if that splits
+    # the machine, kvflow/doctor/disaggregation.py). 1: the measured server.
+    scale: float = 1.0
 
     def work(self, tokens: int, attention: float) -> float:
         """Work in token units: the tokens and what their attention adds."""
@@ -75,12 +78,9 @@ class StepCost:
             server = shape * prompt_factor + prompt_add if prefill_tokens else shape + decode_add
             beyond = max(attention_work - self.profile.probe_attention(decode_rows, prefill_tokens), 0.0)
             server += self.attention_ms_per_key * beyond
-            return max(server, MIN_STEP_MS) + self.overhead_ms
-        return (
-            self.fixed_ms
-            + self.overhead_ms
-            + self.per_token_ms * self.work(decode_rows + prefill_tokens, attention_work)
-        )
+            return max(server, MIN_STEP_MS) * self.scale + self.overhead_ms
+        server = self.fixed_ms + self.per_token_ms * self.work(decode_rows + prefill_tokens, attention_work)
+        return server * self.scale + self.overhead_ms
 
     def with_drawn_residual(self, step_ms: float, has_prompt: bool, rng: random.Random) -> float:
         """`step_ms` plus one recorded step's departure from its mean, drawn for a step of this kind:
@@ -95,8 +95,8 @@ class StepCost:
     def prefill_ms(self, work: tuple[int, float]) -> float:
         """What prompt chunks of (tokens, their attention work) add to a step."""
         if self.profile is not None:
-            return self.profile.prefill.slope(work[0]) * work[0]
-        return self.per_token_ms * self.work(*work)
+            return self.profile.prefill.slope(work[0]) * work[0] * self.scale
+        return self.per_token_ms * self.work(*work) * self.scale
 
 
 def attention_work(num_tokens: int, context_end: int) -> float:

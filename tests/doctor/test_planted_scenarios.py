@@ -16,6 +16,7 @@ from planted import SCENARIOS, Scenario
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.cli import main
+from kvflow.doctor.disaggregation import PREFILL_SPLIT_SLOWDOWN, SIMULATED_METHOD
 from kvflow.doctor.verify_pd import DISAGGREGATE
 from kvflow.server.launcher import ServerConfig
 
@@ -105,3 +106,8 @@ def test_the_planted_cause_is_named_first(
         split = next(w for w in finding["what_ifs"] if w["change"].startswith("disaggregate"))
         assert set(split["predicted"]) == {"itl_p99_ms", "ttft_p50_ms"}
         assert split["setting"] == {"kv_role": DISAGGREGATE}  # --verify runs the pair
+        # A kvflow run: the prefill instance is simulated (its queueing on half the cores), and the
+        # pair's TTFT is at least the split prefill plus the transfer the formula alone would give.
+        assert split["method"] == SIMULATED_METHOD
+        measured = doc["measured"]["ttft_p50_ms"]
+        assert split["predicted"]["ttft_p50_ms"] > measured * PREFILL_SPLIT_SLOWDOWN * 0.9
