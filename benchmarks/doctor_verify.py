@@ -59,8 +59,10 @@ def checkpoint(scenario: Scenario) -> Path:
     return out
 
 
-def serve_flags(scenario: Scenario) -> list[str]:
+def serve_flags(scenario: Scenario, dtype: str | None = None) -> list[str]:
     engine = {} if scenario.name == "quantization" else {**ENGINE_KWARGS, **scenario.engine}
+    if dtype is not None:
+        engine["dtype"] = dtype
     flags = []
     for key, value in engine.items():
         flag = "--" + key.replace("_", "-")
@@ -71,9 +73,9 @@ def serve_flags(scenario: Scenario) -> list[str]:
     return flags
 
 
-def diagnose_and_verify(scenario: Scenario, repeats: int) -> dict[str, Any]:
+def diagnose_and_verify(scenario: Scenario, repeats: int, dtype: str | None) -> dict[str, Any]:
     model = checkpoint(scenario)
-    server, base = spawn_server(model, serve_flags(scenario), cwd=REPO)
+    server, base = spawn_server(model, serve_flags(scenario, dtype), cwd=REPO)
     try:
         config = BenchConfig(
             base_url=base + "/v1",
@@ -146,13 +148,19 @@ def main() -> None:
         "--profile-steps", action="store_true", help="diagnose with kvflow doctor --profile-steps"
     )
     parser.add_argument("--repeats", type=int, default=5, help="benchmark pairs per what-if (medians)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        help="serve the planted scenarios in this dtype (default: the fixtures' float32; bfloat16 is "
+        "what users serve, and float32 has a slow path for a small chunk over a cached context)",
+    )
     args = parser.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "kvflow.cli", "build-kernels"], check=False, cwd=REPO)
     table = {s.name: s for s in (*SCENARIOS, QUANTIZATION)}
     rows = []
     for name in args.scenarios.split(","):
-        outcome = diagnose_and_verify(replace(table[name]), args.repeats)
+        outcome = diagnose_and_verify(replace(table[name]), args.repeats, args.dtype)
         print(f"{name}: causes {outcome['causes']}", flush=True)
         rows += [row(name, c) for c in outcome["checks"]]
         for check in outcome["checks"]:
