@@ -236,7 +236,8 @@ class Runner:
         self._seen_prefix_blocks: set[int] = set()  # chained hashes of prompt blocks sent so far
         self.gauges = GaugeSamples()  # /metrics gauges sampled during the measured requests
         self.priorities: list[int | None] = []  # per measured conversation (set by run)
-        # A kvflow server's steps during the measured part: [dur_ms, prefill_tokens, decode_tokens].
+        # A kvflow server's steps during the measured part: [dur_ms, prefill_tokens, decode_tokens,
+        # attention] (kvflow/bench/server_steps.py).
         self.step_records: list[list[float]] = []
         self.window: dict[str, Any] | None = None  # the server's record of the run's requests
         # Each request's x-request-id: this run's tag and the request's index, unique on the server.

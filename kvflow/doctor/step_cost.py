@@ -30,10 +30,11 @@ With the server's own step records (kvflow bench keeps them from a kvflow server
 constant of prompt steps are fitted together over those steps; from the per-kind means alone, the
 factor only.
 
-The fitted cost is each step's mean. A server's steps also vary around it (a /metrics scrape or an
-HTTP burst holding the GIL stretches the step running then), and tail latencies (ITL p99) are made
-of those few long steps, so with step records the simulator adds to each step a departure drawn
-from the recorded ones (`residuals`, a bootstrap of the measured run's own variation).
+The fitted cost is each step's mean. A server's steps also vary around it (the engine thread
+contends for the GIL and the cores with HTTP bursts, scrapes and, on one machine, the benchmark's
+client), and tail latencies (ITL p99) are made of those few long steps, so with step records the
+simulator adds to each step a departure drawn from the recorded ones (`residuals`, a bootstrap of
+the measured run's own variation).
 """
 
 from __future__ import annotations
@@ -90,7 +91,9 @@ class StepCost:
         if not residuals:
             return step_ms
         drawn = rng.choice(residuals)
-        return step_ms * (1.0 + drawn) if has_prompt else step_ms + drawn
+        if not has_prompt:
+            return step_ms + drawn
+        return (step_ms - self.overhead_ms) * (1.0 + drawn) + self.overhead_ms  # the server's part
 
     def prefill_ms(self, work: tuple[int, float]) -> float:
         """What prompt chunks of (tokens, their attention work) add to a step."""

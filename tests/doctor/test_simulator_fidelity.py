@@ -31,8 +31,8 @@ from kvflow.doctor.step_cost import StepCost
 RECORDED = Path(__file__).parent / "recorded_runs"
 RUNS = sorted(p.name.removesuffix(".json.gz") for p in RECORDED.glob("*.json.gz"))
 # Worst and median error over the 8 runs when recorded (session 24): TTFT p50 16% / 9%, TTFT p99
-# 54% / 10% (the 8 clients' first burst of prompts at budget 64: simulated 52 ms, measured 34),
-# ITL p50 6% / 3%, ITL p99 18% / 5%.
+# 55% / 10% (the 8 clients' first burst of prompts at budget 64: simulated 53 ms, measured 34),
+# ITL p50 6% / 3%, ITL p99 17% / 6%.
 WORST = {"ttft_p50_ms": 0.20, "ttft_p99_ms": 0.60, "itl_p50_ms": 0.08, "itl_p99_ms": 0.22}
 MEDIAN = {"ttft_p50_ms": 0.12, "ttft_p99_ms": 0.14, "itl_p50_ms": 0.05, "itl_p99_ms": 0.08}
 
