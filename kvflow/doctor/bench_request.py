@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvflow.server.dashboard.request_story import WindowView, explain_request
+from kvflow.server.dashboard.request_story import WindowView, explain_request, rows_by_x_request_id
 
 SLOWEST_CLIENT_GAPS = 3
 
@@ -32,24 +32,18 @@ def window_view(result: dict[str, Any]) -> WindowView | None:
     )
 
 
-def _server_row(view: WindowView, entry: dict[str, Any]) -> str | None:
-    """The server's row of one bench request: the first (choice 0) with its x-request-id."""
-    rid = entry.get("x_request_id")
-    rows = sorted(k for k, row in view.requests.items() if rid is not None and row.get("x_request_id") == rid)
-    return rows[0] if rows else None
-
-
 def pick_bench_request(result: dict[str, Any], view: WindowView, ident: str) -> tuple[dict[str, Any], str]:
     """(the bench request, the server's row id) for ID (module docstring); ValueError naming what is
     missing."""
     entries = [e for e in result.get("requests") or [] if e.get("error") is None]
+    by_header = rows_by_x_request_id(view)
+    found = [(e, by_header.get(e.get("x_request_id") or "")) for e in entries]
     if ident == "slowest":
-        found = [(e, row) for e in entries if (row := _server_row(view, e)) is not None]
-        if not found:
+        held = [(e, row) for e, row in found if row is not None]
+        if not held:
             raise ValueError("--request slowest: no request of this run is in the server's window")
-        return max(found, key=lambda pair: pair[0].get("ttft_ms") or 0.0)
-    for entry in entries:
-        row = _server_row(view, entry)
+        return max(held, key=lambda pair: pair[0].get("ttft_ms") or 0.0)
+    for entry, row in found:
         if ident in (str(entry.get("index")), entry.get("x_request_id"), row):
             if row is None:
                 raise ValueError(

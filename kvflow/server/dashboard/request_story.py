@@ -149,14 +149,24 @@ def _gaps(view: WindowView, row: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def rows_by_x_request_id(view: WindowView) -> dict[str, str]:
+    """HTTP x-request-id -> the window's row of it (the first choice of an n > 1 request)."""
+    rows: dict[str, str] = {}
+    for rid in sorted(view.requests):
+        header = view.requests[rid].get("x_request_id")
+        if header is not None:
+            rows.setdefault(header, rid)
+    return rows
+
+
 def pick_request(view: WindowView, request_id: str) -> str | None:
-    """The id itself when the window holds it; else the request whose HTTP x-request-id it is (the
-    first choice of an n > 1 request); `slowest`: the request with the highest TTFT."""
+    """The id itself when the window holds it; else the request whose HTTP x-request-id it is;
+    `slowest`: the request with the highest TTFT."""
     if request_id in view.requests:
         return request_id
-    by_header = sorted(rid for rid, row in view.requests.items() if row.get("x_request_id") == request_id)
-    if by_header:
-        return by_header[0]
+    by_header = rows_by_x_request_id(view).get(request_id)
+    if by_header is not None:
+        return by_header
     if request_id == "slowest":
         timed = [r for r in view.requests.values() if r.get("ttft_ms") is not None]
         return max(timed, key=lambda r: r["ttft_ms"])["id"] if timed else None
