@@ -14,7 +14,6 @@ closes an empty block instead (DeepSeek-V3.1's template kwarg).
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,8 +21,7 @@ from typing import Any
 import httpx
 import pytest
 from fixtures.live_server import ENGINE_KWARGS, LiveServer
-from fixtures.reasoning_stream import streamed_split
-from tokenizers import AddedToken, Tokenizer
+from fixtures.reasoning_stream import chat_completion, streamed_split, with_marker_tokens
 
 from kvflow.reasoning import ReasoningStreamer, ThinkReasoningParser
 from kvflow.server.launcher import ServerConfig
@@ -45,14 +43,8 @@ def thinking_model(
     """The tiny Llama with a vocabulary two larger, `<think>` and `</think>` the two new ids."""
     source = tiny_checkpoint_factory("llama", vocab_size=514)
     out = tmp_path_factory.mktemp("thinking") / "model"
-    shutil.copytree(source, out)
-    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    assert tokenizer.get_vocab_size() == 512
-    tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in ("<think>", "</think>")])
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = with_marker_tokens(source, out, ("<think>", "</think>"), False, TEMPLATE)
+    assert tokenizer.token_to_id("<think>") == 512 and tokenizer.get_vocab_size() == 514
     return out
 
 
@@ -65,8 +57,7 @@ def server(thinking_model: Path) -> Iterator[LiveServer]:
 
 
 def chat(server: LiveServer, **body: Any) -> httpx.Response:
-    with server.client() as client:
-        return client.post("/v1/chat/completions", json={"model": "thinker", "messages": MESSAGES, **body})
+    return chat_completion(server, {"model": "thinker", "messages": MESSAGES, **body})
 
 
 def streamed(server: LiveServer, **body: Any) -> tuple[str | None, str | None]:

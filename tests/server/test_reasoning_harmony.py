@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -21,8 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from fixtures.live_server import ENGINE_KWARGS, LiveServer
-from fixtures.reasoning_stream import streamed_split
-from tokenizers import AddedToken, Tokenizer
+from fixtures.reasoning_stream import chat_completion, streamed_split, with_marker_tokens
 
 from kvflow.reasoning import HarmonyReasoningParser, ReasoningStreamer
 from kvflow.server.launcher import ServerConfig
@@ -144,14 +142,8 @@ def harmony_model(
     """The tiny gpt-oss with harmony's seven special tokens added to its tokenizer."""
     source = tiny_checkpoint_factory("gpt_oss", vocab_size=520)
     out = tmp_path_factory.mktemp("harmony") / "model"
-    shutil.copytree(source, out)
-    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in HARMONY_TOKENS])
+    tokenizer = with_marker_tokens(source, out, HARMONY_TOKENS, True, TEMPLATE)
     assert tokenizer.get_vocab_size() <= 520
-    tokenizer.save(str(out / "tokenizer.json"))
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    config["chat_template"] = TEMPLATE
-    (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
 
 
@@ -164,8 +156,7 @@ def server(harmony_model: Path) -> Iterator[LiveServer]:
 
 
 def chat(server: LiveServer, **body: Any) -> httpx.Response:
-    with server.client() as client:
-        return client.post("/v1/chat/completions", json={"model": "oss", "messages": MESSAGES, **body})
+    return chat_completion(server, {"model": "oss", "messages": MESSAGES, **body})
 
 
 def streamed(server: LiveServer, **body: Any) -> tuple[str | None, str | None]:
