@@ -137,6 +137,12 @@ class StepStats:
     # Keys the step's queries attend, summed (causal: a chunk of n tokens ending at position e sees
     # n x (e - (n - 1) / 2)): what attention adds to a step beyond its token count.
     attention_work: float = 0.0
+    # Of those: the prompt tokens attended as single-token query rows (chunks of at most
+    # MAX_QUERY_ROWS_PER_CHUNK tokens, kvflow/query_rows.py), and the keys all query rows (these and
+    # the decodes) attended. A row re-reads its context: its cost per key differs from a prefill
+    # chunk's per query x key, so the doctor fits the two apart (kvflow/doctor/step_cost.py).
+    num_row_prefill_tokens: int = 0
+    row_attention_work: float = 0.0
 
     @property
     def num_tokens(self) -> int:

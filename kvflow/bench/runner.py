@@ -27,6 +27,7 @@ from kvflow.bench.priority import assign_priorities, per_priority
 from kvflow.bench.replicas import ReplicaScrapes
 from kvflow.bench.server_metrics import Snapshot, engine_config, scrape
 from kvflow.bench.server_steps import (
+    ROW_STEP_KEYS,
     STEP_KEYS,
     dashboard_hello,
     last_step_time,
@@ -472,7 +473,7 @@ def run_benchmark(config: BenchConfig) -> dict[str, Any]:
         runner.before, runner.after, client_ttft, runner.gauges, timings, result["completed"]
     )
     if runner.step_records:
-        result["server"]["steps"] = {"fields": list(STEP_KEYS), "rows": runner.step_records}
+        result["server"]["steps"] = {"fields": [*STEP_KEYS, *ROW_STEP_KEYS], "rows": runner.step_records}
     if runner.window is not None:
         result["server"]["window"] = runner.window
     if config.replica_metrics:

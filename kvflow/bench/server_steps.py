@@ -1,7 +1,8 @@
 """A kvflow server's own record of the measured run, read from the dashboard's window (the first
 frame of /dashboard/events; kvflow/server/dashboard/schema.py):
 
-- its engine steps: each step's duration, prompt tokens, decode rows and attention work. The doctor
+- its engine steps: each step's duration, prompt tokens, decode rows and attention work (and which
+  of them were single-token query rows, kvflow/query_rows.py). The doctor
   fits its step costs to these steps (kvflow/doctor/calibrate.py) rather than to the per-kind means
   of /metrics alone;
 - the run's window: the request rows (each carries the x-request-id kvflow bench sent) and the full
@@ -22,6 +23,9 @@ import httpx
 
 READ_TIMEOUT_S = 10.0
 STEP_KEYS = ("dur_ms", "prefill_tokens", "decode_tokens", "attention")  # what each recorded step keeps
+# Kept too when the server records them (kvflow servers from session 25 on): which prompt tokens were
+# attended as query rows, and the rows' keys (kvflow/query_rows.py). 0 from an older server.
+ROW_STEP_KEYS = ("row_prefill_tokens", "row_attention")
 
 
 def dashboard_hello(server_root: str, headers: dict[str, str] | None) -> dict[str, Any] | None:
@@ -42,13 +46,17 @@ def dashboard_hello(server_root: str, headers: dict[str, str] | None) -> dict[st
 
 
 def recorded_steps(hello: dict[str, Any] | None) -> list[dict[str, float]] | None:
-    """The window's steps ({"t", "dur_ms", "prefill_tokens", "decode_tokens", "attention"}, oldest
-    first), or None without a window (or one too old to record attention)."""
+    """The window's steps ({"t", "dur_ms", "prefill_tokens", "decode_tokens", "attention",
+    "row_prefill_tokens", "row_attention"}, oldest first), or None without a window (or one too old
+    to record attention)."""
     fields = ((hello or {}).get("fields") or {}).get("step")
     if not hello or not fields or "t" not in fields or any(k not in fields for k in STEP_KEYS):
         return None
     index = {name: i for i, name in enumerate(fields)}
-    return [{k: float(row[index[k]]) for k in ("t", *STEP_KEYS)} for row in hello.get("steps") or []]
+    return [
+        {k: float(row[index[k]]) if k in index else 0.0 for k in ("t", *STEP_KEYS, *ROW_STEP_KEYS)}
+        for row in hello.get("steps") or []
+    ]
 
 
 def last_step_time(steps: list[dict[str, float]] | None) -> float:
@@ -58,8 +66,8 @@ def last_step_time(steps: list[dict[str, float]] | None) -> float:
 
 def steps_after(steps: list[dict[str, float]] | None, start: float) -> list[list[float]]:
     """The steps of `steps` that started after `start`, as [dur_ms, prefill_tokens, decode_tokens,
-    attention] rows."""
-    return [[s[k] for k in STEP_KEYS] for s in steps or () if s["t"] > start]
+    attention, row_prefill_tokens, row_attention] rows."""
+    return [[s[k] for k in (*STEP_KEYS, *ROW_STEP_KEYS)] for s in steps or () if s["t"] > start]
 
 
 def run_window(hello: dict[str, Any] | None, start: float) -> dict[str, Any] | None:

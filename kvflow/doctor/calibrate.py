@@ -33,7 +33,7 @@ from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, simulate
-from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost
+from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, StepShape, profiled_step
 from kvflow.doctor.step_profile import StepProfile
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import KVCacheSpec
@@ -249,7 +249,9 @@ def calibrate(
     return Calibration(cost, sim, run, concurrency, evidence, gap)
 
 
-def step_residuals(cost: StepCost, steps: list[list[float]]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def step_residuals(
+    cost: StepCost, steps: list[tuple[float, StepShape]]
+) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """The recorded steps' departures from the fitted cost: decode-only steps' in ms (a stall adds
     the same to any decode step, and decode steps are alike in size), steps with prompt tokens' as a
     fraction of the modelled step (a run's prompt steps span one chunk size to another: a 512-token
@@ -257,9 +259,9 @@ def step_residuals(cost: StepCost, steps: list[list[float]]) -> tuple[tuple[floa
     so the draws keep the fitted mean; a kind with fewer than MIN_STEP_RECORDS records gets none (its
     steps cost their mean)."""
     by_kind: tuple[list[float], list[float]] = ([], [])
-    for dur, tokens, rows, attention in steps:
-        modelled = cost.step_ms(int(rows), int(tokens), attention) - cost.overhead_ms
-        if tokens:
+    for dur, shape in steps:
+        modelled = cost.step_ms(shape) - cost.overhead_ms
+        if shape.prompt_tokens:
             by_kind[1].append(dur / max(modelled, MIN_STEP_MS) - 1.0)
         else:
             by_kind[0].append(dur - modelled)
@@ -273,21 +275,21 @@ def step_residuals(cost: StepCost, steps: list[list[float]]) -> tuple[tuple[floa
 RecordFit = tuple[float | None, tuple[float, float, float] | None]
 
 
-def _record_fit(profile: StepProfile, steps: list[list[float]]) -> RecordFit:
+def _record_fit(profile: StepProfile, steps: list[tuple[float, StepShape]]) -> RecordFit:
     """From the server's step records, once (they do not change between fit rounds): (added to
-    decode-only steps, (factor, constant, ms per key beyond the probe) of prompt steps); None for a
-    kind with fewer than MIN_STEP_RECORDS records."""
-    prompt: list[tuple[float, float, float]] = []  # (duration, profiled shape, keys beyond the probe's)
+    decode-only steps, (factor, constant, ms per prefill key beyond the probe) of prompt steps); None
+    for a kind with fewer than MIN_STEP_RECORDS records."""
+    # (duration, the profiled step, the keys its prefill chunks attended beyond the probe's)
+    prompt: list[tuple[float, float, float]] = []
     decode: list[tuple[float, float, float]] = []
-    for dur, tokens, rows, attention in steps:
-        t, r = int(tokens), int(rows)
-        beyond = max(attention - profile.probe_attention(r, t), 0.0)
-        (prompt if t else decode).append((dur, profile.shape_ms(r, t), beyond))
+    for dur, shape in steps:
+        base, beyond = profiled_step(profile, shape)
+        (prompt if shape.prompt_tokens else decode).append((dur, base, beyond))
     prompt_fit = _prompt_fit(prompt) if len(prompt) >= MIN_STEP_RECORDS else None
     per_key = prompt_fit[2] if prompt_fit else 0.0
     decode_add = None
     if len(decode) >= MIN_STEP_RECORDS:
-        decode_add = statistics.median(dur - shape - per_key * beyond for dur, shape, beyond in decode)
+        decode_add = statistics.median(dur - base - per_key * beyond for dur, base, beyond in decode)
     return decode_add, prompt_fit
 
 
@@ -339,13 +341,16 @@ def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, 
     return sum(durations) / max(sum(shapes), 1e-9), 0.0, 0.0
 
 
-def _step_records(evidence: RunEvidence) -> list[list[float]]:
-    """The server's recorded steps, [dur_ms, prefill_tokens, decode_rows, attention]
-    (kvflow/bench/server_steps.py); none from a result without the attention column."""
+def _step_records(evidence: RunEvidence) -> list[tuple[float, StepShape]]:
+    """The server's recorded steps, (dur_ms, what the step computed) (kvflow/bench/server_steps.py);
+    none from a result without the attention column."""
     steps = evidence.server.get("steps") or {}
-    if (steps.get("fields") or [])[:4] != ["dur_ms", "prefill_tokens", "decode_tokens", "attention"]:
+    fields = steps.get("fields") or []
+    if fields[:4] != ["dur_ms", "prefill_tokens", "decode_tokens", "attention"]:
         return []
-    return [[float(v) for v in row[:4]] for row in steps.get("rows") or []]
+    width = 6 if fields[4:6] == ["row_prefill_tokens", "row_attention"] else 4
+    rows = [[float(v) for v in row[:width]] for row in steps.get("rows") or []]
+    return [(row[0], StepShape.from_record(row)) for row in rows]
 
 
 def _overhead_ms(evidence: RunEvidence, run: SimRun, overhead_now: float) -> float:

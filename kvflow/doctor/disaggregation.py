@@ -37,7 +37,7 @@ from kvflow.doctor.calibrate import Calibration
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import WhatIf
 from kvflow.doctor.simulate import simulate
-from kvflow.doctor.step_cost import attention_work
+from kvflow.doctor.step_cost import StepShape
 from kvflow.doctor.verify_pd import DISAGGREGATE
 
 DECODE_SPLIT_SLOWDOWN = 1.21  # PD ITL p50 / colocated ITL p50 (82 / 68 ms, medians of 2 rounds)
@@ -83,7 +83,7 @@ def pd_ttft_ms(d: Diagnosis, cal: Calibration, itl_pd_ms: float, transfer_ms: fl
     prompt = max(1, round(run.prompt_p50))
     block = cal.settings.block_size
     last = prompt - block * ((prompt - 1) // block)
-    decode_side = cal.cost.step_ms(0, last, attention_work(last, prompt)) * DECODE_SPLIT_SLOWDOWN
+    decode_side = cal.cost.step_ms(StepShape().plus_chunk(last, prompt)) * DECODE_SPLIT_SLOWDOWN
     return cal.predict("ttft_p50_ms", run.ttft_p50_ms, prefill) + transfer_ms + decode_side + hop_ms
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 from kvflow.doctor.evidence import RequestSample
 from kvflow.doctor.sim_blocks import SimBlockPool, other_group_blocks
-from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, attention_work
+from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, StepShape, attention_work
 from kvflow.kv_cache.specs import KVCacheSpec
 
 KINDS = ("decode_only", "mixed", "prefill_only")
@@ -83,12 +83,13 @@ class KindStats:
     prefill_tokens: float = 0.0
     attention: float = 0.0
 
-    def add(self, ms: float, rows: int, tokens: int, attention: float) -> None:
+    def add(self, ms: float, shape: StepShape) -> None:
+        """One step: its query rows (decodes and short prompt chunks), prefill-chunk tokens, keys."""
         self.count += 1
         self.time_ms += ms
-        self.rows += rows
-        self.prefill_tokens += tokens
-        self.attention += attention
+        self.rows += shape.rows
+        self.prefill_tokens += shape.prefill_tokens
+        self.attention += shape.attention
 
 
 @dataclass
@@ -226,22 +227,19 @@ class _Scheduler:
 Work = dict[str, tuple[int, float]]  # cause -> (prefill tokens, their attention work)
 
 
-def _step_parts(scheduled: list[tuple[_Request, int]]) -> tuple[int, int, float, Work]:
-    """(decode rows, prefill tokens, attention work, (prefill tokens, their attention) by cause)."""
-    rows, tokens, attention = 0, 0, 0.0
+def _step_parts(scheduled: list[tuple[_Request, int]]) -> tuple[StepShape, Work]:
+    """(what the step computes, (prompt tokens, their attention) by cause)."""
+    shape = StepShape()
     work: Work = {"prefill_chunks": (0, 0.0), "recompute": (0, 0.0)}
     for request, n in scheduled:
         # kvflow's rule: one pending token after an output is a decode, even when it ends a recompute.
         is_decode = request.produced > 0 and request.computed == request.total - 1
-        a = attention_work(n, request.computed + n)
-        attention += a
-        if is_decode:
-            rows += 1
-        else:
-            tokens += n
+        end = request.computed + n
+        shape = shape.plus_chunk(n, end, decode=is_decode)
+        if not is_decode:
             cause = "recompute" if request.recomputing else "prefill_chunks"
-            work[cause] = (work[cause][0] + n, work[cause][1] + a)
-    return rows, tokens, attention, work
+            work[cause] = (work[cause][0] + n, work[cause][1] + attention_work(n, end))
+    return shape, work
 
 
 def simulate(
@@ -319,11 +317,13 @@ class _Replay:
 
     def _step(self, now: float, scheduled: list[tuple[_Request, int]]) -> float:
         """One engine step over `scheduled`: its cost, then each request's progress."""
-        rows, tokens, attention, work = _step_parts(scheduled)
-        step_ms = self.cost.step_ms(rows, tokens, attention)
-        step_ms = max(self.cost.with_drawn_residual(step_ms, tokens > 0, self.rng), MIN_STEP_MS)
-        kind = "mixed" if rows and tokens else ("prefill_only" if tokens else "decode_only")
-        self.kinds[kind].add(step_ms, rows, tokens, attention)
+        shape, work = _step_parts(scheduled)
+        step_ms = self.cost.step_ms(shape)
+        prompt = shape.prompt_tokens > 0
+        step_ms = max(self.cost.with_drawn_residual(step_ms, prompt, self.rng), MIN_STEP_MS)
+        # The server's kinds: by decodes and prompt tokens, whichever path attended them.
+        kind = "mixed" if shape.decode_rows and prompt else ("prefill_only" if prompt else "decode_only")
+        self.kinds[kind].add(step_ms, shape)
         now += step_ms
         self.sched.computed_tokens += sum(n for _, n in scheduled)
         prefill_ms = _prefill_ms_by_cause(self.cost, work)
@@ -333,7 +333,7 @@ class _Replay:
             if request.computed < request.total:
                 continue
             request.recomputing = False
-            _produce(request, now, prefill_ms, self.explained, self.cost, rows)
+            _produce(request, now, prefill_ms, self.explained, self.cost, shape.decode_rows)
             if request.produced >= request.output:
                 self.sched.release(request)
                 self.done.append(request)
@@ -371,7 +371,7 @@ def _produce(
         gap = now - request.token_times[-1]
         if request.preempted_since_token:
             # The whole wait beyond one plain decode step: queued again, then recomputed.
-            causes = {"preemption": max(gap - cost.step_ms(max(rows, 1), 0, 0.0), 0.0)}
+            causes = {"preemption": max(gap - cost.step_ms(StepShape(decode_rows=max(rows, 1))), 0.0)}
         else:
             causes = {cause: ms for cause, ms in prefill_ms.items() if ms > 0}
         for cause, ms in causes.items():

@@ -21,7 +21,14 @@ profiled engine's step):
 
     decode-only step   step_ms = D(rows) + extra + overhead
     step with a prompt step_ms = P(tokens + rows) x factor + constant + overhead
-    either               + per_key x (keys attended beyond the probe's: a chunk after a long context)
+    either               + per_key x (keys a prefill chunk attended beyond the probe's: a chunk
+                                       after a long context)
+                           + row_per_key x (keys the query rows read beyond the decode probe's)
+Query rows are the decodes and the prompt chunks of at most MAX_QUERY_ROWS_PER_CHUNK tokens, which
+the engine attends as single-token rows through the decode path (kvflow/query_rows.py): an 8-token
+suffix after 768 cached tokens is 8 decode rows that each re-read ~770 keys, not a small prompt
+chunk. A row's cost per key is measured by the profile (a decode at a long context); a prefill
+chunk's per key beyond its probe is fitted to the server's step records.
 A decode step's excess on the server is per-step work (1.3 ms on the planted runs for a 0.5 ms
 forward, about the same at 8 rows), while a step with prompts grows with them (its first tokens, and
 the compute the benchmark's client contends for): an added constant fitted to 1-prompt steps put an
@@ -40,11 +47,63 @@ the measured run's own variation).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvflow.doctor.step_profile import StepProfile
+from kvflow.query_rows import is_query_row_chunk
 
 MIN_STEP_MS = 0.01  # a fitted constant never makes a step free
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one engine step computes, split by how the engine attends it (kvflow/query_rows.py):
+    single-token query rows (the decodes, and prompt chunks of at most MAX_QUERY_ROWS_PER_CHUNK
+    tokens), each re-reading its context, and prefill chunks, attended in one call each."""
+
+    decode_rows: int = 0
+    row_prefill_tokens: int = 0  # prompt tokens attended as query rows
+    prefill_tokens: int = 0  # prompt tokens in prefill chunks
+    row_attention: float = 0.0  # keys the query rows read
+    prefill_attention: float = 0.0  # keys the prefill chunks' queries attended
+
+    @property
+    def rows(self) -> int:
+        return self.decode_rows + self.row_prefill_tokens
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The tokens the server counts as prompt (its step kind): prompt chunks of either path."""
+        return self.row_prefill_tokens + self.prefill_tokens
+
+    @property
+    def attention(self) -> float:
+        return self.row_attention + self.prefill_attention
+
+    def plus_chunk(self, num_tokens: int, context_end: int, decode: bool = False) -> StepShape:
+        """This step with one more request's chunk of `num_tokens` ending at `context_end` (a
+        decode: its one pending token)."""
+        keys = attention_work(num_tokens, context_end)
+        if decode:
+            rows, row_keys = self.decode_rows + num_tokens, self.row_attention + keys
+            return replace(self, decode_rows=rows, row_attention=row_keys)
+        if is_query_row_chunk(num_tokens):
+            tokens, row_keys = self.row_prefill_tokens + num_tokens, self.row_attention + keys
+            return replace(self, row_prefill_tokens=tokens, row_attention=row_keys)
+        tokens, prefill_keys = self.prefill_tokens + num_tokens, self.prefill_attention + keys
+        return replace(self, prefill_tokens=tokens, prefill_attention=prefill_keys)
+
+    @classmethod
+    def from_record(cls, row: list[float]) -> StepShape:
+        """A recorded step, [dur_ms, prefill_tokens, decode_tokens, attention, row_prefill_tokens,
+        row_attention] (kvflow/bench/server_steps.py). A record from a server that did not split the
+        rows out (decode rows and no row keys) puts a decode-only step's keys on its rows and a
+        prompt step's on its prefill, as the single attention term did."""
+        tokens, rows, attention = int(row[1]), int(row[2]), row[3]
+        row_tokens, row_keys = (int(row[4]), row[5]) if len(row) >= 6 else (0, 0.0)
+        if row_keys == 0 and rows + row_tokens > 0:
+            row_keys = 0.0 if tokens else attention
+        return cls(rows, row_tokens, tokens - row_tokens, row_keys, max(attention - row_keys, 0.0))
 
 
 @dataclass(frozen=True)
@@ -72,16 +131,15 @@ class StepCost:
         """Work in token units: the tokens and what their attention adds."""
         return tokens + self.attention_ratio * attention
 
-    def step_ms(self, decode_rows: int, prefill_tokens: int, attention_work: float) -> float:
+    def step_ms(self, shape: StepShape) -> float:
         if self.profile is not None:
-            shape = self.profile.shape_ms(decode_rows, prefill_tokens)
+            base, prefill_beyond = profiled_step(self.profile, shape)
             decode_add, prompt_factor, prompt_add = self.kind_extra_ms
-            server = shape * prompt_factor + prompt_add if prefill_tokens else shape + decode_add
-            beyond = max(attention_work - self.profile.probe_attention(decode_rows, prefill_tokens), 0.0)
-            server += self.attention_ms_per_key * beyond
+            server = base * prompt_factor + prompt_add if shape.prompt_tokens else base + decode_add
+            server += self.attention_ms_per_key * prefill_beyond
             return max(server, MIN_STEP_MS) * self.scale + self.overhead_ms
-        server = self.fixed_ms + self.per_token_ms * self.work(decode_rows + prefill_tokens, attention_work)
-        return server * self.scale + self.overhead_ms
+        work = self.work(shape.rows + shape.prefill_tokens, shape.attention)
+        return (self.fixed_ms + self.per_token_ms * work) * self.scale + self.overhead_ms
 
     def with_drawn_residual(self, step_ms: float, has_prompt: bool, rng: random.Random) -> float:
         """`step_ms` plus one recorded step's departure from its mean, drawn for a step of this kind:
@@ -106,3 +164,15 @@ def attention_work(num_tokens: int, context_end: int) -> float:
     """Keys seen by `num_tokens` queries ending at `context_end` (causal: each query sees the keys
     before it): n x (context_end - (n - 1) / 2)."""
     return num_tokens * (context_end - (num_tokens - 1) / 2)
+
+
+def profiled_step(profile: StepProfile, shape: StepShape) -> tuple[float, float]:
+    """(the profiled engine's step: its curve plus the rows' keys beyond the decode probe's, the keys
+    prefill chunks attended beyond their probe's, which the fit prices). A profile without a row
+    probe (measured before it had one) leaves the rows' keys to the fitted price too."""
+    base = profile.shape_ms(shape.rows, shape.prefill_tokens)
+    row_beyond = max(shape.row_attention - profile.row_probe_attention(shape.rows), 0.0)
+    prefill_beyond = max(shape.prefill_attention - profile.prefill_probe_attention(shape.prefill_tokens), 0.0)
+    if profile.row_ms_per_key is None:
+        return base, prefill_beyond + row_beyond
+    return base + profile.row_ms_per_key * row_beyond, prefill_beyond

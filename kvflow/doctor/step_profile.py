@@ -12,10 +12,13 @@ shapes instead (doubling sizes), and interpolated:
                           token in the same forward), D(rows) for a decode-only step
     P, D                  piecewise linear through the measured points; beyond the last point the
                           last segment's slope (never negative)
+    row_ms_per_key        decode steps at a long context against D: what a query row pays per key
+                          it re-reads (kvflow/query_rows.py), the cost of a short chunk after a
+                          cached prefix
 The profile runs in one process with no server around it; the server's steps cost more (its
 thread, the HTTP side, outputs). That difference is added per step kind, fitted to the server's
 measured means (kvflow/doctor/calibrate.py). Attention beyond the probes' own short contexts is not
-in the curves.
+in the curves: a query row's is row_ms_per_key, a prefill chunk's is fitted to the server's steps.
 
 Measured once per model, machine, dtype and quantization, cached in ~/.cache/kvflow/doctor/
 step-profile/ (`kvflow doctor --profile-steps` measures; later runs read the cache).
@@ -25,11 +28,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import statistics
 import subprocess
 import sys
 from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from kvflow.doctor.quant_speed import cache_dir as quant_cache_dir
 from kvflow.doctor.quant_speed import machine_key, model_key
@@ -42,6 +47,9 @@ PROFILE_MAX_TOKENS = 1024
 # The context of the decode probes (kvflow/engine/step_profile.py: a 16-token prompt, 12 outputs): the
 # keys a probed decode row attends, on average.
 DECODE_PROBE_CONTEXT = 16 + 12 / 2
+# What the profile measures (in the cache key, so that a doctor whose profile gained a probe measures
+# again rather than reading an older profile without it): 2 added the decode steps at a long context.
+PROFILE_FORMAT = 2
 
 
 @dataclass(frozen=True)
@@ -76,30 +84,53 @@ class Curve:
 class StepProfile:
     prefill: Curve  # ms of a step of n prompt tokens
     decode: Curve  # ms of a step of b decode rows
+    # ms per key a query row reads beyond the decode probes' context, from decode steps at a long
+    # context (a row re-reads its context: kvflow/query_rows.py); None: a profile without that probe.
+    row_ms_per_key: float | None = None
 
     def shape_ms(self, rows: int, tokens: int) -> float:
+        """A step of `rows` query rows and `tokens` prefill-chunk tokens: the prefill curve at the
+        total when there is a prefill chunk (a row is one more token in the same forward), else the
+        decode curve."""
         return self.prefill(tokens + rows) if tokens else self.decode(rows)
 
     @staticmethod
-    def probe_attention(rows: int, tokens: int) -> float:
-        """Keys the probe of this shape attended: a prompt of T tokens alone sees T (T + 1) / 2, a
-        decode row DECODE_PROBE_CONTEXT. A step attends more when its chunks follow a context."""
-        total = tokens + rows
-        return total * (total + 1) / 2 if tokens else rows * DECODE_PROBE_CONTEXT
+    def row_probe_attention(rows: int) -> float:
+        """Keys `rows` probed decode rows read: DECODE_PROBE_CONTEXT each."""
+        return rows * DECODE_PROBE_CONTEXT
+
+    @staticmethod
+    def prefill_probe_attention(tokens: int) -> float:
+        """Keys a probed prompt of `tokens` tokens attended alone, T (T + 1) / 2: a chunk after a
+        context attends more."""
+        return tokens * (tokens + 1) / 2
 
     @classmethod
-    def from_json(cls, data: dict[str, dict[str, float]]) -> StepProfile | None:
+    def from_json(cls, data: dict[str, Any]) -> StepProfile | None:
         curves = []
         for key in ("prefill_ms", "decode_ms"):
             points = sorted((int(k), float(v)) for k, v in (data.get(key) or {}).items())
             if not points:
                 return None
             curves.append(Curve(tuple(p[0] for p in points), tuple(p[1] for p in points)))
-        return cls(*curves)
+        return cls(curves[0], curves[1], _row_ms_per_key(data, curves[1]))
+
+
+def _row_ms_per_key(data: dict[str, Any], decode: Curve) -> float | None:
+    """The decode steps at a long context against the short-context curve: ms per key per row
+    (median over the probed batch sizes, never negative); None without the probe."""
+    at_context = {int(b): float(ms) for b, ms in (data.get("decode_context_ms") or {}).items()}
+    keys = {int(b): float(k) for b, k in (data.get("decode_context_keys") or {}).items()}
+    per_key = [
+        (ms - decode(b)) / (b * (keys[b] - DECODE_PROBE_CONTEXT))
+        for b, ms in at_context.items()
+        if b > 0 and keys.get(b, 0.0) > 2 * DECODE_PROBE_CONTEXT  # far enough to measure a slope
+    ]
+    return max(statistics.median(per_key), 0.0) if per_key else None
 
 
 def _cache_file(model_dir: str | Path, dtype: str, quantization: str | None) -> Path:
-    key = f"{model_key(model_dir)}|{machine_key()}|{dtype}|{quantization}"
+    key = f"{model_key(model_dir)}|{machine_key()}|{dtype}|{quantization}|{PROFILE_FORMAT}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return quant_cache_dir().parent / "step-profile" / f"{Path(model_dir).name}-{digest}.json"
 

@@ -37,6 +37,7 @@ from kvflow.kv_transfer.imports import KVImports
 from kvflow.outputs import ModelRunnerOutput, RequestOutput, TokenLogprobs
 from kvflow.parallel.errors import WorkerDiedError
 from kvflow.parallel.executor import TensorParallelDriver
+from kvflow.query_rows import is_query_row_chunk
 from kvflow.reasoning import get_reasoning_parser
 from kvflow.request import Request, RequestStatus
 from kvflow.sampling_params import SamplingParams
@@ -545,6 +546,12 @@ class LLMEngine:
 
     def _step_stats(self, scheduler_output: SchedulerOutput, start: float) -> StepStats:
         num_decode = sum(s.num_tokens for s in scheduler_output.scheduled if s.is_decode)
+        # Keys each chunk's queries attend (causal: n tokens after c computed see n x (c + (n + 1) / 2)).
+        keys = [
+            (s, len(s.token_ids) * (s.num_computed_tokens + (len(s.token_ids) + 1) / 2))
+            for s in scheduler_output.scheduled
+        ]
+        rows = [(s, k) for s, k in keys if is_query_row_chunk(len(s.token_ids))]
         spec, self.scheduler.spec_stats = self.scheduler.spec_stats, SpecDecodeStats()
         self.spec_stats.merge(spec)
         return StepStats(
@@ -557,10 +564,9 @@ class LLMEngine:
             kv_cache_usage=self.scheduler.kv_cache_usage,
             num_preemptions=len(scheduler_output.preempted_request_ids),
             spec=spec if spec.num_drafts else None,
-            attention_work=sum(
-                len(s.token_ids) * (s.num_computed_tokens + (len(s.token_ids) + 1) / 2)
-                for s in scheduler_output.scheduled
-            ),
+            attention_work=sum(k for _, k in keys),
+            num_row_prefill_tokens=sum(len(s.token_ids) for s, _ in rows if not s.is_decode),
+            row_attention_work=sum(k for _, k in rows),
         )
 
     @property

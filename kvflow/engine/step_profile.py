@@ -7,6 +7,9 @@ simulates.
                     doubling): the step's duration, median of `repeats`
     decode curve    b requests decoding together (b = 1 .. max_num_seqs, doubling), short contexts:
                     the median duration of the steps that decode exactly b rows
+    decode at a     b = 1 and CONTEXT_PROBE_ROWS requests decoding after long prompts: a query row
+    long context    re-reads its context (kvflow/query_rows.py), and these against the short ones
+                    price a key (the cost of a short prompt suffix after a cached prefix)
 
 Durations are the engine's own (StepStats.duration: schedule, forward, sampling, outputs). Prompts
 are random token ids, distinct per probe, so no prefix-cache hit shortens one.
@@ -20,9 +23,16 @@ from collections.abc import Iterator
 from typing import Any
 
 from kvflow.engine.engine import LLMEngine
+from kvflow.query_rows import MAX_QUERY_ROWS_PER_CHUNK
 from kvflow.sampling_params import SamplingParams
 
-MIN_PREFILL_TOKENS = 8
+# The prefill curve starts above the chunks the engine attends as query rows (kvflow/query_rows.py):
+# those cost what as many decode rows do.
+MIN_PREFILL_TOKENS = 2 * MAX_QUERY_ROWS_PER_CHUNK
+# The long-context decode probe: prompts of up to this many tokens (or what the context allows), and
+# this many requests at once besides one alone (a short suffix after a cached prefix is 8 rows).
+CONTEXT_PROBE_TOKENS = 512
+CONTEXT_PROBE_ROWS = MAX_QUERY_ROWS_PER_CHUNK
 DECODE_PROMPT_TOKENS = 16
 DECODE_OUTPUT_TOKENS = 12  # steps per decode probe: enough for a median
 WARMUP_TOKENS = 32
@@ -48,19 +58,22 @@ class _Prompts:
         return [self.rng.randint(self.low, self.high) for _ in range(n)]
 
 
-def _run(engine: LLMEngine) -> list[tuple[int, int, float]]:
-    """Step until idle: (prefill tokens, decode rows, duration ms) of every step."""
+def _run(engine: LLMEngine) -> list[tuple[int, int, float, float]]:
+    """Step until idle: (prefill tokens, decode rows, duration ms, keys the query rows read) of every
+    step."""
     steps = []
     while engine.has_unfinished_requests():
         engine.step()
         stats = engine.last_step_stats
         if stats is not None:
-            steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, 1e3 * stats.duration))
+            ms = 1e3 * stats.duration
+            steps.append((stats.num_prefill_tokens, stats.num_decode_tokens, ms, stats.row_attention_work))
     return steps
 
 
 def profile_steps(engine: LLMEngine, repeats: int = 3) -> dict[str, Any]:
-    """{"prefill_ms": {n: ms}, "decode_ms": {b: ms}} for this engine's model and settings."""
+    """{"prefill_ms": {n: ms}, "decode_ms": {b: ms}, "decode_context_ms": {b: ms},
+    "decode_context_keys": {b: keys per row}} for this engine's model and settings."""
     sched = engine.config.scheduler_config
     max_len = engine.config.model_config.max_model_len or sched.max_num_batched_tokens + 1
     prompts = _Prompts(engine.tokenizer.vocab_size)
@@ -73,7 +86,7 @@ def profile_steps(engine: LLMEngine, repeats: int = 3) -> dict[str, Any]:
         times = []
         for r in range(repeats):
             engine.add_request(f"prefill-{n}-{r}", prompts(n), once)
-            times += [ms for tokens, rows, ms in _run(engine) if tokens == n and rows == 0]
+            times += [ms for tokens, rows, ms, _ in _run(engine) if tokens == n and rows == 0]
         if times:
             prefill[n] = statistics.median(times)
     decode: dict[int, float] = {}
@@ -81,7 +94,33 @@ def profile_steps(engine: LLMEngine, repeats: int = 3) -> dict[str, Any]:
     for b in _doubling(1, sched.max_num_seqs):
         for i in range(b):
             engine.add_request(f"decode-{b}-{i}", prompts(DECODE_PROMPT_TOKENS), params)
-        times = [ms for tokens, rows, ms in _run(engine) if tokens == 0 and rows == b]
+        times = [ms for tokens, rows, ms, _ in _run(engine) if tokens == 0 and rows == b]
         if times:
             decode[b] = statistics.median(times)
-    return {"prefill_ms": prefill, "decode_ms": decode}
+    return {"prefill_ms": prefill, "decode_ms": decode, **_decode_at_context(engine, prompts, max_len)}
+
+
+def _decode_at_context(engine: LLMEngine, prompts: _Prompts, max_len: int) -> dict[str, Any]:
+    """Decode steps of 1 and CONTEXT_PROBE_ROWS rows after prompts of CONTEXT_PROBE_TOKENS (or what
+    the context allows): {"decode_context_ms": {b: median ms}, "decode_context_keys": {b: median
+    keys a row read}}; empty when the context is too short to differ from the short probes. The
+    requests decode until the last one's prompt is in (a small budget prefills them one after
+    another), then DECODE_OUTPUT_TOKENS steps together."""
+    sched = engine.config.scheduler_config
+    prompt_len = min(CONTEXT_PROBE_TOKENS, (max_len - 1) // 2)  # room for the outputs below
+    if prompt_len <= 2 * DECODE_PROMPT_TOKENS:
+        return {}
+    at_context: dict[int, float] = {}
+    keys: dict[int, float] = {}
+    for b in sorted({1, min(CONTEXT_PROBE_ROWS, sched.max_num_seqs)}):
+        # Steps until the last prompt is in: the prompts' chunks, and one more per request at most.
+        prefill_steps = -(-b * prompt_len // sched.max_num_batched_tokens) + b
+        outputs = min(DECODE_OUTPUT_TOKENS + prefill_steps, max_len - 1 - prompt_len)
+        params = SamplingParams(temperature=0.0, max_tokens=outputs, ignore_eos=True)
+        for i in range(b):
+            engine.add_request(f"context-{b}-{i}", prompts(prompt_len), params)
+        steps = [(ms, row_keys) for tokens, rows, ms, row_keys in _run(engine) if tokens == 0 and rows == b]
+        if steps:
+            at_context[b] = statistics.median(ms for ms, _ in steps)
+            keys[b] = statistics.median(row_keys / b for _, row_keys in steps)
+    return {"decode_context_ms": at_context, "decode_context_keys": keys}

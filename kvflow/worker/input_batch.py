@@ -33,13 +33,9 @@ from kvflow.attention.metadata import (
 )
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import CompressedSpec, KVCacheSpec, LinearAttentionSpec, SlidingWindowSpec
+from kvflow.query_rows import MAX_QUERY_ROWS_PER_CHUNK
 from kvflow.scheduler_output import ScheduledRequest, SchedulerOutput
 
-# Chunks up to this many tokens are attended as single-token query rows (module docstring): a
-# speculative step's k + 1 tokens for any k used in practice; longer chunks are prefill, where
-# one flash-attention call per chunk (kvflow/kernels/prefill_attention.cpp) beats re-reading the
-# context once per query row.
-MAX_QUERY_ROWS_PER_CHUNK = 8
 # A sliding-window chunk longer than its window is attended in pieces of max(W, this) queries
 # (_prefill_metadata): each piece reads W - 1 + piece keys, so fewer, larger calls for tiny windows.
 MIN_WINDOW_PIECE = 64

@@ -49,8 +49,14 @@ def test_cli_run_writes_json_and_html_whose_counts_add_up(
     # The server's own steps of the measured part (kvflow/bench/server_steps.py): every prompt token
     # prefilled once, every later token one decode row.
     steps = server_view["steps"]
-    assert steps["fields"] == ["dur_ms", "prefill_tokens", "decode_tokens", "attention"]
-    assert all(dur > 0 and attention > 0 for dur, _, _, attention in steps["rows"])
+    assert steps["fields"] == [
+        "dur_ms", "prefill_tokens", "decode_tokens", "attention", "row_prefill_tokens", "row_attention"
+    ]  # fmt: skip
+    assert all(dur > 0 and attention > 0 for dur, _, _, attention, _, _ in steps["rows"])
+    # The prompts are longer than a query-row chunk: only the decodes are rows, and a decode-only
+    # step's keys are all its rows'.
+    assert all(row[4] == 0 for row in steps["rows"])
+    assert all(row[5] == row[3] for row in steps["rows"] if row[1] == 0)
     assert sum(row[1] for row in steps["rows"]) == NUM_REQUESTS * INPUT_LEN
     assert sum(row[2] for row in steps["rows"]) == NUM_REQUESTS * (OUTPUT_LEN - 1)
     # The server's settings travel with the result: the doctor reads them once the server is gone.

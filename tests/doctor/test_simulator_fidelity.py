@@ -26,7 +26,7 @@ from kvflow.doctor.calibrate import MIN_STEP_RECORDS, step_residuals
 from kvflow.doctor.evidence import RequestSample
 from kvflow.doctor.fidelity import FidelityRow, replay_recorded
 from kvflow.doctor.simulate import SimSettings, simulate
-from kvflow.doctor.step_cost import StepCost
+from kvflow.doctor.step_cost import StepCost, StepShape
 
 RECORDED = Path(__file__).parent / "recorded_runs"
 RUNS = sorted(p.name.removesuffix(".json.gz") for p in RECORDED.glob("*.json.gz"))
@@ -85,7 +85,7 @@ def test_the_tails_come_from_the_recorded_step_variation(replayed: dict[str, lis
 
 def test_residuals_are_centred_per_kind_and_need_enough_records() -> None:
     cost = StepCost(1.0, 0.01, 0.0, overhead_ms=0.5)
-    decode = [[1.0 + 0.01 * 4 + d, 0.0, 4.0, 0.0] for d in (0.0, 0.1, 0.2, 3.0)] * 2  # 8 records
+    decode = [(1.0 + 0.01 * 4 + d, StepShape(decode_rows=4)) for d in (0.0, 0.1, 0.2, 3.0)] * 2  # 8 records
     decode_residuals, prompt_residuals = step_residuals(cost, decode)
     assert len(decode_residuals) == 8 and sum(decode_residuals) == pytest.approx(0.0, abs=1e-9)
     assert max(decode_residuals) == pytest.approx(3.0 - 0.825)  # ms: a stall stays a stall
@@ -93,7 +93,7 @@ def test_residuals_are_centred_per_kind_and_need_enough_records() -> None:
     # Prompt steps' departures are fractions of the step: a 64-token step 10% over its cost and
     # one 10% under, whatever their sizes.
     modelled = 1.0 + 0.01 * 64
-    prompt = [[modelled * f, 64.0, 0.0, 0.0] for f in (1.1, 0.9)] * (MIN_STEP_RECORDS // 2)
+    prompt = [(modelled * f, StepShape(prefill_tokens=64)) for f in (1.1, 0.9)] * (MIN_STEP_RECORDS // 2)
     _, prompt_residuals = step_residuals(cost, prompt)
     assert sorted(set(round(r, 9) for r in prompt_residuals)) == [-0.1, 0.1]
     _, too_few = step_residuals(cost, prompt[: MIN_STEP_RECORDS - 1])

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
 from kvflow.doctor.calibrate import SIM_METRICS, calibrate
 from kvflow.doctor.evidence import RequestSample, calculator_evidence
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import SimSettings, simulate
-from kvflow.doctor.step_cost import StepCost
-from kvflow.doctor.step_profile import Curve, StepProfile
+from kvflow.doctor.step_cost import StepCost, StepShape
+from kvflow.doctor.step_profile import DECODE_PROBE_CONTEXT, Curve, StepProfile
 
 # Measured on the planted runs' tiny model (kvflow profile-steps, ms): flat for small shapes, then
 # growing, as a real engine's steps are.
@@ -50,9 +51,33 @@ def test_curves_interpolate_and_extend_the_last_slope() -> None:
 
 def test_a_profiled_step_adds_on_decodes_and_scales_prompts() -> None:
     cost = StepCost(0.0, 0.0, 0.0, overhead_ms=0.1, profile=PROFILE, kind_extra_ms=(1.3, 6.8, 0.5))
-    assert cost.step_ms(8, 0, 0.0) == pytest.approx(0.74 + 1.3 + 0.1)
-    assert cost.step_ms(0, 256, 0.0) == pytest.approx(1.48 * 6.8 + 0.5 + 0.1)
-    assert cost.step_ms(4, 124, 0.0) == pytest.approx(PROFILE.prefill(128) * 6.8 + 0.5 + 0.1)  # mixed
+    assert cost.step_ms(StepShape(decode_rows=8)) == pytest.approx(0.74 + 1.3 + 0.1)
+    assert cost.step_ms(StepShape(prefill_tokens=256)) == pytest.approx(1.48 * 6.8 + 0.5 + 0.1)
+    mixed = StepShape(decode_rows=4, prefill_tokens=124)
+    assert cost.step_ms(mixed) == pytest.approx(PROFILE.prefill(128) * 6.8 + 0.5 + 0.1)
+
+
+def test_a_short_suffix_after_a_cached_prefix_costs_rows_reading_their_context() -> None:
+    """The engine attends a chunk of at most 8 tokens as query rows (kvflow/query_rows.py), each
+    re-reading its context: the profile prices a row's key from decodes at a long context, and an
+    8-token suffix after 768 cached tokens costs 8 decode rows plus their keys, not a prompt chunk."""
+    data = {
+        "prefill_ms": {"16": 0.62, "32": 0.63, "64": 0.79},
+        "decode_ms": {"1": 0.51, "8": 0.74},
+        "decode_context_ms": {"1": 0.51 + 0.002 * (500 - DECODE_PROBE_CONTEXT), "8": 0.74 + 0.016 * 478},
+        "decode_context_keys": {"1": 500, "8": 500},
+    }
+    profile = StepProfile.from_json(data)
+    assert profile is not None and profile.row_ms_per_key == pytest.approx(0.002)
+    suffix = StepShape().plus_chunk(8, 776)
+    assert (suffix.rows, suffix.prefill_tokens, suffix.prompt_tokens) == (8, 0, 8)
+    assert StepShape().plus_chunk(9, 777).prefill_tokens == 9  # longer chunks are prefill
+    cost = StepCost(0.0, 0.0, 0.0, profile=profile, kind_extra_ms=(1.3, 2.0, 0.5))
+    keys_beyond = suffix.row_attention - 8 * DECODE_PROBE_CONTEXT
+    assert cost.step_ms(suffix) == pytest.approx((0.74 + 0.002 * keys_beyond) * 2.0 + 0.5)  # a prompt step
+    # Without the probe (an older profile) the rows' keys go to the price the fit gives prefill keys.
+    older = replace(cost, profile=replace(profile, row_ms_per_key=None), attention_ms_per_key=0.001)
+    assert older.step_ms(suffix) == pytest.approx(0.74 * 2.0 + 0.5 + 0.001 * keys_beyond)
 
 
 def _server(settings: SimSettings, samples: list[RequestSample], concurrency: int):  # type: ignore[no-untyped-def]
@@ -95,20 +120,24 @@ def test_calibrated_on_one_slot_the_profile_predicts_eight() -> None:
 
 def test_the_servers_step_records_separate_factor_constant_and_attention() -> None:
     """Prompt steps of varied sizes and contexts, each costing 2 x the profile + 3 ms + 1e-4 ms per
-    key beyond what the probe of its size attended, and decode steps the profile + 1.3 ms: fitted
-    over the recorded steps, all four come back (the per-kind means alone give one factor)."""
+    key beyond what the probes of its shape read (its chunk's queries x the context before it, its
+    decode rows' keys beyond the decode probe's: this profile has no row probe, so one price), and
+    decode steps the profile + 1.3 ms: fitted over the recorded steps, all four come back (the
+    per-kind means alone give one factor)."""
     rng = random.Random(1)
     steps = []
+    row_context = 100  # the keys each decode row reads
     for _ in range(60):
         tokens, rows, context = rng.choice((16, 64, 128, 256)), rng.randint(0, 4), rng.choice((0, 256, 768))
-        n = tokens + rows
-        attention = n * (context + (n + 1) / 2)
+        prefill_keys = tokens * (context + (tokens + 1) / 2)
+        beyond = tokens * context + rows * (row_context - DECODE_PROBE_CONTEXT)
+        dur = 2.0 * PROFILE.prefill(tokens + rows) + 3.0 + 1e-4 * beyond
         steps.append(
-            [2.0 * PROFILE.prefill(n) + 3.0 + 1e-4 * n * context, float(tokens), float(rows), attention]
+            [dur, float(tokens), float(rows), prefill_keys + rows * row_context, 0.0, rows * row_context]
         )
     for _ in range(40):
         rows = rng.randint(1, 8)
-        steps.append([PROFILE.decode(rows) + 1.3, 0.0, float(rows), rows * 22.0])
+        steps.append([PROFILE.decode(rows) + 1.3, 0.0, float(rows), rows * 22.0, 0.0, rows * 22.0])
     samples = [RequestSample(64, 16, 0, 0.0, None, None) for _ in range(8)]
     run = replace(
         calculator_evidence(64, 4, 16),
@@ -119,7 +148,7 @@ def test_the_servers_step_records_separate_factor_constant_and_attention() -> No
                 "decode_only": {"count": 40.0, "mean": 2.0},
                 "mixed": {"count": 60.0, "mean": 9.0},
             },
-            "steps": {"fields": ["dur_ms", "prefill_tokens", "decode_tokens", "attention"], "rows": steps},
+            "steps": {"fields": [*STEP_KEYS, *ROW_STEP_KEYS], "rows": steps},
         },
     )
     model = ModelSpec.from_config(json.loads((CONFIGS / "qwen2.5-0.5b.json").read_text()))

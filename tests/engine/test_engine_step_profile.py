@@ -13,6 +13,7 @@ from pathlib import Path
 from kvflow.doctor.step_profile import StepProfile
 from kvflow.engine.engine import LLMEngine
 from kvflow.engine.step_profile import profile_steps
+from kvflow.sampling_params import SamplingParams
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -26,10 +27,42 @@ def test_every_shape_is_measured(tiny_checkpoint_factory: Callable[..., Path]) -
         max_num_seqs=8,
     )
     profile = profile_steps(engine, repeats=1)
-    assert sorted(profile["prefill_ms"]) == [8, 16, 32, 64]
+    # The prefill curve starts above the chunks attended as query rows (kvflow/query_rows.py).
+    assert sorted(profile["prefill_ms"]) == [16, 32, 64]
     assert sorted(profile["decode_ms"]) == [1, 2, 4, 8]
-    assert all(ms > 0 for curve in profile.values() for ms in curve.values())
+    # Decodes after prompts of half the context (the outputs wait for the last prompt), alone and 8 at once.
+    assert sorted(profile["decode_context_ms"]) == sorted(profile["decode_context_keys"]) == [1, 8]
+    assert all(63 < keys < 128 for keys in profile["decode_context_keys"].values())
+    curves = ("prefill_ms", "decode_ms", "decode_context_ms")
+    assert all(ms > 0 for curve in curves for ms in profile[curve].values())
     assert not engine.has_unfinished_requests()
+    parsed = StepProfile.from_json(profile)
+    assert parsed is not None and parsed.row_ms_per_key is not None and parsed.row_ms_per_key >= 0
+
+
+def test_a_short_suffix_after_a_cached_prefix_is_counted_as_query_rows(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    """The step statistics say which prompt tokens the worker attended as single-token query rows
+    and what all rows read: the doctor prices those per key read, not as a prompt chunk."""
+    engine = LLMEngine.from_kwargs(
+        model=str(tiny_checkpoint_factory("llama")), dtype="float32", max_model_len=128, block_size=16
+    )
+    prefix, params = list(range(20, 84)), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    stats = []
+    for request_id, prompt in (("first", prefix), ("suffix", [*prefix, 7, 8, 9, 10, 11])):
+        engine.add_request(request_id, prompt, params)
+        while engine.has_unfinished_requests():
+            engine.step()
+            stats.append(engine.last_step_stats)
+    first_prefill, first_decode, suffix, suffix_decode = stats
+    assert (first_prefill.num_prefill_tokens, first_prefill.num_row_prefill_tokens) == (64, 0)
+    assert first_prefill.row_attention_work == 0  # one prefill chunk, no rows
+    assert (first_decode.num_decode_tokens, first_decode.row_attention_work) == (1, 65)
+    # 64 of 69 tokens hit the cache: the 5 left are rows at positions 64..68, reading 65..69 keys.
+    assert (suffix.num_prefill_tokens, suffix.num_row_prefill_tokens) == (5, 5)
+    assert suffix.row_attention_work == suffix.attention_work == sum(range(65, 70))
+    assert suffix_decode.row_attention_work == 70
 
 
 def test_the_command_prints_what_the_doctor_reads(tiny_checkpoint_factory: Callable[..., Path]) -> None:
@@ -48,4 +81,5 @@ def test_the_command_prints_what_the_doctor_reads(tiny_checkpoint_factory: Calla
     out = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, check=True)
     profile = StepProfile.from_json(json.loads(out.stdout.strip().splitlines()[-1]))
     assert profile is not None
-    assert profile.prefill.sizes == (8, 16, 32) and profile.decode.sizes == (1, 2, 4)
+    assert profile.prefill.sizes == (16, 32) and profile.decode.sizes == (1, 2, 4)
+    assert profile.row_ms_per_key is None  # a 64-token context leaves no room for the long probe

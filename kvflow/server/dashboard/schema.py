@@ -40,6 +40,8 @@ STEP_FIELDS = (
     "spec_draft_tokens",
     "spec_accepted_tokens",
     "attention",  # keys the step's queries attended, summed (StepStats.attention_work)
+    "row_prefill_tokens",  # prompt tokens attended as single-token query rows (kvflow/query_rows.py)
+    "row_attention",  # keys the query rows (decodes and those prompt tokens) attended
 )
 SECOND_FIELDS = (
     "t",  # the second's start (whole seconds of the monotonic clock)
@@ -85,6 +87,8 @@ def step_row(stats: StepStats, num_output_tokens: int) -> list[Any]:
         spec.num_draft_tokens if spec is not None else 0,
         spec.num_accepted_tokens if spec is not None else 0,
         round(stats.attention_work),
+        stats.num_row_prefill_tokens,
+        round(stats.row_attention_work),
     ]
 
 
