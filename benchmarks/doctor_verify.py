@@ -42,7 +42,9 @@ from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, verify  # no
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "kvflow-bench" / "doctor-verify"
-PROFILE_STEPS = "--profile-steps" in sys.argv  # the doctor's opt-in measured step shapes
+# The doctor's measured step shapes: on by default here (the servers run on this machine);
+# --no-profile-steps diagnoses with the line through the run's step means instead.
+PROFILE_FLAGS = [f for f in sys.argv if f in ("--profile-steps", "--no-profile-steps")]
 METRICS_INTERVAL_S = 0.1
 VERDICT_MARK = {"agrees": "yes", "missed": "no", "within noise": "noise"}
 QUANTIZATION = Scenario("quantization", {}, DatasetSpec("random", 8, input_len=32, output_len=96), 1, None)
@@ -89,8 +91,7 @@ def diagnose_and_verify(scenario: Scenario, repeats: int, dtype: str | None) -> 
         bench_json = CACHE / f"{scenario.name}-bench.json"
         bench_json.write_text(json.dumps(result))
         argv = ["doctor", str(model), "--hardware", "cpu", "--bench", str(bench_json)]
-        if PROFILE_STEPS:
-            argv.append("--profile-steps")  # the simulator's step shapes measured (cached per model)
+        argv += PROFILE_FLAGS  # the simulator's step shapes measured (cached per model) unless told not to
         if scenario.name == "quantization":
             argv.append("--measure-quantization")
         diagnosis, _ = build_diagnosis(build_parser().parse_args(argv))  # settings from the live server
@@ -145,7 +146,11 @@ def main() -> None:
     )
     parser.add_argument("--output", default=None, help="write the rows as JSON here")
     parser.add_argument(
-        "--profile-steps", action="store_true", help="diagnose with kvflow doctor --profile-steps"
+        "--profile-steps",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="diagnose with kvflow doctor --profile-steps / --no-profile-steps (default: the doctor's, "
+        "on for servers on this machine)",
     )
     parser.add_argument("--repeats", type=int, default=5, help="benchmark pairs per what-if (medians)")
     parser.add_argument(

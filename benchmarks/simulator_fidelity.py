@@ -81,7 +81,8 @@ def compare(
     """The calibrated simulator against the recorded run at `path` (a kvflow bench result)."""
     result = json.loads(path.read_text())
     argv = ["doctor", str(model), "--hardware", "cpu", "--bench", str(path)]
-    diagnosis, _ = build_diagnosis(build_parser().parse_args(argv + (["--profile-steps"] if profile else [])))
+    flag = "--profile-steps" if profile else "--no-profile-steps"  # the line through the step means
+    diagnosis, _ = build_diagnosis(build_parser().parse_args([*argv, flag]))
     if diagnosis.calibration is None:
         return []
     setting = f"budget {budget}, {'default pool' if blocks is None else f'{blocks} blocks'}, c={concurrency}"

@@ -49,6 +49,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "stats",
         "request",
         "scheduler_output",
+        "query_rows",
         "outputs",
         "arch_config",
         "arch_kinds",

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvflow.assets import bundled_model_dir
 from kvflow.bench.gauges import GaugeSamples
@@ -138,10 +140,12 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--profile-steps",
-        action="store_true",
-        help="kvflow only: the simulator's step costs from the engine's step times measured over prompt "
-        "lengths and batch sizes (kvflow profile-steps, cached per model and machine) instead of a line "
-        "through the run's step means: better for max_num_seqs what-ifs, worse for chunk sizes so far",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="kvflow only: the simulator's step costs from the engine's step times measured here over "
+        "prompt lengths, batch sizes and contexts (kvflow profile-steps, cached per model and machine) "
+        "instead of a line through the run's step means. Default: on when the server ran on this "
+        "machine (a loopback URL, or --verify) and MODEL holds the weights",
     )
     parser.add_argument(
         "--measure-quantization",
@@ -175,15 +179,34 @@ def _quant_speeds(args: argparse.Namespace, weight_dtype: str) -> dict[str, floa
     return load_speeds(args.model, weight_dtype)
 
 
-def _step_profile(args: argparse.Namespace, settings: EngineSettings, dtype: str) -> StepProfile | None:
-    """With --profile-steps, the step profile for the simulator: the cached one, else measured now.
-    Opt-in: on the planted runs it fixed batch-size what-ifs and worsened chunk-size ones
-    (benchmarks/NOTES.md, session 23)."""
-    full_checkpoint = (Path(args.model) / "config.json").is_file()
-    if not args.profile_steps or settings.server != "kvflow" or not full_checkpoint:
+def _step_profile(
+    args: argparse.Namespace, settings: EngineSettings, dtype: str, result: dict[str, Any]
+) -> StepProfile | None:
+    """The step profile for the simulator (the cached one, else measured now) when asked for, or by
+    default when it describes the diagnosed server: a kvflow server that ran on this machine, with
+    the weights here. On the planted benchmark it is the difference between a worst value error of
+    66% and 33% (benchmarks/NOTES.md, session 25): a line through one run's step means cannot tell
+    a step's fixed cost from its per-token cost when the run had two step shapes."""
+    weights = Path(args.model)
+    full_checkpoint = (weights / "config.json").is_file() and any(weights.glob("*.safetensors"))
+    wanted = args.profile_steps
+    if wanted is None:
+        wanted = args.verify or _runs_here(str(result.get("config", {}).get("base_url") or ""))
+    if not wanted or settings.server != "kvflow" or not full_checkpoint:
         return None
     cached = load_profile(args.model, dtype, settings.quantization)
     return cached or measure_profile(args.model, dtype, settings.quantization, settings.max_model_len)
+
+
+def _runs_here(url: str) -> bool:
+    """Whether `url` names this machine (a loopback address): its steps are this machine's."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:
@@ -205,7 +228,7 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
     kv_dtype = args.kv_cache_dtype or settings.kv_cache_dtype or default_kv_dtype(weight_dtype, float_dtype)
     roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
     speeds = _quant_speeds(args, float_dtype)
-    profile = _step_profile(args, settings, float_dtype) if result is not None else None
+    profile = _step_profile(args, settings, float_dtype, result) if result is not None else None
     diagnosis = Diagnosis(
         model, roofline, run, settings, measured=result is not None, quant_speeds=speeds, step_profile=profile
     )
