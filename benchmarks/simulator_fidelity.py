@@ -36,6 +36,7 @@ from kvflow.bench.runner import BenchConfig, run_benchmark  # noqa: E402
 from kvflow.cli import build_parser  # noqa: E402
 from kvflow.doctor.cli import build_diagnosis  # noqa: E402
 from kvflow.doctor.fidelity import fidelity  # noqa: E402
+from kvflow.doctor.step_profile import load_profile, measure_profile, profile_file  # noqa: E402
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "kvflow-bench" / "simulator-fidelity"
@@ -44,6 +45,8 @@ DATASET = DatasetSpec("random", 64, input_len=96, output_len=32, range_ratio=0.5
 # (max_num_batched_tokens, num_kv_blocks or None for the default pool, concurrency)
 GRID = [(budget, blocks, c) for budget in (64, 512) for blocks in (None, 20) for c in (2, 8)]
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+MAX_MODEL_LEN = 256
+PROFILE_FILE = "step_profile.json"  # beside the recorded runs (tests/doctor/test_simulator_fidelity.py)
 
 
 def run_path(budget: int, blocks: int | None, concurrency: int) -> Path:
@@ -53,7 +56,7 @@ def run_path(budget: int, blocks: int | None, concurrency: int) -> Path:
 def one(
     model: Path, budget: int, blocks: int | None, concurrency: int, profile: bool
 ) -> list[dict[str, Any]]:
-    engine = {**ENGINE_KWARGS, "max_num_batched_tokens": budget, "max_model_len": 256}
+    engine = {**ENGINE_KWARGS, "max_num_batched_tokens": budget, "max_model_len": MAX_MODEL_LEN}
     if blocks is not None:
         engine["num_kv_blocks"] = blocks
     flags = [x for k, v in engine.items() for x in ("--" + k.replace("_", "-"), str(v))]
@@ -136,9 +139,15 @@ def main() -> None:
 
 
 def record(directory: Path, model: Path) -> None:
-    """The recorded runs for the tests: what the doctor reads of each, rounded to the microsecond."""
+    """The recorded runs for the tests: what the doctor reads of each, rounded to the microsecond,
+    and the step profile of the model on this machine (kvflow profile-steps, measured now if not
+    cached), so that the tests replay the runs both ways."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text((model / "config.json").read_text())
+    dtype = str(ENGINE_KWARGS["dtype"])
+    if load_profile(model, dtype, None) is None:
+        measure_profile(model, dtype, None, MAX_MODEL_LEN)
+    (directory / PROFILE_FILE).write_text(profile_file(model, dtype, None).read_text())
     for budget, blocks, c in GRID:
         result = json.loads(run_path(budget, blocks, c).read_text())
         result["server"].pop("window", None)  # the requests' stories: not what the replay reads

@@ -17,6 +17,7 @@ from kvflow.doctor.calibrate import Calibration, calibrate
 from kvflow.doctor.evidence import evidence_from_bench
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import settings_from_result
+from kvflow.doctor.step_profile import StepProfile
 
 # metric -> (the bench result's latency section, the percentile)
 FIDELITY_METRICS: dict[str, tuple[str, float]] = {
@@ -53,11 +54,13 @@ def fidelity(calibration: Calibration, result: dict[str, Any]) -> list[FidelityR
     return rows
 
 
-def replay_recorded(model_dir: str, result: dict[str, Any]) -> list[FidelityRow] | None:
+def replay_recorded(
+    model_dir: str, result: dict[str, Any], profile: StepProfile | None = None
+) -> list[FidelityRow] | None:
     """Calibrate on a recorded kvflow bench result alone (the settings it recorded, the model's
-    config.json; no server, no torch) and compare; None when it cannot be calibrated (not a kvflow
-    run, no step times)."""
+    config.json, the step profile measured when it was recorded if given; no server, no torch) and
+    compare; None when it cannot be calibrated (not a kvflow run, no step times)."""
     model = ModelSpec.from_dir(model_dir)
     settings = settings_from_result(result)
-    calibration = calibrate(evidence_from_bench(result), settings, model, settings.kv_cache_dtype)
+    calibration = calibrate(evidence_from_bench(result), settings, model, settings.kv_cache_dtype, profile)
     return None if calibration is None else fidelity(calibration, result)

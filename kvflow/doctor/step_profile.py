@@ -129,7 +129,8 @@ def _row_ms_per_key(data: dict[str, Any], decode: Curve) -> float | None:
     return max(statistics.median(per_key), 0.0) if per_key else None
 
 
-def _cache_file(model_dir: str | Path, dtype: str, quantization: str | None) -> Path:
+def profile_file(model_dir: str | Path, dtype: str, quantization: str | None) -> Path:
+    """Where the profile of this model, machine, dtype and quantization is cached."""
     key = f"{model_key(model_dir)}|{machine_key()}|{dtype}|{quantization}|{PROFILE_FORMAT}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:20]
     return quant_cache_dir().parent / "step-profile" / f"{Path(model_dir).name}-{digest}.json"
@@ -138,7 +139,7 @@ def _cache_file(model_dir: str | Path, dtype: str, quantization: str | None) -> 
 def load_profile(model_dir: str | Path, dtype: str, quantization: str | None) -> StepProfile | None:
     """The profile measured earlier for this model, machine, dtype and quantization, or None."""
     try:
-        return StepProfile.from_json(json.loads(_cache_file(model_dir, dtype, quantization).read_text()))
+        return StepProfile.from_json(json.loads(profile_file(model_dir, dtype, quantization).read_text()))
     except (OSError, ValueError, KeyError):
         return None
 
@@ -159,7 +160,7 @@ def measure_profile(
         command += ["--quantization", quantization]
     out = subprocess.run(command, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S, check=True)
     data = json.loads(out.stdout.strip().splitlines()[-1])
-    target = _cache_file(model_dir, dtype, quantization)
+    target = profile_file(model_dir, dtype, quantization)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps({**data, "machine": machine_key(), "dtype": dtype}))
     return StepProfile.from_json(data)
