@@ -40,6 +40,7 @@ MEDIAN = {"ttft_p50_ms": 0.12, "ttft_p99_ms": 0.14, "itl_p50_ms": 0.04, "itl_p99
 WORST_PROFILED = {"ttft_p50_ms": 0.19, "ttft_p99_ms": 0.25, "itl_p50_ms": 0.13, "itl_p99_ms": 0.20}
 MEDIAN_PROFILED = {"ttft_p50_ms": 0.11, "ttft_p99_ms": 0.15, "itl_p50_ms": 0.05, "itl_p99_ms": 0.17}
 
+
 def _replay(name: str, profile: StepProfile | None = None) -> list[FidelityRow]:
     result = json.loads(gzip.decompress((RECORDED / f"{name}.json.gz").read_bytes()))
     rows = replay_recorded(str(RECORDED), result, profile)
