@@ -48,18 +48,22 @@ def _replay(name: str, profile: StepProfile | None = None) -> list[FidelityRow]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def replayed() -> dict[str, list[FidelityRow]]:
-    return {name: _replay(name) for name in RUNS}
+# mode -> (worst error per metric, median error per metric)
+BOUNDS = {"line": (WORST, MEDIAN), "profile": (WORST_PROFILED, MEDIAN_PROFILED)}
+Replays = dict[str, dict[str, list[FidelityRow]]]  # mode -> run -> its rows
 
 
 @pytest.fixture(scope="module")
-def replayed_profiled() -> dict[str, list[FidelityRow]]:
-    """The same runs through the doctor's default for a server on its machine: step costs shaped by
-    the profile measured when they were recorded (kvflow profile-steps, step_profile.json)."""
+def replayed() -> Replays:
+    """Each run replayed with the line through the step means, and with the doctor's default for a
+    server on its machine: step costs shaped by the profile measured when the runs were recorded
+    (kvflow profile-steps, step_profile.json)."""
     profile = StepProfile.from_json(json.loads((RECORDED / "step_profile.json").read_text()))
     assert profile is not None and profile.row_ms_per_key is not None
-    return {name: _replay(name, profile) for name in RUNS}
+    return {
+        "line": {name: _replay(name) for name in RUNS},
+        "profile": {name: _replay(name, profile) for name in RUNS},
+    }
 
 
 def test_the_recordings_cover_the_grid() -> None:
@@ -67,50 +71,33 @@ def test_the_recordings_cover_the_grid() -> None:
     assert (RECORDED / "config.json").is_file() and (RECORDED / "step_profile.json").is_file()
 
 
+@pytest.mark.parametrize("mode", BOUNDS)
 @pytest.mark.parametrize("name", RUNS)
-def test_each_recorded_run_is_reproduced_within_its_bound(
-    name: str, replayed: dict[str, list[FidelityRow]]
-) -> None:
-    rows = replayed[name]
-    assert {r.metric for r in rows} == set(WORST)
+def test_each_recorded_run_is_reproduced_within_its_bound(name: str, mode: str, replayed: Replays) -> None:
+    worst = BOUNDS[mode][0]
+    rows = replayed[mode][name]
+    assert {r.metric for r in rows} == set(worst)
     for row in rows:
-        assert row.error <= WORST[row.metric], (
+        assert row.error <= worst[row.metric], (
             f"{name} {row.metric}: simulated {row.simulated:.1f} ms, measured {row.measured:.1f} ms"
         )
 
 
-def test_median_errors_over_the_runs(replayed: dict[str, list[FidelityRow]]) -> None:
-    for metric, bound in MEDIAN.items():
-        errors = [r.error for rows in replayed.values() for r in rows if r.metric == metric]
+@pytest.mark.parametrize("mode", BOUNDS)
+def test_median_errors_over_the_runs(mode: str, replayed: Replays) -> None:
+    for metric, bound in BOUNDS[mode][1].items():
+        errors = [r.error for rows in replayed[mode].values() for r in rows if r.metric == metric]
         assert statistics.median(errors) <= bound, (metric, errors)
 
 
-@pytest.mark.parametrize("name", RUNS)
-def test_each_run_replayed_with_the_step_profile_within_its_bound(
-    name: str, replayed_profiled: dict[str, list[FidelityRow]]
-) -> None:
-    rows = replayed_profiled[name]
-    assert {r.metric for r in rows} == set(WORST_PROFILED)
-    for row in rows:
-        assert row.error <= WORST_PROFILED[row.metric], (
-            f"{name} {row.metric}: simulated {row.simulated:.1f} ms, measured {row.measured:.1f} ms"
-        )
-
-
-def test_median_errors_with_the_step_profile(replayed_profiled: dict[str, list[FidelityRow]]) -> None:
-    for metric, bound in MEDIAN_PROFILED.items():
-        errors = [r.error for rows in replayed_profiled.values() for r in rows if r.metric == metric]
-        assert statistics.median(errors) <= bound, (metric, errors)
-
-
-def test_the_tails_come_from_the_recorded_step_variation(replayed: dict[str, list[FidelityRow]]) -> None:
+def test_the_tails_come_from_the_recorded_step_variation(replayed: Replays) -> None:
     """Without the drawn step departures every step costs its mean: the simulated ITL p99 is then
     about half the measured one (48% median error when recorded), with them within MEDIAN."""
     name = "b64-kNone-c8"
     result = json.loads(gzip.decompress((RECORDED / f"{name}.json.gz").read_bytes()))
     result["server"].pop("steps")  # no step records: no residuals to draw
     flat = {r.metric: r for r in replay_recorded(str(RECORDED), result) or []}
-    drawn = {r.metric: r for r in replayed[name]}
+    drawn = {r.metric: r for r in replayed["line"][name]}
     assert flat["itl_p99_ms"].simulated < 0.8 * flat["itl_p99_ms"].measured
     assert drawn["itl_p99_ms"].error < flat["itl_p99_ms"].error
 
