@@ -179,7 +179,7 @@ def _quant_speeds(args: argparse.Namespace, weight_dtype: str) -> dict[str, floa
     return load_speeds(args.model, weight_dtype)
 
 
-def _step_profile(
+def diagnosis_step_profile(
     args: argparse.Namespace, settings: EngineSettings, dtype: str, result: dict[str, Any]
 ) -> StepProfile | None:
     """The step profile for the simulator (the cached one, else measured now) when asked for, or by
@@ -204,9 +204,10 @@ def _runs_here(url: str) -> bool:
     if host == "localhost":
         return True
     try:
-        return ipaddress.ip_address(host).is_loopback
+        address = ipaddress.ip_address(host)
     except ValueError:
         return False
+    return address.is_loopback or address.is_unspecified  # 0.0.0.0: a client reaches this machine
 
 
 def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:
@@ -228,7 +229,7 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
     kv_dtype = args.kv_cache_dtype or settings.kv_cache_dtype or default_kv_dtype(weight_dtype, float_dtype)
     roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
     speeds = _quant_speeds(args, float_dtype)
-    profile = _step_profile(args, settings, float_dtype, result) if result is not None else None
+    profile = diagnosis_step_profile(args, settings, float_dtype, result) if result is not None else None
     diagnosis = Diagnosis(
         model, roofline, run, settings, measured=result is not None, quant_speeds=speeds, step_profile=profile
     )

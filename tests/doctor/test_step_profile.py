@@ -11,8 +11,10 @@ calibrate.py), torch-free:
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +22,7 @@ import pytest
 
 from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
 from kvflow.doctor.calibrate import SIM_METRICS, calibrate
+from kvflow.doctor.cli import diagnosis_step_profile
 from kvflow.doctor.evidence import RequestSample, calculator_evidence
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import EngineSettings
@@ -158,3 +161,23 @@ def test_the_servers_step_records_separate_factor_constant_and_attention() -> No
     decode_add, factor, constant = cal.cost.kind_extra_ms
     assert (decode_add, factor, constant) == (pytest.approx(1.3), pytest.approx(2.0), pytest.approx(3.0))
     assert cal.cost.attention_ms_per_key == pytest.approx(1e-4)
+
+
+def test_the_profile_is_measured_by_default_only_for_a_server_on_this_machine(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    """kvflow doctor profiles the engine's steps (cached) when the diagnosed kvflow server ran here
+    (a loopback URL, or --verify) and MODEL holds the weights; never for a remote server unless
+    asked, never when told not to. KVFLOW_CACHE_DIR is a temporary directory (tests/conftest.py)."""
+    model = str(tiny_checkpoint_factory("llama"))
+    settings = EngineSettings(server="kvflow", max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128)
+
+    def profile(url: str, flag: bool | None = None, verify: bool = False) -> StepProfile | None:
+        args = argparse.Namespace(model=model, profile_steps=flag, verify=verify)
+        return diagnosis_step_profile(args, settings, "float32", {"config": {"base_url": url}})
+
+    assert profile("http://10.0.0.7:8000/v1") is None  # another machine's steps: not these
+    assert profile("http://127.0.0.1:8000/v1", flag=False) is None
+    measured = profile("http://localhost:8000/v1")
+    assert measured is not None and measured.row_ms_per_key is not None
+    assert profile("http://10.0.0.7:8000/v1", verify=True) == measured  # --verify runs here: cached
