@@ -10,7 +10,8 @@ The prediction, for the same machine split in two instances (each half the cores
               (kvflow/doctor/calibrate.py) when the run is a kvflow server's:
                 the prefill instance   the same requests replayed with one output token each, every
                                        step x PREFILL_SPLIT_SLOWDOWN, each client sending its next
-                                       request after its decode (outputs x the split ITL): this
+                                       request after that request's decode (its outputs x the
+                                       split ITL; clients fall out of step as on the pair): this
                                        instance's queueing and prefill, carried onto the measured
                                        TTFT as every simulated change is
                 the KV transfer        the p50 prompt's KV at TRANSFER_BYTES_PER_S
@@ -65,16 +66,19 @@ def pd_ttft_ms(d: Diagnosis, cal: Calibration, itl_pd_ms: float, transfer_ms: fl
     if run.ttft_p50_ms is None:
         return None
     # The prefill instance: each request prefilled and its one token sampled on half the cores; its
-    # client comes back after the request's decode on the other instance.
+    # client comes back after that request's own decode on the other instance (its outputs at the
+    # split ITL: a common output length would keep the clients in step, each round a burst of
+    # prompts queueing at the prefill instance, where varied lengths spread them out).
     samples = [replace(s, output_tokens=1) for s in cal.evidence.requests]
-    decode_phase_ms = max(run.output_p50 - 1.0, 0.0) * itl_pd_ms
+    decode_phase_ms = [max(s.output_tokens - 1, 0) * itl_pd_ms for s in cal.evidence.requests]
     hop_ms = HOP_LEGS * cal.client_gap_ms
     prefill = simulate(
         samples,
         cal.settings,
         replace(cal.cost, scale=PREFILL_SPLIT_SLOWDOWN),
         cal.concurrency,
-        cal.client_gap_ms + hop_ms + transfer_ms + decode_phase_ms,
+        cal.client_gap_ms + hop_ms + transfer_ms,
+        after_ms=decode_phase_ms,
     )
     if not prefill.ttft_ms:
         return None

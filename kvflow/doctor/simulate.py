@@ -249,16 +249,20 @@ def simulate(
     concurrency: int | None,
     client_gap_ms: float = 0.0,
     seed: int = 0,
+    after_ms: Sequence[float] | None = None,
 ) -> SimRun:
     """Replay `samples` (in send order): closed loop with `concurrency` clients, each sending its
     next request `client_gap_ms` after the server finished its last (delivery, the client, the new
-    request's trip), else open loop at the samples' send times. `seed` drives the steps' drawn
-    departures from their mean cost (StepCost.residuals): the same seed, the same draws."""
+    request's trip), plus `after_ms[i]` after sample i (what its client waits for elsewhere: its
+    decode on another instance), else open loop at the samples' send times. `seed` drives the
+    steps' drawn departures from their mean cost (StepCost.residuals): the same seed, the same
+    draws."""
     requests = [
         _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), s.send_s)
         for i, s in enumerate(samples)
     ]
     replay = _Replay(requests, _Scheduler(settings, cost), cost, concurrency, client_gap_ms, seed)
+    replay.after_ms = list(after_ms) if after_ms is not None else [0.0] * len(requests)
     now = 0.0
     while len(replay.done) + len(replay.sched.capped) < len(requests):
         advanced = replay.advance(now)
@@ -281,6 +285,7 @@ class _Replay:
         seed: int,
     ) -> None:
         self.sched, self.cost, self.client_gap_ms = sched, cost, client_gap_ms
+        self.after_ms = [0.0] * len(requests)  # per request: its client's wait beyond the gap
         self.rng = random.Random(seed)
         self.closed = concurrency is not None
         self.upcoming: deque[_Request] = deque(requests)
@@ -337,7 +342,7 @@ class _Replay:
             if request.produced >= request.output:
                 self.sched.release(request)
                 self.done.append(request)
-                self._client_sends_next(now)
+                self._client_sends_next(now + self.after_ms[request.index])
         return now
 
     def _client_sends_next(self, now: float) -> None:

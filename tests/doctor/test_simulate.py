@@ -154,3 +154,23 @@ def test_gaps_are_charged_to_what_delayed_them() -> None:
     assert (
         tight.num_preemptions > 0 and tight.explained_ms["preemption"] > tight.explained_ms["prefill_chunks"]
     )
+
+
+def test_each_client_comes_back_after_its_own_wait_elsewhere() -> None:
+    """Closed loop with a per-request wait after the server is done (disaggregation's decode on the
+    other instance, kvflow/doctor/disaggregation.py): with one common wait, clients whose prompts
+    finished in one step come back together, and every round their prompts share a step again;
+    with waits of their own (outputs of different lengths) they fall apart and each prompt has a
+    step to itself more often."""
+    token_ms = 10.0 / 64
+    cost = StepCost(0.0, token_ms, 0.0)  # a step costs its tokens: a 64-token prompt 10 ms
+    samples = [RequestSample(64, 1, 0, 0.0, None, None) for _ in range(8)]
+    settings = SimSettings(4, 128, None, 16, False)  # both clients' prompts fit one step
+    in_step = simulate(samples, settings, cost, concurrency=2, after_ms=[100.0] * 8)
+    apart = simulate(samples, settings, cost, concurrency=2, after_ms=[100.0, 160.0] * 4)
+    assert in_step.ttft_ms == pytest.approx([128 * token_ms] * 8)  # every round one 128-token step
+    assert apart.ttft_ms[:2] == pytest.approx([128 * token_ms] * 2)  # the first round still shares
+    assert min(apart.ttft_ms[2:]) == pytest.approx(64 * token_ms)  # then mostly alone
+    assert sum(apart.ttft_ms[2:]) < sum(in_step.ttft_ms[2:])
+    no_wait = simulate(samples, settings, cost, concurrency=2, after_ms=[0.0] * 8)
+    assert no_wait.ttft_ms == simulate(samples, settings, cost, concurrency=2).ttft_ms  # the default
