@@ -170,9 +170,15 @@ def _settings(args: argparse.Namespace, result: dict[str, Any] | None) -> Engine
     return found if found.server != "unknown" else recorded
 
 
+def _has_weights(model: str) -> bool:
+    """Whether MODEL is a checkpoint with its weights here (not a config.json alone): what measuring
+    it on this machine needs."""
+    return (Path(model) / "config.json").is_file() and any(Path(model).glob("*.safetensors"))
+
+
 def _quant_speeds(args: argparse.Namespace, weight_dtype: str) -> dict[str, float]:
     """Measured decode tokens/s per weight format (cached), measured now on --measure-quantization."""
-    if not (Path(args.model) / "config.json").is_file() or not any(Path(args.model).glob("*.safetensors")):
+    if not _has_weights(args.model):
         return {}
     if args.measure_quantization:
         return measure_speeds(args.model, weight_dtype)
@@ -187,12 +193,10 @@ def diagnosis_step_profile(
     the weights here. On the planted benchmark it is the difference between a worst value error of
     66% and 33% (benchmarks/NOTES.md, session 25): a line through one run's step means cannot tell
     a step's fixed cost from its per-token cost when the run had two step shapes."""
-    weights = Path(args.model)
-    full_checkpoint = (weights / "config.json").is_file() and any(weights.glob("*.safetensors"))
     wanted = args.profile_steps
     if wanted is None:
         wanted = args.verify or _runs_here(str(result.get("config", {}).get("base_url") or ""))
-    if not wanted or settings.server != "kvflow" or not full_checkpoint:
+    if not wanted or settings.server != "kvflow" or not _has_weights(args.model):
         return None
     cached = load_profile(args.model, dtype, settings.quantization)
     return cached or measure_profile(args.model, dtype, settings.quantization, settings.max_model_len)

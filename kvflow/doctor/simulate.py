@@ -261,8 +261,8 @@ def simulate(
         _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), s.send_s)
         for i, s in enumerate(samples)
     ]
-    replay = _Replay(requests, _Scheduler(settings, cost), cost, concurrency, client_gap_ms, seed)
-    replay.after_ms = list(after_ms) if after_ms is not None else [0.0] * len(requests)
+    waits = list(after_ms) if after_ms is not None else [0.0] * len(requests)
+    replay = _Replay(requests, _Scheduler(settings, cost), cost, concurrency, client_gap_ms, seed, waits)
     now = 0.0
     while len(replay.done) + len(replay.sched.capped) < len(requests):
         advanced = replay.advance(now)
@@ -283,9 +283,10 @@ class _Replay:
         concurrency: int | None,
         client_gap_ms: float,
         seed: int,
+        after_ms: list[float],
     ) -> None:
         self.sched, self.cost, self.client_gap_ms = sched, cost, client_gap_ms
-        self.after_ms = [0.0] * len(requests)  # per request: its client's wait beyond the gap
+        self.after_ms = after_ms  # per request: its client's wait beyond the gap
         self.rng = random.Random(seed)
         self.closed = concurrency is not None
         self.upcoming: deque[_Request] = deque(requests)

@@ -546,12 +546,16 @@ class LLMEngine:
 
     def _step_stats(self, scheduler_output: SchedulerOutput, start: float) -> StepStats:
         num_decode = sum(s.num_tokens for s in scheduler_output.scheduled if s.is_decode)
-        # Keys each chunk's queries attend (causal: n tokens after c computed see n x (c + (n + 1) / 2)).
-        keys = [
-            (s, len(s.token_ids) * (s.num_computed_tokens + (len(s.token_ids) + 1) / 2))
-            for s in scheduler_output.scheduled
-        ]
-        rows = [(s, k) for s, k in keys if is_query_row_chunk(len(s.token_ids))]
+        # Keys each chunk's queries attend (causal: n tokens after c computed see n x (c + (n + 1) / 2)),
+        # in total and by the query rows (kvflow/query_rows.py); one pass, once per step.
+        attention, row_attention, row_prefill = 0.0, 0.0, 0
+        for s in scheduler_output.scheduled:
+            n = len(s.token_ids)
+            keys = n * (s.num_computed_tokens + (n + 1) / 2)
+            attention += keys
+            if is_query_row_chunk(n):
+                row_attention += keys
+                row_prefill += 0 if s.is_decode else n
         spec, self.scheduler.spec_stats = self.scheduler.spec_stats, SpecDecodeStats()
         self.spec_stats.merge(spec)
         return StepStats(
@@ -564,9 +568,9 @@ class LLMEngine:
             kv_cache_usage=self.scheduler.kv_cache_usage,
             num_preemptions=len(scheduler_output.preempted_request_ids),
             spec=spec if spec.num_drafts else None,
-            attention_work=sum(k for _, k in keys),
-            num_row_prefill_tokens=sum(len(s.token_ids) for s, _ in rows if not s.is_decode),
-            row_attention_work=sum(k for _, k in rows),
+            attention_work=attention,
+            num_row_prefill_tokens=row_prefill,
+            row_attention_work=row_attention,
         )
 
     @property
