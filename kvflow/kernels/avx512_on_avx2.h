@@ -234,6 +234,13 @@ KVFLOW_AVX2_INLINE m512i slli_epi16(m512i a, unsigned n) {
 KVFLOW_AVX2_INLINE m512i mask_mov_epi32(m512i src, __mmask16 k, m512i a) {
   return {blend8i(src.lo, a.lo, k), blend8i(src.hi, a.hi, unsigned(k) >> 8)};
 }
+KVFLOW_AVX2_INLINE m512i maskz_slli_epi32(__mmask16 k, m512i a, unsigned n) {
+  return mask_mov_epi32(setzero_si512(), k, slli_epi32(a, n));
+}
+KVFLOW_AVX2_INLINE __mmask16 cmpeq_epi32_mask(m512i a, m512i b) {
+  return movemask16(_mm256_castsi256_ps(_mm256_cmpeq_epi32(a.lo, b.lo)),
+                    _mm256_castsi256_ps(_mm256_cmpeq_epi32(a.hi, b.hi)));
+}
 KVFLOW_AVX2_INLINE __mmask16 cmpgt_epu32_mask(m512i a, m512i b) {
   const __m256i flip = _mm256_set1_epi32(INT_MIN);  // unsigned order = signed order of x ^ 2^31
   const __m256i lo = _mm256_cmpgt_epi32(_mm256_xor_si256(a.lo, flip), _mm256_xor_si256(b.lo, flip));
@@ -410,6 +417,20 @@ KVFLOW_AVX2_INLINE m512i dpbssd(m512i acc, const SignedWeights& w, m512i b) {
 #define __m512i kvflow_avx2::m512i
 #define __m512bh kvflow_avx2::m512i
 #define __m256bh __m256i
+// GCC's immintrin.h defines these as macros (the immediate-operand ones only without -O), so
+// they are undefined before the stand-ins take their names.
+#undef _mm512_setr_epi32
+#undef _mm512_cmp_ps_mask
+#undef _mm512_mask_cmp_ps_mask
+#undef _mm512_roundscale_ps
+#undef _mm512_extracti32x4_epi32
+#undef _mm512_inserti64x4
+#undef _mm512_slli_epi16
+#undef _mm512_slli_epi32
+#undef _mm512_srli_epi16
+#undef _mm512_srli_epi32
+#undef _mm512_maskz_slli_epi32
+
 #define _mm512_setzero_ps kvflow_avx2::setzero_ps
 #define _mm512_set1_ps kvflow_avx2::set1_ps
 #define _mm512_setzero_si512 kvflow_avx2::setzero_si512
@@ -459,6 +480,8 @@ KVFLOW_AVX2_INLINE m512i dpbssd(m512i acc, const SignedWeights& w, m512i b) {
 #define _mm512_max_epi32 kvflow_avx2::max_epi32
 #define _mm512_mask_mov_epi32 kvflow_avx2::mask_mov_epi32
 #define _mm512_cmpgt_epu32_mask kvflow_avx2::cmpgt_epu32_mask
+#define _mm512_cmpeq_epi32_mask kvflow_avx2::cmpeq_epi32_mask
+#define _mm512_maskz_slli_epi32 kvflow_avx2::maskz_slli_epi32
 #define _mm512_reduce_add_epi32 kvflow_avx2::reduce_add_epi32
 #define _mm512_mask_reduce_min_epi32 kvflow_avx2::mask_reduce_min_epi32
 #define _mm512_castsi512_ps kvflow_avx2::castsi512_ps

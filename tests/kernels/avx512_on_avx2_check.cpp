@@ -194,6 +194,12 @@ void check_permutes_and_masks() {
     for (int i = 0; i < 16; ++i) ua[i] = uint32_t(rng()), ub[i] = i % 4 == 0 ? ua[i] : uint32_t(rng());
     const __mmask16 ugt = _mm512_cmpgt_epu32_mask(_mm512_loadu_si512(ua), _mm512_loadu_si512(ub));
     for (int i = 0; i < 16; ++i) check(((ugt >> i) & 1) == (ua[i] > ub[i]), "cmpgt_epu32_mask", i);
+    const __mmask16 eq = _mm512_cmpeq_epi32_mask(_mm512_loadu_si512(ua), _mm512_loadu_si512(ub));
+    for (int i = 0; i < 16; ++i) check(((eq >> i) & 1) == (ua[i] == ub[i]), "cmpeq_epi32_mask", i);
+    alignas(64) uint32_t shifted[16];
+    _mm512_storeu_si512(shifted, _mm512_maskz_slli_epi32(k, _mm512_loadu_si512(ua), 7));
+    for (int i = 0; i < 16; ++i)
+      check(shifted[i] == (((k >> i) & 1) ? ua[i] << 7 : 0u), "maskz_slli_epi32", i);
   }
   alignas(64) int32_t set[16];
   _mm512_storeu_si512(set, _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0));
