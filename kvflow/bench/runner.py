@@ -503,6 +503,9 @@ def _config_dict(config: BenchConfig, info: ServerInfo) -> dict[str, Any]:
         "warmup": config.warmup,
         "ignore_eos": config.ignore_eos,
         "temperature": config.temperature,
+        # How often the run scraped /metrics: each scrape holds the server's GIL while it renders
+        # (an 8 ms engine step on a 2-core VM), so a re-run (`kvflow doctor --verify`) scrapes alike.
+        "metrics_interval": config.metrics_interval,
         "tokenizer": config.tokenizer or info.root,
         "replica_metrics": list(config.replica_metrics),
         "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -79,6 +79,7 @@ def pd_ttft_ms(d: Diagnosis, cal: Calibration, itl_pd_ms: float, transfer_ms: fl
         cal.concurrency,
         cal.client_gap_ms + hop_ms + transfer_ms,
         after_ms=decode_phase_ms,
+        gap_jitter_ms=cal.evidence.client_gap_jitter_ms,
     )
     if not prefill.ttft_ms:
         return None

@@ -52,6 +52,9 @@ class RunEvidence:
     itl_gaps_ms: list[float] = field(default_factory=list)  # every per-token gap of every request
     # kvflow bench --priority-mix: TTFT p50 / p99 (ms) per priority class, lowest value (first served) first
     ttft_by_priority: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
+    # Each request's client TTFT beyond the server's (a kvflow server's window names its requests),
+    # less their mean: how unevenly clients' requests reach the server (client_gap_jitter).
+    client_gap_jitter_ms: tuple[float, ...] = ()
 
     @property
     def measured(self) -> bool:
@@ -198,7 +201,29 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
             int(p): (row["ttft_ms"]["p50"], row["ttft_ms"]["p99"])
             for p, row in sorted((result.get("per_priority") or {}).items(), key=lambda kv: int(kv[0]))
         },
+        client_gap_jitter_ms=client_gap_jitter(ok, result.get("server") or {}),
     )
+
+
+def client_gap_jitter(requests: list[dict[str, Any]], server: dict[str, Any]) -> tuple[float, ...]:
+    """Each request's client TTFT minus the server's (matched by the x-request-id kvflow bench sends,
+    in the server's window, kvflow/bench/server_steps.py), less their mean; empty without a window.
+    Why: clients of a closed loop whose requests have one length finish in one step and, sent back
+    after one constant gap, the simulator kept them in lockstep, every prompt in one prefill step and
+    none sharing a step with another's decodes; measured, a client comes back 3-13 ms later, the
+    prompts land in different steps and stall the decodes (the kv_pool what-if's ITL p99 predicted
+    1.9 ms where 5.0 were measured; benchmarks/NOTES.md, session 26)."""
+    rows = (server.get("window") or {}).get("requests") or []
+    by_id = {row.get("x_request_id"): row.get("ttft_ms") for row in rows if row.get("x_request_id")}
+    gaps = [
+        float(r["ttft_ms"]) - float(by_id[r["x_request_id"]])
+        for r in requests
+        if r.get("ttft_ms") is not None and by_id.get(r.get("x_request_id")) is not None
+    ]
+    if len(gaps) < 2:
+        return ()
+    mean = sum(gaps) / len(gaps)
+    return tuple(g - mean for g in gaps)
 
 
 def calculator_evidence(context: int, concurrency: int, output_len: int) -> RunEvidence:

@@ -69,6 +69,10 @@ class _Request:
     first_scheduled: float | None = None
     token_times: list[float] = field(default_factory=list)
     preempted_since_token: bool = False
+    # How much later than a lone token its client read its first and its latest token (the step
+    # delivered others too: StepCost.delivery_ms).
+    first_delivery_ms: float = 0.0
+    last_delivery_ms: float = 0.0
 
     @property
     def total(self) -> int:
@@ -104,10 +108,41 @@ class SimRun:
     computed_tokens: int
     explained_ms: dict[str, float]  # cause -> stall excess summed over all gaps
     num_capped: int  # requests the pool could not hold at all
+    replicas: int = 1  # replays pooled into these lists (pooled): the counts above are per replay
 
     @property
     def num_requests(self) -> int:
-        return len(self.ttft_ms)
+        return len(self.ttft_ms) // self.replicas
+
+
+def pooled(runs: Sequence[SimRun]) -> SimRun:
+    """Replays of one workload under other seeds as one run: every request's and gap's values, the
+    counts per replay (means), the kinds' steps summed (their means per step hold). A tail over few
+    gaps (ITL p99 of one client's 90 gaps is its largest) is one draw of the step residuals in a
+    single replay; pooled, it is the tail's expected value."""
+    n = len(runs)
+    kinds = {kind: KindStats() for kind in KINDS}
+    for run in runs:
+        for kind, stats in run.kinds.items():
+            pool = kinds[kind]
+            pool.count += stats.count
+            pool.time_ms += stats.time_ms
+            pool.rows += stats.rows
+            pool.prefill_tokens += stats.prefill_tokens
+            pool.attention += stats.attention
+    return SimRun(
+        ttft_ms=[v for r in runs for v in r.ttft_ms],
+        queue_ms=[v for r in runs for v in r.queue_ms],
+        itl_ms=[v for r in runs for v in r.itl_ms],
+        tpot_ms=[v for r in runs for v in r.tpot_ms],
+        e2e_ms=[v for r in runs for v in r.e2e_ms],
+        kinds=kinds,
+        num_preemptions=round(sum(r.num_preemptions for r in runs) / n),
+        computed_tokens=round(sum(r.computed_tokens for r in runs) / n),
+        explained_ms={k: sum(r.explained_ms.get(k, 0.0) for r in runs) / n for k in runs[0].explained_ms},
+        num_capped=max(r.num_capped for r in runs),
+        replicas=n * runs[0].replicas,
+    )
 
 
 def _cacheable(sample: RequestSample, settings: SimSettings) -> int:
@@ -250,19 +285,22 @@ def simulate(
     client_gap_ms: float = 0.0,
     seed: int = 0,
     after_ms: Sequence[float] | None = None,
+    gap_jitter_ms: Sequence[float] = (),
 ) -> SimRun:
     """Replay `samples` (in send order): closed loop with `concurrency` clients, each sending its
     next request `client_gap_ms` after the server finished its last (delivery, the client, the new
     request's trip), plus `after_ms[i]` after sample i (what its client waits for elsewhere: its
-    decode on another instance), else open loop at the samples' send times. `seed` drives the
-    steps' drawn departures from their mean cost (StepCost.residuals): the same seed, the same
-    draws."""
+    decode on another instance), plus one of `gap_jitter_ms` drawn (how unevenly the run's clients
+    came back: RunEvidence.client_gap_jitter_ms), else open loop at the samples' send times. `seed`
+    drives the draws (and the steps' departures from their mean cost, StepCost.residuals): the same
+    seed, the same draws."""
     requests = [
         _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), s.send_s)
         for i, s in enumerate(samples)
     ]
     waits = list(after_ms) if after_ms is not None else [0.0] * len(requests)
-    replay = _Replay(requests, _Scheduler(settings, cost), cost, concurrency, client_gap_ms, seed, waits)
+    sched = _Scheduler(settings, cost)
+    replay = _Replay(requests, sched, cost, concurrency, client_gap_ms, seed, waits, tuple(gap_jitter_ms))
     now = 0.0
     while len(replay.done) + len(replay.sched.capped) < len(requests):
         advanced = replay.advance(now)
@@ -284,9 +322,14 @@ class _Replay:
         client_gap_ms: float,
         seed: int,
         after_ms: list[float],
+        gap_jitter_ms: tuple[float, ...] = (),
     ) -> None:
         self.sched, self.cost, self.client_gap_ms = sched, cost, client_gap_ms
         self.after_ms = after_ms  # per request: its client's wait beyond the gap
+        self.gap_jitter_ms = gap_jitter_ms
+        # Its own stream, so that two replays of one seed draw the same step residuals whatever
+        # their clients' returns drew.
+        self.jitter_rng = random.Random(f"{seed}:client-gaps")
         self.rng = random.Random(seed)
         self.closed = concurrency is not None
         self.upcoming: deque[_Request] = deque(requests)
@@ -302,13 +345,12 @@ class _Replay:
     def advance(self, now: float) -> float | None:
         """Admit arrivals, then run one step (or wait for the next arrival): the new time, or None
         when nothing left can arrive."""
-        sched, upcoming = self.sched, self.upcoming
-        while upcoming and upcoming[0].arrival <= now:
-            sched.waiting.append(upcoming.popleft())
+        sched = self.sched
+        self._admit_arrivals(now)
         if not sched.running and not sched.waiting:
-            if not upcoming or math.isinf(upcoming[0].arrival):
+            if math.isinf(self._next_arrival_time()):
                 return None  # nothing left that can arrive (closed loop with every client capped)
-            return upcoming[0].arrival
+            return self._next_arrival_time()
         num_capped = len(sched.capped)
         scheduled = sched.schedule(now)
         for _ in range(len(sched.capped) - num_capped):
@@ -317,22 +359,50 @@ class _Replay:
             return self._step(now, scheduled)
         if not sched.running and not sched.waiting:
             return now
-        if not upcoming or math.isinf(upcoming[0].arrival):
+        if math.isinf(self._next_arrival_time()):
             return None
-        return max(now, upcoming[0].arrival)
+        return max(now, self._next_arrival_time())
+
+    def _sent(self) -> list[_Request]:
+        """The upcoming requests with a send time: in a closed loop the first few (each client's next,
+        in any order of arrival once jittered), in an open loop all (in order)."""
+        sent = []
+        for request in self.upcoming:
+            if math.isinf(request.arrival):
+                break
+            sent.append(request)
+        return sent
+
+    def _admit_arrivals(self, now: float) -> None:
+        """Requests that arrived by `now` join the waiting queue, earliest first."""
+        if not self.closed:
+            while self.upcoming and self.upcoming[0].arrival <= now:
+                self.sched.waiting.append(self.upcoming.popleft())
+            return
+        for request in sorted((r for r in self._sent() if r.arrival <= now), key=lambda r: r.arrival):
+            self.upcoming.remove(request)
+            self.sched.waiting.append(request)
+
+    def _next_arrival_time(self) -> float:
+        if not self.closed:
+            return self.upcoming[0].arrival if self.upcoming else math.inf
+        return min((r.arrival for r in self._sent()), default=math.inf)
 
     def _step(self, now: float, scheduled: list[tuple[_Request, int]]) -> float:
         """One engine step over `scheduled`: its cost, then each request's progress."""
         shape, work = _step_parts(scheduled)
         step_ms = self.cost.step_ms(shape)
         prompt = shape.prompt_tokens > 0
-        step_ms = max(self.cost.with_drawn_residual(step_ms, prompt, self.rng), MIN_STEP_MS)
+        drawn = self.cost.with_drawn_residual(step_ms, prompt, self.rng, self.cost.between_ms(shape))
+        step_ms = max(drawn, MIN_STEP_MS)
         # The server's kinds: by decodes and prompt tokens, whichever path attended them.
         kind = "mixed" if shape.decode_rows and prompt else ("prefill_only" if prompt else "decode_only")
         self.kinds[kind].add(step_ms, shape)
         now += step_ms
         self.sched.computed_tokens += sum(n for _, n in scheduled)
         prefill_ms = _prefill_ms_by_cause(self.cost, work)
+        delivered = sum(request.computed + n >= request.total for request, n in scheduled)
+        delivery_ms = self.cost.delivery_ms(delivered)
         for request, n in scheduled:
             request.computed += n
             self.sched.pool.mark_full(request.index, self.sched.shared_blocks(request), request.computed)
@@ -340,15 +410,19 @@ class _Replay:
                 continue
             request.recomputing = False
             _produce(request, now, prefill_ms, self.explained, self.cost, shape.decode_rows)
+            request.last_delivery_ms = delivery_ms
+            if request.produced == 1:
+                request.first_delivery_ms = delivery_ms
             if request.produced >= request.output:
                 self.sched.release(request)
                 self.done.append(request)
-                self._client_sends_next(now + self.after_ms[request.index])
+                self._client_sends_next(now + delivery_ms + self.after_ms[request.index])
         return now
 
     def _client_sends_next(self, now: float) -> None:
         if self.closed and self.upcoming:
-            _next_arrival(self.upcoming, now + self.client_gap_ms)
+            jitter = self.jitter_rng.choice(self.gap_jitter_ms) if self.gap_jitter_ms else 0.0
+            _next_arrival(self.upcoming, now + max(self.client_gap_ms + jitter, 0.0))
 
 
 def _prefill_ms_by_cause(cost: StepCost, work: Work) -> dict[str, float]:
@@ -396,13 +470,13 @@ def _summary(
 ) -> SimRun:
     ttft, queue, itl, tpot, e2e = [], [], [], [], []
     for r in done:
-        ttft.append(r.token_times[0] - r.arrival)
+        ttft.append(r.token_times[0] - r.arrival + r.first_delivery_ms)
         queue.append((r.first_scheduled or r.arrival) - r.arrival)
         gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
         itl += gaps
         if gaps:
             tpot.append(sum(gaps) / len(gaps))
-        e2e.append(r.token_times[-1] - r.arrival)
+        e2e.append(r.token_times[-1] - r.arrival + r.last_delivery_ms)
     return SimRun(
         ttft_ms=ttft,
         queue_ms=queue,

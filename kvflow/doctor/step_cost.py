@@ -132,26 +132,44 @@ class StepCost:
         return tokens + self.attention_ratio * attention
 
     def step_ms(self, shape: StepShape) -> float:
+        """The step and what passes before the next one starts."""
+        return self.server_ms(shape) + self.between_ms(shape)
+
+    def server_ms(self, shape: StepShape) -> float:
+        """The step as the server records it."""
         if self.profile is not None:
             base, prefill_beyond = profiled_step(self.profile, shape)
             decode_add, prompt_factor, prompt_add = self.kind_extra_ms
             server = base * prompt_factor + prompt_add if shape.prompt_tokens else base + decode_add
             server += self.attention_ms_per_key * prefill_beyond
-            return max(server, MIN_STEP_MS) * self.scale + self.overhead_ms
+            server += self.profile.served_growth(shape.decode_rows)  # serving's share, by tokens delivered
+            return max(server, MIN_STEP_MS) * self.scale
         work = self.work(shape.rows + shape.prefill_tokens, shape.attention)
-        return (self.fixed_ms + self.per_token_ms * work) * self.scale + self.overhead_ms
+        return (self.fixed_ms + self.per_token_ms * work) * self.scale
 
-    def with_drawn_residual(self, step_ms: float, has_prompt: bool, rng: random.Random) -> float:
-        """`step_ms` plus one recorded step's departure from its mean, drawn for a step of this kind:
-        ms added to a decode-only step, a fraction of a step with prompt tokens; unchanged without
-        records."""
+    def between_ms(self, shape: StepShape) -> float:
+        """After the step, before the next: the engine loop and delivering its tokens."""
+        growth = self.profile.between_growth(shape.decode_rows) if self.profile is not None else 0.0
+        return self.overhead_ms + growth
+
+    def delivery_ms(self, tokens: int) -> float:
+        """How much later than a lone token a client reads one of `tokens` a step delivered."""
+        return self.profile.delivery_growth(tokens) if self.profile is not None else 0.0
+
+    def with_drawn_residual(
+        self, step_ms: float, has_prompt: bool, rng: random.Random, between_ms: float | None = None
+    ) -> float:
+        """`step_ms` (`between_ms` of it after the server's step; default overhead_ms) plus one
+        recorded step's departure from its mean, drawn for a step of this kind: ms added to a
+        decode-only step, a fraction of a step with prompt tokens; unchanged without records."""
         residuals = self.residuals[1 if has_prompt else 0]
         if not residuals:
             return step_ms
         drawn = rng.choice(residuals)
         if not has_prompt:
             return step_ms + drawn
-        return (step_ms - self.overhead_ms) * (1.0 + drawn) + self.overhead_ms  # the server's part
+        between = self.overhead_ms if between_ms is None else between_ms
+        return (step_ms - between) * (1.0 + drawn) + between  # the server's part
 
     def prefill_ms(self, work: tuple[int, float]) -> float:
         """What prompt chunks of (tokens, their attention work) add to a step."""

@@ -17,8 +17,18 @@ shapes instead (doubling sizes), and interpolated:
                           cached prefix
 The profile runs in one process with no server around it; the server's steps cost more (its
 thread, the HTTP side, outputs). That difference is added per step kind, fitted to the server's
-measured means (kvflow/doctor/calibrate.py). Attention beyond the probes' own short contexts is not
-in the curves: a query row's is row_ms_per_key, a prefill chunk's is fitted to the server's steps.
+measured means (kvflow/doctor/calibrate.py), and its growth with the rows a step delivers is
+measured through a server (kvflow/doctor/served_decode.py):
+    served_growth(b)      the served b-row decode step's excess over D(b), less the 1-row excess
+                          (made non-decreasing in b: more delivered tokens never cost less), added
+                          to every step by its decode rows; 0 without the served probe
+    between_growth(b)     the clients' TPOT beyond the served b-row step, less that at 1 row (the
+                          API thread delivering b tokens), added after every step by its rows
+    delivery_growth(n)    the clients' TTFT beyond the server's when one step delivers n first
+                          tokens, less that for 1: added to a request's TTFT and e2e (and to when its
+                          client sends the next) by the tokens its first and last steps delivered
+Attention beyond the probes' own short contexts is not in the curves: a query row's is
+row_ms_per_key, a prefill chunk's is fitted to the server's steps.
 
 Measured once per model, machine, dtype and quantization, cached in ~/.cache/kvflow/doctor/
 step-profile/ (`kvflow doctor --profile-steps` measures; later runs read the cache).
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import statistics
 import subprocess
 import sys
@@ -36,8 +47,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from kvflow.doctor.quant_speed import cache_dir as quant_cache_dir
 from kvflow.doctor.quant_speed import machine_key, model_key
+from kvflow.doctor.served_decode import SERVED_PROBE_CONTEXT, measure_served_decode
+
+logger = logging.getLogger(__name__)
 
 PROFILE_TIMEOUT_S = 900.0
 # The shapes probed: decode batches up to this many rows, prompts up to this many tokens (or the
@@ -48,8 +64,9 @@ PROFILE_MAX_TOKENS = 1024
 # keys a probed decode row attends, on average.
 DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # What the profile measures (in the cache key, so that a doctor whose profile gained a probe measures
-# again rather than reading an older profile without it): 2 added the decode steps at a long context.
-PROFILE_FORMAT = 2
+# again rather than reading an older profile without it): 2 added the decode steps at a long context,
+# 3 the served decode steps.
+PROFILE_FORMAT = 3
 
 
 @dataclass(frozen=True)
@@ -87,6 +104,26 @@ class StepProfile:
     # ms per key a query row reads beyond the decode probes' context, from decode steps at a long
     # context (a row re-reads its context: kvflow/query_rows.py); None: a profile without that probe.
     row_ms_per_key: float | None = None
+    # By decode rows, less their value at 1 row (module docstring): the served decode steps' excess
+    # over `decode`, and the clients' TPOT beyond the served step. None: no served probe.
+    served_excess: Curve | None = None
+    served_between: Curve | None = None
+    # By the tokens a step delivers, less its value at 1: the clients' TTFT beyond the server's.
+    served_delivery: Curve | None = None
+
+    def served_growth(self, rows: int) -> float:
+        """What serving adds to a step of `rows` decode rows beyond what it adds to a 1-row step."""
+        return _at(self.served_excess, rows)
+
+    def delivery_growth(self, tokens: int) -> float:
+        """How much later a client reads a token its step delivered with `tokens - 1` others than one
+        delivered alone (the API thread writes them one after another, the client parses them)."""
+        return _at(self.served_delivery, tokens)
+
+    def between_growth(self, rows: int) -> float:
+        """What passes after a step of `rows` decode rows before the next (output delivery) beyond
+        what passes after a 1-row step."""
+        return _at(self.served_between, rows)
 
     def shape_ms(self, rows: int, tokens: int) -> float:
         """A step of `rows` query rows and `tokens` prefill-chunk tokens: the prefill curve at the
@@ -113,7 +150,52 @@ class StepProfile:
             if not points:
                 return None
             curves.append(Curve(tuple(p[0] for p in points), tuple(p[1] for p in points)))
-        return cls(curves[0], curves[1], _row_ms_per_key(data, curves[1]))
+        per_key = _row_ms_per_key(data, curves[1])
+        return cls(curves[0], curves[1], per_key, *_served_curves(data, curves[1], per_key))
+
+
+def _at(growth: Curve | None, rows: int) -> float:
+    return 0.0 if growth is None or rows <= 1 else max(growth(rows), 0.0)
+
+
+def _doubling_rows(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if 1 << i <= limit]
+
+
+def _served_curves(
+    data: dict[str, Any], decode: Curve, row_ms_per_key: float | None
+) -> tuple[Curve | None, Curve | None, Curve | None]:
+    """(the served b-row steps' excess over the profile's, at the served probe's context, which is
+    longer than the decode probe's; the clients' TPOT beyond the served step; the clients' TTFT
+    beyond the server's, b first tokens delivered by one step), each less its value at 1 row and
+    non-decreasing in b (pooled where a noisy point falls below its neighbour: each served median
+    moved by 10-20% between probes); None without the served probe."""
+    steps = {int(b): float(ms) for b, ms in (data.get("served_decode_ms") or {}).items()}
+    tpots = {int(b): float(ms) for b, ms in (data.get("served_tpot_ms") or {}).items()}
+    gaps = {int(b): float(ms) for b, ms in (data.get("served_ttft_gap_ms") or {}).items()}
+    per_row_keys = (row_ms_per_key or 0.0) * max(SERVED_PROBE_CONTEXT - DECODE_PROBE_CONTEXT, 0.0)
+    excess = {b: ms - decode(b) - b * per_row_keys for b, ms in steps.items()}
+    between = {b: tpots[b] - ms for b, ms in steps.items() if b in tpots}
+    return _growth(excess), _growth(between), _growth(gaps)
+
+
+def _growth(values: dict[int, float]) -> Curve | None:
+    """`values` by rows less the 1-row value, non-decreasing; None without the 1-row point."""
+    if 1 not in values or len(values) < 2:
+        return None
+    sizes = sorted(values)
+    return Curve(tuple(sizes), tuple(_non_decreasing([values[b] - values[1] for b in sizes])))
+
+
+def _non_decreasing(values: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit to `values` (pool adjacent violators)."""
+    blocks: list[tuple[float, int]] = []  # (mean, count)
+    for v in values:
+        blocks.append((v, 1))
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks[-1]
+            blocks[-2:] = [((m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2)]
+    return [m for m, n in blocks for _ in range(n)]
 
 
 def _row_ms_per_key(data: dict[str, Any], decode: Curve) -> float | None:
@@ -151,15 +233,26 @@ def measure_profile(
     config = json.loads((Path(model_dir) / "config.json").read_text())
     longest = int(config.get("max_position_embeddings") or PROFILE_MAX_TOKENS + 1)
     context = min(max_model_len or longest, longest, PROFILE_MAX_TOKENS + 1)
-    command = [
-        sys.executable, "-m", "kvflow.cli", "profile-steps", str(model_dir), "--dtype", dtype,
-        "--max-model-len", str(context), "--max-num-seqs", str(PROFILE_MAX_NUM_SEQS),
-        "--max-num-batched-tokens", str(max(context - 1, PROFILE_MAX_NUM_SEQS)),
-    ]  # fmt: skip
+    engine_flags = [
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(context),
+        "--max-num-seqs",
+        str(PROFILE_MAX_NUM_SEQS),
+    ]
     if quantization and quantization != "none":
-        command += ["--quantization", quantization]
+        engine_flags += ["--quantization", quantization]
+    command = [sys.executable, "-m", "kvflow.cli", "profile-steps", str(model_dir), *engine_flags]
+    command += ["--max-num-batched-tokens", str(max(context - 1, PROFILE_MAX_NUM_SEQS))]
     out = subprocess.run(command, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S, check=True)
     data = json.loads(out.stdout.strip().splitlines()[-1])
+    try:
+        served = measure_served_decode(str(model_dir), engine_flags, _doubling_rows(PROFILE_MAX_NUM_SEQS))
+    except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:  # the rest of the profile stands
+        logger.warning("the served decode probe failed (%s); the profile has no served steps", exc)
+        served = {}
+    data.update(served)
     target = profile_file(model_dir, dtype, quantization)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps({**data, "machine": machine_key(), "dtype": dtype}))

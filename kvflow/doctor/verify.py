@@ -189,6 +189,9 @@ def bench_config_from_result(result: dict[str, Any]) -> BenchConfig:
         warmup=c.get("warmup", 2),
         ignore_eos=c.get("ignore_eos", True),
         temperature=c.get("temperature", 0.0),
+        # the run's /metrics scrapes stall its steps: the re-runs scrape as often (older results: the
+        # bench's default)
+        metrics_interval=float(c.get("metrics_interval", BenchConfig.metrics_interval)),
     )
 
 

@@ -32,14 +32,23 @@ from kvflow.doctor.step_profile import DECODE_PROBE_CONTEXT, Curve, StepProfile
 
 # Measured on the planted runs' tiny model (kvflow profile-steps, ms): flat for small shapes, then
 # growing, as a real engine's steps are.
-PROFILE = StepProfile.from_json(
-    {
-        "prefill_ms": {"8": 0.62, "16": 0.62, "32": 0.63, "64": 0.79, "128": 1.05, "256": 1.48, "512": 3.0},
-        "decode_ms": {"1": 0.51, "2": 0.55, "4": 0.62, "8": 0.74, "16": 0.93, "32": 1.41},
-    }
-)
+PROFILE_JSON = {
+    "prefill_ms": {"8": 0.62, "16": 0.62, "32": 0.63, "64": 0.79, "128": 1.05, "256": 1.48, "512": 3.0},
+    "decode_ms": {"1": 0.51, "2": 0.55, "4": 0.62, "8": 0.74, "16": 0.93, "32": 1.41},
+}
+PROFILE = StepProfile.from_json(PROFILE_JSON)
 assert PROFILE is not None
 DECODE_EXTRA_MS, PROMPT_FACTOR = 1.3, 6.8
+# The same engine served (kvflow/doctor/served_decode.py): the steps' excess over the curve grows with
+# the rows they deliver (0.2 ms at 1 row, 1.5 at 8), as do the clients' gaps after a step and their
+# TTFT beyond the server's. Shaped on the planted runs' tiny model on a 2-core Zen 2 (session 26).
+SERVED = {
+    "served_decode_ms": {"1": 0.71, "2": 0.9, "4": 1.35, "8": 2.24, "16": 2.9, "32": 3.6},
+    "served_tpot_ms": {"1": 0.8, "2": 1.0, "4": 1.5, "8": 2.5, "16": 3.3, "32": 4.2},
+    "served_ttft_gap_ms": {"1": 3.0, "2": 3.8, "4": 5.3, "8": 8.4, "16": 15.0, "32": 28.0},
+}
+SERVED_PROFILE = StepProfile.from_json({**PROFILE_JSON, **SERVED})
+assert SERVED_PROFILE is not None
 CONFIGS = Path(__file__).parent / "configs"
 
 
@@ -83,9 +92,70 @@ def test_a_short_suffix_after_a_cached_prefix_costs_rows_reading_their_context()
     assert older.step_ms(suffix) == pytest.approx(0.74 * 2.0 + 0.5 + 0.001 * keys_beyond)
 
 
-def _server(settings: SimSettings, samples: list[RequestSample], concurrency: int):  # type: ignore[no-untyped-def]
-    truth = StepCost(0.0, 0.0, 0.0, profile=PROFILE, kind_extra_ms=(DECODE_EXTRA_MS, PROMPT_FACTOR, 0.0))
+def _server(  # type: ignore[no-untyped-def]
+    settings: SimSettings, samples: list[RequestSample], concurrency: int, profile: StepProfile = PROFILE
+):
+    truth = StepCost(0.0, 0.0, 0.0, profile=profile, kind_extra_ms=(DECODE_EXTRA_MS, PROMPT_FACTOR, 0.0))
     return simulate(samples, settings, truth, concurrency)
+
+
+def test_serving_adds_by_the_rows_a_step_delivers_measured_against_one_row() -> None:
+    """The served probe's excess over the in-process curve, less its 1-row value: 0 at one row (the
+    calibration's constant holds that), growing with rows; a noisy dip pooled with its neighbour."""
+    assert SERVED_PROFILE is not None and PROFILE is not None
+    assert SERVED_PROFILE.served_growth(1) == 0.0 and SERVED_PROFILE.served_growth(0) == 0.0
+    excess_1 = 0.71 - 0.51
+    assert SERVED_PROFILE.served_growth(8) == pytest.approx(2.24 - 0.74 - excess_1)
+    assert SERVED_PROFILE.between_growth(8) == pytest.approx((2.5 - 2.24) - (0.8 - 0.71))
+    assert SERVED_PROFILE.delivery_growth(8) == pytest.approx(8.4 - 3.0)
+    assert PROFILE.served_growth(8) == 0.0 and PROFILE.delivery_growth(8) == 0.0  # no served probe
+    dip = StepProfile.from_json(
+        {**PROFILE_JSON, "served_decode_ms": {"1": 0.7, "2": 1.2, "4": 0.9, "8": 1.9}}
+    )
+    assert dip is not None
+    growth = [dip.served_growth(b) for b in (1, 2, 4, 8)]
+    assert growth == sorted(growth)  # never less for more rows
+    pooled = ((1.2 - 0.55) + (0.9 - 0.62)) / 2 - (0.7 - 0.51)
+    assert growth[1] == pytest.approx(pooled) and growth[2] == pytest.approx(pooled)
+    cost = StepCost(0.0, 0.0, 0.0, overhead_ms=0.1, profile=SERVED_PROFILE, kind_extra_ms=(1.3, 6.8, 0.5))
+    eight = StepShape(decode_rows=8)
+    assert cost.server_ms(eight) == pytest.approx(0.74 + 1.3 + SERVED_PROFILE.served_growth(8))
+    assert cost.step_ms(eight) == pytest.approx(
+        cost.server_ms(eight) + 0.1 + SERVED_PROFILE.between_growth(8)
+    )
+
+
+def test_calibrated_on_one_slot_a_served_profile_predicts_eight_slots_decode() -> None:
+    """A server whose steps cost more the more rows they deliver (SERVED): calibrated on one slot,
+    where every decode delivers one token, the profile without the served probe prices the eight-slot
+    decode as the one-slot excess allows (the max_num_seqs what-if's 69 ms e2e against 130 measured);
+    with it, the growth is measured and the TPOT comes out right."""
+    assert SERVED_PROFILE is not None
+    samples = [RequestSample(32, 32, 0, 0.0, None, None) for _ in range(16)]
+    one_slot = SimSettings(1, 2048, None, 16, True)
+    baseline = _server(one_slot, samples, 8, SERVED_PROFILE)
+    eight = _server(replace(one_slot, max_num_seqs=8), samples, 8, SERVED_PROFILE)
+    steps = {
+        k: {"count": float(v.count), "mean": v.time_ms / v.count}
+        for k, v in baseline.kinds.items()
+        if v.count
+    }
+    run = replace(
+        calculator_evidence(32, 8, 32),
+        num_requests=len(samples),
+        requests=samples,
+        server={"step_time_ms": steps, "client_minus_server_ttft_ms": 0.0},
+        tpot_p50_ms=SIM_METRICS["decode_ms_per_step"](baseline),
+    )
+    model = ModelSpec.from_config(json.loads((CONFIGS / "qwen2.5-0.5b.json").read_text()))
+    settings = EngineSettings(server="kvflow", max_num_batched_tokens=2048, max_num_seqs=1, block_size=16)
+    served, unserved = (calibrate(run, settings, model, profile=p) for p in (SERVED_PROFILE, PROFILE))
+    assert served is not None and unserved is not None
+    true_tpot = SIM_METRICS["decode_ms_per_step"](eight)
+    assert SIM_METRICS["decode_ms_per_step"](served.run(max_num_seqs=8)) == pytest.approx(true_tpot, rel=0.05)
+    assert SIM_METRICS["decode_ms_per_step"](unserved.run(max_num_seqs=8)) < 0.8 * true_tpot
+    true_ttft = SIM_METRICS["ttft_p50_ms"](eight)
+    assert SIM_METRICS["ttft_p50_ms"](served.run(max_num_seqs=8)) == pytest.approx(true_ttft, rel=0.05)
 
 
 def test_calibrated_on_one_slot_the_profile_predicts_eight() -> None:

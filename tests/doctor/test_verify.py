@@ -9,9 +9,16 @@ import pytest
 
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
-from kvflow.bench.runner import BenchConfig
+from kvflow.bench.runner import BenchConfig, ServerInfo, _config_dict
 from kvflow.doctor.finding import Finding, WhatIf
-from kvflow.doctor.verify import Verification, compare, reseeded, verifiable, with_workload
+from kvflow.doctor.verify import (
+    Verification,
+    bench_config_from_result,
+    compare,
+    reseeded,
+    verifiable,
+    with_workload,
+)
 
 
 def result(ttft: float) -> dict[str, Any]:
@@ -46,6 +53,25 @@ def test_repeats_draw_other_prompts_of_the_same_lengths_and_workload_changes_sca
     again = reseeded(bench, 11)
     assert again.dataset == bench.dataset and again.load.seed == 11  # the load's seed salts the content
     assert with_workload(bench, {"input_len_scale": 0.75}).dataset.input_len == 300
+
+
+def test_a_rerun_is_the_same_benchmark_scraping_metrics_as_often() -> None:
+    """A /metrics scrape holds the server's GIL while it renders, stalling a step by ~8 ms on a 2-core
+    VM: a diagnosed run scraping every 0.1 s had ITL p99 12 ms where its re-runs at the default 0.5 s
+    measured 4, and the what-if's prediction looked 91% off (benchmarks/NOTES.md, session 26)."""
+    bench = BenchConfig(
+        "http://x/v1",
+        DatasetSpec("random", 12, input_len=48, output_len=64),
+        LoadSpec(concurrency=4),
+        warmup=1,
+        metrics_interval=0.1,
+    )
+    result = {"config": _config_dict(bench, ServerInfo("m", None, None))}
+    rerun = bench_config_from_result(result)
+    assert rerun.metrics_interval == 0.1
+    assert (rerun.dataset, rerun.load, rerun.warmup) == (bench.dataset, bench.load, bench.warmup)
+    del result["config"]["metrics_interval"]  # a result from an older bench: the default
+    assert bench_config_from_result(result).metrics_interval == BenchConfig.metrics_interval
 
 
 def test_each_change_is_applied_once() -> None:
