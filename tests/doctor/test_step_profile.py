@@ -23,7 +23,7 @@ import pytest
 from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
 from kvflow.doctor.calibrate import SIM_METRICS, calibrate
 from kvflow.doctor.cli import diagnosis_step_profile
-from kvflow.doctor.evidence import RequestSample, calculator_evidence
+from kvflow.doctor.evidence import RequestSample, RunEvidence, calculator_evidence
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import SimSettings, simulate
@@ -99,6 +99,28 @@ def _server(  # type: ignore[no-untyped-def]
     return simulate(samples, settings, truth, concurrency)
 
 
+def _one_slot_evidence(  # type: ignore[no-untyped-def]
+    samples: list[RequestSample], baseline
+) -> tuple[RunEvidence, ModelSpec, EngineSettings]:
+    """What the doctor reads of a one-slot server's run `baseline` of `samples`: its step means by
+    kind and TPOT, on a Qwen2.5-0.5B's config."""
+    steps = {
+        k: {"count": float(v.count), "mean": v.time_ms / v.count}
+        for k, v in baseline.kinds.items()
+        if v.count
+    }
+    run = replace(
+        calculator_evidence(32, 8, 32),
+        num_requests=len(samples),
+        requests=samples,
+        server={"step_time_ms": steps, "client_minus_server_ttft_ms": 0.0},
+        tpot_p50_ms=SIM_METRICS["decode_ms_per_step"](baseline),
+    )
+    model = ModelSpec.from_config(json.loads((CONFIGS / "qwen2.5-0.5b.json").read_text()))
+    settings = EngineSettings(server="kvflow", max_num_batched_tokens=2048, max_num_seqs=1, block_size=16)
+    return run, model, settings
+
+
 def test_serving_adds_by_the_rows_a_step_delivers_measured_against_one_row() -> None:
     """The served probe's excess over the in-process curve, less its 1-row value: 0 at one row (the
     calibration's constant holds that), growing with rows; a noisy dip pooled with its neighbour."""
@@ -135,20 +157,7 @@ def test_calibrated_on_one_slot_a_served_profile_predicts_eight_slots_decode() -
     one_slot = SimSettings(1, 2048, None, 16, True)
     baseline = _server(one_slot, samples, 8, SERVED_PROFILE)
     eight = _server(replace(one_slot, max_num_seqs=8), samples, 8, SERVED_PROFILE)
-    steps = {
-        k: {"count": float(v.count), "mean": v.time_ms / v.count}
-        for k, v in baseline.kinds.items()
-        if v.count
-    }
-    run = replace(
-        calculator_evidence(32, 8, 32),
-        num_requests=len(samples),
-        requests=samples,
-        server={"step_time_ms": steps, "client_minus_server_ttft_ms": 0.0},
-        tpot_p50_ms=SIM_METRICS["decode_ms_per_step"](baseline),
-    )
-    model = ModelSpec.from_config(json.loads((CONFIGS / "qwen2.5-0.5b.json").read_text()))
-    settings = EngineSettings(server="kvflow", max_num_batched_tokens=2048, max_num_seqs=1, block_size=16)
+    run, model, settings = _one_slot_evidence(samples, baseline)
     served, unserved = (calibrate(run, settings, model, profile=p) for p in (SERVED_PROFILE, PROFILE))
     assert served is not None and unserved is not None
     true_tpot = SIM_METRICS["decode_ms_per_step"](eight)
@@ -165,20 +174,7 @@ def test_calibrated_on_one_slot_the_profile_predicts_eight() -> None:
     one_slot = SimSettings(1, 2048, None, 16, True)
     baseline = _server(one_slot, samples, 8)
     eight = _server(replace(one_slot, max_num_seqs=8), samples, 8)
-    steps = {
-        k: {"count": float(v.count), "mean": v.time_ms / v.count}
-        for k, v in baseline.kinds.items()
-        if v.count
-    }
-    run = replace(
-        calculator_evidence(32, 8, 32),
-        num_requests=len(samples),
-        requests=samples,
-        server={"step_time_ms": steps, "client_minus_server_ttft_ms": 0.0},
-        tpot_p50_ms=SIM_METRICS["decode_ms_per_step"](baseline),
-    )
-    model = ModelSpec.from_config(json.loads((CONFIGS / "qwen2.5-0.5b.json").read_text()))
-    settings = EngineSettings(server="kvflow", max_num_batched_tokens=2048, max_num_seqs=1, block_size=16)
+    run, model, settings = _one_slot_evidence(samples, baseline)
     profiled = calibrate(run, settings, model, profile=PROFILE)
     line = calibrate(run, settings, model)
     assert profiled is not None and line is not None
