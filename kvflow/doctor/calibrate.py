@@ -27,6 +27,7 @@ import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cached_property
 
 from kvflow.bench.metrics import percentile
 from kvflow.doctor.evidence import RequestSample, RunEvidence
@@ -154,8 +155,17 @@ class Calibration:
     concurrency: int | None
     evidence: RunEvidence
     client_gap_ms: float
-    replicas: int = 1  # replays pooled per prediction (replicas_for)
-    pooled_baseline: SimRun | None = None  # the baseline pooled as the changed runs are
+
+    @cached_property
+    def replicas(self) -> int:
+        """Replays pooled per prediction: enough for MIN_POOLED_GAPS gaps (a p99 over fewer is a few
+        draws of the step residuals), at most MAX_REPLICAS (a large run's tail is already many)."""
+        return max(1, min(MAX_REPLICAS, math.ceil(MIN_POOLED_GAPS / max(len(self.baseline.itl_ms), 1))))
+
+    @cached_property
+    def pooled_baseline(self) -> SimRun:
+        """The baseline pooled as the changed runs are (what predictions divide by)."""
+        return self.run()
 
     def run(self, **change: object) -> SimRun:
         """The same requests under `change` (SimSettings fields), or with `prompt_scale` applied:
@@ -186,7 +196,7 @@ class Calibration:
 
     def predict(self, metric: str, measured: float, changed: SimRun) -> float:
         """`measured` carried to the change (see the module docstring); `metric` a key of SIM_METRICS."""
-        baseline = self.pooled_baseline or self.baseline
+        baseline = self.pooled_baseline
         read = SIM_METRICS[metric]
         now, then = read(baseline), read(changed)
         typical = self.evidence.itl_p50_ms
@@ -252,36 +262,34 @@ def calibrate(
     # Closed loop: between the server's last token of one request and the next request's arrival
     # lie the delivery, the client and the trip back, about what the client adds to TTFT.
     gap = max(float(evidence.server.get("client_minus_server_ttft_ms") or 0.0), 0.0)
+
     jitter = evidence.client_gap_jitter_ms
-    run = simulate(evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter)
+
+    def replay(cost: StepCost) -> SimRun:
+        return simulate(evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter)
+
+    run = replay(cost)
     for _ in range(FIT_ROUNDS):
         fitted = fit(measured, run, ratio)
         if fitted is None:
             return None
         cost = replace(fitted, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
-        run = simulate(evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter)
+        run = replay(cost)
     if profile is not None:
         records = _record_fit(profile, _step_records(evidence))
         for _ in range(FIT_ROUNDS):
             extras, per_key = _kind_extras(measured, run, profile, records)
             cost = replace(cost, profile=profile, kind_extra_ms=extras, attention_ms_per_key=per_key)
-            run = simulate(evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter)
+            run = replay(cost)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
-            run = simulate(evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter)
+            run = replay(cost)
     residuals = step_residuals(cost, _step_records(evidence))
     if any(residuals):
         cost = replace(cost, residuals=residuals)
-        run = simulate(evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter)
+        run = replay(cost)
         cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
-        run = simulate(evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter)
-    calibration = Calibration(cost, sim, run, concurrency, evidence, gap, replicas_for(run))
-    return replace(calibration, pooled_baseline=calibration.run())
-
-
-def replicas_for(run: SimRun) -> int:
-    """Replays to pool per prediction: enough for MIN_POOLED_GAPS gaps (a p99 over fewer is a few
-    draws of the step residuals), at most MAX_REPLICAS (a large run's tail is already many)."""
-    return max(1, min(MAX_REPLICAS, math.ceil(MIN_POOLED_GAPS / max(len(run.itl_ms), 1))))
+        run = replay(cost)
+    return Calibration(cost, sim, run, concurrency, evidence, gap)
 
 
 def step_residuals(

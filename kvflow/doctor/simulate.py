@@ -348,9 +348,8 @@ class _Replay:
         sched = self.sched
         self._admit_arrivals(now)
         if not sched.running and not sched.waiting:
-            if math.isinf(self._next_arrival_time()):
-                return None  # nothing left that can arrive (closed loop with every client capped)
-            return self._next_arrival_time()
+            upcoming = self._next_arrival_time()
+            return None if math.isinf(upcoming) else upcoming  # None: every client capped
         num_capped = len(sched.capped)
         scheduled = sched.schedule(now)
         for _ in range(len(sched.capped) - num_capped):
@@ -359,9 +358,8 @@ class _Replay:
             return self._step(now, scheduled)
         if not sched.running and not sched.waiting:
             return now
-        if math.isinf(self._next_arrival_time()):
-            return None
-        return max(now, self._next_arrival_time())
+        upcoming = self._next_arrival_time()
+        return None if math.isinf(upcoming) else max(now, upcoming)
 
     def _sent(self) -> list[_Request]:
         """The upcoming requests with a send time: in a closed loop the first few (each client's next,

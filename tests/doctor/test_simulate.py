@@ -218,15 +218,17 @@ def test_a_tail_without_preemption_is_carried_by_the_plain_gaps_ratio() -> None:
     baseline's ITL p99 is its preemption stalls (which the simulator made 1.7-2x longer than measured
     on the planted kv_pool run) and the change has none, that ratio is not the tail's: the plain
     decode gaps' (ITL p50) carries it."""
-    samples = [RequestSample(48, 64, 0, 0.0, None, None) for _ in range(12)]
+    # 32 requests: over 2,000 gaps, so predictions divide by this one replay (Calibration.replicas)
+    samples = [RequestSample(48, 64, 0, 0.0, None, None) for _ in range(32)]
     starved = SimSettings(4, 512, 12, 16, False)
     baseline = simulate(samples, starved, COST, concurrency=4)
     roomy = simulate(samples, replace(starved, num_kv_blocks=36), COST, concurrency=4)
     still = simulate(samples, replace(starved, num_kv_blocks=13), COST, concurrency=4)
     assert baseline.num_preemptions and still.num_preemptions and not roomy.num_preemptions
     p50, p99 = SIM_METRICS["itl_p50_ms"], SIM_METRICS["itl_p99_ms"]
-    evidence = replace(calculator_evidence(48, 4, 64), itl_p50_ms=1.2 * p50(baseline))
+    evidence = replace(calculator_evidence(48, 4, 64), requests=samples, itl_p50_ms=1.2 * p50(baseline))
     cal = Calibration(COST, starved, baseline, 4, evidence, 0.0)
+    assert cal.replicas == 1
     measured_tail = 0.5 * p99(baseline)
     assert cal.predict("itl_p99_ms", measured_tail, roomy) == pytest.approx(1.2 * p99(roomy))
     assert cal.predict("itl_p99_ms", measured_tail, still) == pytest.approx(0.5 * p99(still))
