@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from typing import Any
 
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
@@ -40,10 +41,9 @@ SERVED_KEYS = ("served_decode_ms", "served_tpot_ms", "served_ttft_gap_ms")  # th
 SERVED_PROBE_CONTEXT = SERVED_PROMPT_TOKENS + SERVED_OUTPUT_TOKENS / 2  # keys a probed row reads, on average
 
 
-def decode_step_ms(result: dict[str, object], rows: int) -> float | None:
+def decode_step_ms(result: dict[str, Any], rows: int) -> float | None:
     """The median of the run's recorded decode-only steps of exactly `rows` rows; None without."""
-    steps = result.get("server")
-    recorded = (steps.get("steps") if isinstance(steps, dict) else None) or {}
+    recorded = (result.get("server") or {}).get("steps") or {}
     fields = list(recorded.get("fields") or [])
     if "dur_ms" not in fields or "prefill_tokens" not in fields or "decode_tokens" not in fields:
         return None
