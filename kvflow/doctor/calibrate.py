@@ -13,6 +13,9 @@ arrivals).
 
 With the server's step records, each simulated step also draws a recorded step's departure from
 its fitted cost (step_residuals): the tails (ITL p99) are made of the few long steps a mean hides.
+With a measured step profile, the records' decode-only steps first say how much slower the machine
+ran them than the profile's served steps took when it was measured (profile_speed), and the whole
+profile is scaled by that before the per-kind extras are fitted to it.
 
 Predictions scale the simulated change onto the measurement: the client's number is the server's
 plus a delivery offset (client minus server TTFT, for TTFT and E2E), and the server's is the
@@ -155,6 +158,8 @@ class Calibration:
     concurrency: int | None
     evidence: RunEvidence
     client_gap_ms: float
+    # The run's decode steps over the step profile's (profile_speed): the profile was scaled by it.
+    profile_speed: float | None = None
 
     @cached_property
     def replicas(self) -> int:
@@ -194,18 +199,23 @@ class Calibration:
         ]
         return pooled(runs)
 
+    def carried_by(self, metric: str, changed: SimRun) -> str:
+        """The measured metric whose simulated-to-measured ratio carries `metric` to the change:
+        itself, except a tail the change rids of the baseline's preemption stalls. Those the
+        simulator makes 1.7-2x longer than measured on the planted kv_pool run, and their ratio
+        would scale a tail without any (predicted 1.9 ms, measured 5.0): the plain decode gaps'
+        ratio (ITL p50) carries it instead."""
+        preemption_gone = bool(self.pooled_baseline.num_preemptions) and not changed.num_preemptions
+        plain_gaps = metric == "itl_p99_ms" and preemption_gone and self.evidence.itl_p50_ms
+        return "itl_p50_ms" if plain_gaps else metric
+
     def predict(self, metric: str, measured: float, changed: SimRun) -> float:
         """`measured` carried to the change (see the module docstring); `metric` a key of SIM_METRICS."""
         baseline = self.pooled_baseline
         read = SIM_METRICS[metric]
         now, then = read(baseline), read(changed)
-        typical = self.evidence.itl_p50_ms
-        preemption_gone = bool(baseline.num_preemptions) and not changed.num_preemptions
-        if metric == "itl_p99_ms" and preemption_gone and typical:
-            # The baseline's tail is its preemption stalls, which the simulator makes 1.7-2x longer
-            # than measured on the planted kv_pool run: that ratio would scale a tail without any
-            # (predicted 1.9 ms, measured 5.0). Carry by the plain decode gaps' ratio instead.
-            now, measured = SIM_METRICS["itl_p50_ms"](baseline), typical
+        if (by := self.carried_by(metric, changed)) != metric and self.evidence.itl_p50_ms:
+            now, measured = SIM_METRICS[by](baseline), self.evidence.itl_p50_ms  # by is itl_p50_ms
         offset = self.client_gap_ms if metric.startswith(("ttft", "e2e")) else 0.0
         offset = min(offset, measured)
         if now <= 0:
@@ -223,6 +233,7 @@ class Calibration:
             "step_fixed_ms": self.cost.fixed_ms,
             "step_per_token_ms": self.cost.per_token_ms,
             "step_overhead_ms": self.cost.overhead_ms,
+            "profile_speed": self.profile_speed,
         }
 
 
@@ -275,6 +286,9 @@ def calibrate(
             return None
         cost = replace(fitted, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
         run = replay(cost)
+    speed = profile_speed(profile, _step_records(evidence)) if profile is not None else None
+    if profile is not None and speed is not None:
+        profile = profile.scaled(speed)
     if profile is not None:
         records = _record_fit(profile, _step_records(evidence))
         for _ in range(FIT_ROUNDS):
@@ -289,7 +303,30 @@ def calibrate(
         run = replay(cost)
         cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
         run = replay(cost)
-    return Calibration(cost, sim, run, concurrency, evidence, gap)
+    return Calibration(cost, sim, run, concurrency, evidence, gap, speed)
+
+
+def profile_speed(profile: StepProfile, steps: list[tuple[float, StepShape]]) -> float | None:
+    """How much slower the machine ran the diagnosed run's decode-only steps than the profile says
+    the same served steps took when it was measured (median of the ratios; the profile's own
+    served step: its engine step, the served 1-row excess and the growth with rows); None without
+    the served probe or without MIN_STEP_RECORDS such steps.
+
+    Why: the profile is measured once and cached, and a VM's speed moves by a third over minutes
+    (the planted tiny model's 1-row step 1.04 ms in one profile, 1.34 in the next, 2.5 h apart on
+    a Zen 2). The fitted per-kind extras absorb the difference at the rows the run had, additively,
+    but the growth with rows a what-if adds came from the profile's moment: a profile measured on a
+    slow moment put the max_num_seqs what-if's TTFT at 56 ms where 34 were measured (session 27)."""
+    base_excess = profile.served_base_excess
+    if base_excess is None:
+        return None
+    ratios = []
+    for dur, shape in steps:
+        if shape.prompt_tokens or not shape.decode_rows:
+            continue
+        served = profiled_step(profile, shape)[0] + base_excess + profile.served_growth(shape.decode_rows)
+        ratios.append(dur / max(served, MIN_STEP_MS))
+    return statistics.median(ratios) if len(ratios) >= MIN_STEP_RECORDS else None
 
 
 def step_residuals(

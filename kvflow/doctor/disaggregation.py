@@ -8,23 +8,31 @@ The prediction, for the same machine split in two instances (each half the cores
               the cores) x DECODE_ONLY_TAIL (p99 / p50 of gaps when no chunk ever joins a step)
     TTFT p50  a request's path through the pair, each part from the calibrated simulator
               (kvflow/doctor/calibrate.py) when the run is a kvflow server's:
-                the prefill instance   the same requests replayed with one output token each, every
-                                       step x PREFILL_SPLIT_SLOWDOWN, each client sending its next
+                the prefill instance   the same requests replayed with one output token each, on
+                                       half the cores (the step profile's curves measured there,
+                                       kvflow/doctor/step_profile.py; without them every step x
+                                       PREFILL_SPLIT_SLOWDOWN), each client sending its next
                                        request after that request's decode (its outputs x the
                                        split ITL; clients fall out of step as on the pair): this
                                        instance's queueing and prefill, carried onto the measured
                                        TTFT as every simulated change is
                 the KV transfer        the p50 prompt's KV at TRANSFER_BYTES_PER_S
-                the decode instance    the prompt's last block recomputed there (one token is
-                                       always computed, so a prompt's trailing tokens after its
-                                       last full block, at least one), a step on half the cores
+                the decode instance    the rest of the step in flight there (the other clients'
+                                       decode rows, by the share of their round they spend
+                                       decoding), then its own step: the prompt's last block
+                                       recomputed (one token is always computed, so a prompt's
+                                       trailing tokens after its last full block, at least one)
+                                       beside those rows; on half the cores as above (without
+                                       split curves, x DECODE_SPLIT_SLOWDOWN)
                 the router             HOP_LEGS more HTTP legs, each what the run's client added
                                        to the server's TTFT
               otherwise the run's TTFT p50 x PREFILL_SPLIT_SLOWDOWN + the transfer.
 Measured with benchmarks/pd_disaggregation.py and benchmarks/kv_transfer.py (2-core Xeon VM, Qwen2.5-0.5B
 shape, 4 streams, 1536-token prompts every 6 s, colocated 2 threads against 1 + 1); on other
-machines these ratios move with how prefill and decode scale with cores, which `--verify` measures
-(kvflow/doctor/verify_pd.py: the pair on half the cores each, behind vllm-router).
+machines these ratios move with how prefill and decode scale with cores: the step profile measures
+its curves on half the cores too (on a 2-core Zen 2 the planted tiny model prefilled 1.7-2.0x slower
+on one core, not 1.43x), and `--verify` measures the pair (kvflow/doctor/verify_pd.py: half the
+cores each, behind vllm-router).
 On the planted run's 400-token prompts at one client (session 24): prefill instance 76 ms, decode
 instance 16.5 ms (2.2 ms fetching the KV, the rest its 16-token last block), 118 ms at the client:
 the other 26 ms are the router's hops on a machine whose two cores also run both servers.
@@ -75,7 +83,7 @@ def pd_ttft_ms(d: Diagnosis, cal: Calibration, itl_pd_ms: float, transfer_ms: fl
     prefill = simulate(
         samples,
         cal.settings,
-        replace(cal.cost, scale=PREFILL_SPLIT_SLOWDOWN),
+        cal.cost.on_half_cores(PREFILL_SPLIT_SLOWDOWN),
         cal.concurrency,
         cal.client_gap_ms + hop_ms + transfer_ms,
         after_ms=decode_phase_ms,
@@ -83,13 +91,32 @@ def pd_ttft_ms(d: Diagnosis, cal: Calibration, itl_pd_ms: float, transfer_ms: fl
     )
     if not prefill.ttft_ms:
         return None
-    # The decode instance: the tokens after the prompt's last full block (at least one) attend to the
-    # prompt, in a step on half the cores.
-    prompt = max(1, round(run.prompt_p50))
+    # The decode instance: the requests in flight besides this one (closed-loop clients, or Little's
+    # law's estimate), by the share of their time they spend decoding there (of a round: prefill,
+    # decode and the client's gap), whose rows run its steps.
+    round_ms = sum(decode_phase_ms) + sum(prefill.ttft_ms) + len(samples) * (cal.client_gap_ms + hop_ms)
+    in_flight = max(cal.evidence.concurrency - 1.0, 0.0)
+    others = round(in_flight * sum(decode_phase_ms) / round_ms) if round_ms > 0 else 0
+    decode_side = decode_instance_ttft_ms(cal, max(1, round(run.prompt_p50)), others)
+    return cal.predict("ttft_p50_ms", run.ttft_p50_ms, prefill) + transfer_ms + decode_side + hop_ms
+
+
+def decode_instance_ttft_ms(cal: Calibration, prompt: int, others: int) -> float:
+    """A request's time on the decode instance before its first token, which `others` decoding
+    requests keep busy: the rest of the step in flight when it arrives (half a step of their rows,
+    on average, an arrival being as likely at any point of a step), then its own step, the tokens
+    after the prompt's last full block (at least one: one token is always computed) sharing it
+    with their rows. On half the cores. At 4 clients of ~384-token prompts (Zen 2): measured 57.6
+    ms mean (queue 24.7, its step 32.9), and predicted 25.5 for its step alone, as one on an idle
+    instance."""
+    cost = cal.cost.on_half_cores(DECODE_SPLIT_SLOWDOWN)
     block = cal.settings.block_size
     last = prompt - block * ((prompt - 1) // block)
-    decode_side = cal.cost.step_ms(StepShape().plus_chunk(last, prompt)) * DECODE_SPLIT_SLOWDOWN
-    return cal.predict("ttft_p50_ms", run.ttft_p50_ms, prefill) + transfer_ms + decode_side + hop_ms
+    busy = StepShape()
+    for _ in range(others):  # each at the median request's mean decode context
+        busy = busy.plus_chunk(1, round(cal.evidence.decode_context), decode=True)
+    in_flight = cost.step_ms(busy) / 2 if others else 0.0
+    return in_flight + cost.step_ms(busy.plus_chunk(last, prompt))
 
 
 def disaggregate_what_if(d: Diagnosis) -> WhatIf | None:

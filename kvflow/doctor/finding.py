@@ -25,6 +25,10 @@ class WhatIf:
     method: str = ""  # how the prediction was made (e.g. "simulated", "measured per-format speed")
     # metric -> [low, high]: the predicted value with the run's own noise (kvflow/doctor/noise.py)
     interval: dict[str, list[float]] = field(default_factory=dict)
+    # metric -> the measured metric its prediction moves with, where not the metric itself (a tail
+    # without the baseline's preemption stalls moves with the plain gaps: Calibration.carried_by);
+    # `--verify` carries the prediction to its fresh baseline by that metric's ratio.
+    carried_by: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass

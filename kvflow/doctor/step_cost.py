@@ -127,6 +127,12 @@ class StepCost:
     # the machine, kvflow/doctor/disaggregation.py). 1: the measured server.
     scale: float = 1.0
 
+    def on_half_cores(self, slowdown: float) -> StepCost:
+        """This cost for one instance of a machine split in two: the profile's curves measured on
+        half the cores when it has them, else every step x `slowdown` (a ratio measured elsewhere)."""
+        half = self.profile.on_half_cores() if self.profile is not None else None
+        return replace(self, profile=half) if half is not None else replace(self, scale=slowdown)
+
     def work(self, tokens: int, attention: float) -> float:
         """Work in token units: the tokens and what their attention adds."""
         return tokens + self.attention_ratio * attention

@@ -30,8 +30,19 @@ measured through a server (kvflow/doctor/served_decode.py):
 Attention beyond the probes' own short contexts is not in the curves: a query row's is
 row_ms_per_key, a prefill chunk's is fitted to the server's steps.
 
+    split_prefill_ms,     the same prefill and decode curves on half the cores (OMP_NUM_THREADS):
+    split_decode_ms       one instance of a machine split in two, as the disaggregation what-if
+                          runs a prefill and a decode instance (kvflow/doctor/disaggregation.py).
+                          How prefill and decode scale with cores is the machine's and the model's:
+                          a 2-core Xeon on a 0.5B shape prefilled 1.43x slower on one core, a
+                          2-core Zen 2 on the planted tiny model 1.7-2.0x (a constant from the one
+                          machine under-predicted the pair's TTFT by 13-31% on the other:
+                          benchmarks/NOTES.md, session 27).
+
 Measured once per model, machine, dtype and quantization, cached in ~/.cache/kvflow/doctor/
-step-profile/ (`kvflow doctor --profile-steps` measures; later runs read the cache).
+step-profile/ (`kvflow doctor --profile-steps` measures; later runs read the cache). A run at another
+moment scales it to its own speed (kvflow/doctor/calibrate.py: profile_speed): a VM's speed moves by
+a third over minutes.
 """
 
 from __future__ import annotations
@@ -39,11 +50,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import statistics
 import subprocess
 import sys
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +77,10 @@ PROFILE_MAX_TOKENS = 1024
 DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # What the profile measures (in the cache key, so that a doctor whose profile gained a probe measures
 # again rather than reading an older profile without it): 2 added the decode steps at a long context,
-# 3 the served decode steps.
-PROFILE_FORMAT = 3
+# 3 the served decode steps, 4 the curves on half the cores.
+PROFILE_FORMAT = 4
+# The profile's keys for its curves on half the cores (module docstring).
+SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
 
 
 @dataclass(frozen=True)
@@ -87,6 +101,9 @@ class Curve:
         i = bisect_left(xs, n)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) / (x1 - x0) * (n - x0)
+
+    def scaled(self, factor: float) -> Curve:
+        return Curve(self.sizes, tuple(ms * factor for ms in self.ms))
 
     def slope(self, n: float) -> float:
         """ms per unit of size around n (for what a share of a step's tokens cost)."""
@@ -110,6 +127,39 @@ class StepProfile:
     served_between: Curve | None = None
     # By the tokens a step delivers, less its value at 1: the clients' TTFT beyond the server's.
     served_delivery: Curve | None = None
+    # The prefill and decode curves on half the cores; None: not measured (one core, or an older
+    # profile).
+    split: tuple[Curve, Curve] | None = None
+    # The served 1-row decode step's excess over the profiled one (what the growth curves start
+    # from); None without the served probe.
+    served_base_excess: float | None = None
+
+    def scaled(self, factor: float) -> StepProfile:
+        """Every time in the profile x `factor`: the same machine running that much slower (a VM's
+        speed moves by a third over minutes: the profile cached at one moment, a run at another)."""
+
+        def times(curve: Curve | None) -> Curve | None:
+            return None if curve is None else curve.scaled(factor)
+
+        return StepProfile(
+            self.prefill.scaled(factor),
+            self.decode.scaled(factor),
+            None if self.row_ms_per_key is None else self.row_ms_per_key * factor,
+            times(self.served_excess),
+            times(self.served_between),
+            times(self.served_delivery),
+            None if self.split is None else (self.split[0].scaled(factor), self.split[1].scaled(factor)),
+            None if self.served_base_excess is None else self.served_base_excess * factor,
+        )
+
+    def on_half_cores(self) -> StepProfile | None:
+        """This profile for one instance on half the cores: the split curves in place of the
+        whole machine's, the rest kept (what serving adds is the API thread's, not the forward's);
+        None without split curves."""
+        if self.split is None:
+            return None
+        prefill, decode = self.split
+        return replace(self, prefill=prefill, decode=decode, split=None)
 
     def served_growth(self, rows: int) -> float:
         """What serving adds to a step of `rows` decode rows beyond what it adds to a 1-row step."""
@@ -144,14 +194,37 @@ class StepProfile:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepProfile | None:
-        curves = []
-        for key in ("prefill_ms", "decode_ms"):
-            points = sorted((int(k), float(v)) for k, v in (data.get(key) or {}).items())
-            if not points:
-                return None
-            curves.append(Curve(tuple(p[0] for p in points), tuple(p[1] for p in points)))
+        curves = [_curve(data.get(key)) for key in SPLIT_KEYS]
+        split = [_curve(data.get(key)) for key in SPLIT_KEYS.values()]
+        if curves[0] is None or curves[1] is None:
+            return None
         per_key = _row_ms_per_key(data, curves[1])
-        return cls(curves[0], curves[1], per_key, *_served_curves(data, curves[1], per_key))
+        excess, between, delivery, base_excess = _served_curves(data, curves[1], per_key)
+        halves = (split[0], split[1]) if split[0] is not None and split[1] is not None else None
+        return cls(curves[0], curves[1], per_key, excess, between, delivery, halves, base_excess)
+
+
+def _curve(points_by_size: dict[str, float] | None) -> Curve | None:
+    """{size: ms} as a Curve; None when empty."""
+    points = sorted((int(k), float(v)) for k, v in (points_by_size or {}).items())
+    if not points:
+        return None
+    return Curve(tuple(p[0] for p in points), tuple(p[1] for p in points))
+
+
+def half_the_cores() -> int:
+    """The threads each instance of a machine split in two gets (at least one)."""
+    return max(1, (os.cpu_count() or 2) // 2)
+
+
+def _profile_steps(command: list[str], threads: int | None) -> dict[str, Any]:
+    """`kvflow profile-steps`' JSON, on `threads` threads (OMP_NUM_THREADS; None: the default)."""
+    env = None if threads is None else {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    out = subprocess.run(
+        command, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S, check=True, env=env
+    )
+    data: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return data
 
 
 def _at(growth: Curve | None, rows: int) -> float:
@@ -164,19 +237,19 @@ def _doubling_rows(limit: int) -> list[int]:
 
 def _served_curves(
     data: dict[str, Any], decode: Curve, row_ms_per_key: float | None
-) -> tuple[Curve | None, Curve | None, Curve | None]:
+) -> tuple[Curve | None, Curve | None, Curve | None, float | None]:
     """(the served b-row steps' excess over the profile's, at the served probe's context, which is
     longer than the decode probe's; the clients' TPOT beyond the served step; the clients' TTFT
     beyond the server's, b first tokens delivered by one step), each less its value at 1 row and
     non-decreasing in b (pooled where a noisy point falls below its neighbour: each served median
-    moved by 10-20% between probes); None without the served probe."""
+    moved by 10-20% between probes), and the 1-row excess; None without the served probe."""
     steps = {int(b): float(ms) for b, ms in (data.get("served_decode_ms") or {}).items()}
     tpots = {int(b): float(ms) for b, ms in (data.get("served_tpot_ms") or {}).items()}
     gaps = {int(b): float(ms) for b, ms in (data.get("served_ttft_gap_ms") or {}).items()}
     per_row_keys = (row_ms_per_key or 0.0) * max(SERVED_PROBE_CONTEXT - DECODE_PROBE_CONTEXT, 0.0)
     excess = {b: ms - decode(b) - b * per_row_keys for b, ms in steps.items()}
     between = {b: tpots[b] - ms for b, ms in steps.items() if b in tpots}
-    return _growth(excess), _growth(between), _growth(gaps)
+    return _growth(excess), _growth(between), _growth(gaps), excess.get(1)
 
 
 def _growth(values: dict[int, float]) -> Curve | None:
@@ -245,8 +318,11 @@ def measure_profile(
         engine_flags += ["--quantization", quantization]
     command = [sys.executable, "-m", "kvflow.cli", "profile-steps", str(model_dir), *engine_flags]
     command += ["--max-num-batched-tokens", str(max(context - 1, PROFILE_MAX_NUM_SEQS))]
-    out = subprocess.run(command, capture_output=True, text=True, timeout=PROFILE_TIMEOUT_S, check=True)
-    data = json.loads(out.stdout.strip().splitlines()[-1])
+    data = _profile_steps(command, None)
+    threads = half_the_cores()
+    if threads < (os.cpu_count() or 1):  # the same probes on half the cores
+        halves = _profile_steps(command, threads)
+        data.update({split: halves[key] for key, split in SPLIT_KEYS.items() if key in halves})
     try:
         served = measure_served_decode(str(model_dir), engine_flags, _doubling_rows(PROFILE_MAX_NUM_SEQS))
     except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:  # the rest of the profile stands

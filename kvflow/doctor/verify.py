@@ -33,6 +33,7 @@ AGREEMENT_TOLERANCE = 0.25
 MEASURED = {
     "ttft_p50_ms": lambda r: r["ttft_ms"]["p50"],
     "ttft_p95_ms": lambda r: r["ttft_ms"]["p95"],
+    "itl_p50_ms": lambda r: r["itl_ms"]["p50"],
     "itl_p99_ms": lambda r: r["itl_ms"]["p99"],
     "decode_ms_per_step": lambda r: r["tpot_ms"]["p50"],
     "e2e_p50_ms": lambda r: r["e2e_ms"]["p50"],
@@ -219,18 +220,23 @@ def compare(
     what_if: WhatIf, original: dict[str, Any], pairs: list[tuple[dict[str, Any], dict[str, Any]]]
 ) -> list[Verification]:
     """Each predicted metric: the prediction carried from the original run to the fresh baseline
-    (as a ratio), against what the changed runs measured (medians over the repeated pairs)."""
+    (as a ratio of the metric it moves with, WhatIf.carried_by: the metric itself unless the
+    prediction says otherwise), against what the changed runs measured (medians over the repeated
+    pairs)."""
     checks = []
     for metric, predicted in what_if.predicted.items():
         read = MEASURED.get(metric)
-        if read is None or read(original) is None:
+        carry = MEASURED.get(what_if.carried_by.get(metric, metric))
+        if read is None or carry is None or read(original) is None:
             continue
         bases = [read(b) for b, _ in pairs if read(b) is not None]
         afters = [read(c) for _, c in pairs if read(c) is not None]
-        if not bases or not afters:
+        carriers = [carry(b) for b, _ in pairs if carry(b) is not None]
+        if not bases or not afters or not carriers:
             continue
-        before, base, after = read(original), _median(bases), _median(afters)
-        scaled = base * predicted / before if before else predicted
+        base, after = _median(bases), _median(afters)
+        before, now = carry(original), _median(carriers)
+        scaled = now * predicted / before if before else predicted
         noise = (max(bases) - min(bases)) / base if base and len(bases) > 1 else 0.0
         checks.append(Verification(what_if.change, metric, base, scaled, after, noise))
     return checks

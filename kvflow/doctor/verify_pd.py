@@ -13,6 +13,7 @@ from typing import Any
 
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.config import ConfigError
+from kvflow.doctor.step_profile import half_the_cores
 from kvflow.server.spawn import spawn_server, spawn_vllm_router, stop_router, stop_server
 
 # The what-if's setting value: understood by --verify only (kvflow serve takes prefill or decode).
@@ -26,8 +27,7 @@ class FreshPair:
                 "--verify runs the disaggregated pair behind vllm-router: pip install vllm-router"
             )
         self.model_dir = model_dir
-        threads = max(1, (os.cpu_count() or 2) // 2)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(half_the_cores())}
         self.servers: list[subprocess.Popen[Any]] = []
         self.router: subprocess.Popen[Any] | None = None
         try:

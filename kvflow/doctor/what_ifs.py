@@ -5,6 +5,7 @@ and carrying the setting or workload change `--verify` applies."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from kvflow.doctor.diagnosis import Diagnosis
@@ -17,7 +18,31 @@ KV_HEADROOM = 1.25
 PROMPT_WORTH_CUTTING = 0.2  # the prompt's prefill is at least this share of TTFT
 
 
-def simulated(d: Diagnosis, metrics: tuple[str, ...], **change: Any) -> dict[str, float] | None:
+@dataclass(frozen=True)
+class Simulated:
+    """Each metric's measured value moved by the simulated effect of a change, and the measured
+    metric each moves with (Calibration.carried_by: `--verify` carries it to a fresh baseline by
+    that metric's ratio, as the prediction was carried from the run)."""
+
+    values: dict[str, float]
+    carried_by: dict[str, str]
+
+    def __getitem__(self, metric: str) -> float:
+        return self.values[metric]
+
+    def what_if(
+        self,
+        change: str,
+        effect: str,
+        setting: dict[str, Any] | None = None,
+        workload: dict[str, Any] | None = None,
+    ) -> WhatIf:
+        return WhatIf(
+            change, effect, dict(self.values), setting, workload, SIMULATED, carried_by=dict(self.carried_by)
+        )
+
+
+def simulated(d: Diagnosis, metrics: tuple[str, ...], **change: Any) -> Simulated | None:
     """Each metric's measured value moved by the simulated effect of `change`; None without a
     calibrated simulator."""
     cal = d.calibration
@@ -26,12 +51,14 @@ def simulated(d: Diagnosis, metrics: tuple[str, ...], **change: Any) -> dict[str
     changed = cal.run(**change)
     if changed.num_requests < d.run.num_requests:  # the change would cap requests: no like-for-like
         return None
-    predicted = {}
+    values, carried_by = {}, {}
     for metric in metrics:
         value = d.run.metric(metric)
         if value is not None:
-            predicted[metric] = cal.predict(metric, value, changed)
-    return predicted
+            values[metric] = cal.predict(metric, value, changed)
+            if (by := cal.carried_by(metric, changed)) != metric:
+                carried_by[metric] = by
+    return Simulated(values, carried_by)
 
 
 def _kvflow(d: Diagnosis, setting: dict[str, Any]) -> dict[str, Any] | None:
@@ -49,12 +76,8 @@ def prefix_caching_what_if(d: Diagnosis) -> WhatIf | None:
     setting = _kvflow(d, {"enable_prefix_caching": True})
     sim = simulated(d, ("ttft_p50_ms",), enable_prefix_caching=True)
     if sim is not None:
-        return WhatIf(
-            change,
-            f"p50 TTFT {run.ttft_p50_ms:,.1f} -> {sim['ttft_p50_ms']:,.1f} ms",
-            sim,
-            setting,
-            method=SIMULATED,
+        return sim.what_if(
+            change, f"p50 TTFT {run.ttft_p50_ms:,.1f} -> {sim['ttft_p50_ms']:,.1f} ms", setting
         )
     slope = d.measured_prefill_ms_per_token()
     if slope is None:
@@ -86,13 +109,11 @@ def cut_prompt_what_if(d: Diagnosis, scale: float = 0.75) -> WhatIf | None:
     workload = {"input_len_scale": scale}
     sim = simulated(d, ("ttft_p50_ms", "e2e_p50_ms"), prompt_scale=scale)
     if sim is not None:
-        return WhatIf(
+        return sim.what_if(
             change,
             f"p50 TTFT {run.ttft_p50_ms:,.1f} -> {sim['ttft_p50_ms']:,.1f} ms, and {cut:,} fewer KV tokens "
             "per request",
-            sim,
             workload=workload,
-            method=SIMULATED,
         )
     predicted = max(run.ttft_p50_ms - slope * cut, 0.0)
     return WhatIf(
@@ -120,13 +141,11 @@ def budget_what_ifs(d: Diagnosis, factors: tuple[float, ...]) -> list[WhatIf]:
         if sim is None:
             continue
         what_ifs.append(
-            WhatIf(
+            sim.what_if(
                 f"max_num_batched_tokens {budget} -> {new}",
                 f"ITL p99 {d.run.itl_p99_ms or 0:,.1f} -> {sim['itl_p99_ms']:,.1f} ms, p50 TTFT "
                 f"{d.run.ttft_p50_ms or 0:,.1f} -> {sim['ttft_p50_ms']:,.1f} ms",
-                sim,
                 _kvflow(d, {"max_num_batched_tokens": new}),
-                method=SIMULATED,
             )
         )
     return what_ifs
@@ -160,7 +179,7 @@ def max_num_seqs_what_if(d: Diagnosis) -> WhatIf | None:
         effect = (
             f"p50 TTFT {d.run.ttft_p50_ms or 0:,.1f} -> {sim['ttft_p50_ms']:,.1f} ms (steps batch more rows)"
         )
-        return WhatIf(change, effect, sim, _kvflow(d, setting), method=SIMULATED)
+        return sim.what_if(change, effect, _kvflow(d, setting))
     queue, ttft = d.run.queue_ms, d.run.ttft_p50_ms
     if queue is None or ttft is None:
         effect = "TTFT falls by the queueing; not quantified (the server exports no queue time)"
@@ -193,7 +212,7 @@ def kv_blocks_what_if(d: Diagnosis) -> WhatIf | None:
         f"ITL p99 {d.run.itl_p99_ms or 0:,.1f} -> {sim['itl_p99_ms']:,.1f} ms, p50 TTFT "
         f"{d.run.ttft_p50_ms or 0:,.1f} -> {sim['ttft_p50_ms']:,.1f} ms"
     )
-    return WhatIf(change, effect, sim, setting, method=SIMULATED)
+    return sim.what_if(change, effect, setting)
 
 
 # The batch the mixture-of-experts what-if compares against (the issue's "batch 8 reads N of E").

@@ -232,3 +232,7 @@ def test_a_tail_without_preemption_is_carried_by_the_plain_gaps_ratio() -> None:
     measured_tail = 0.5 * p99(baseline)
     assert cal.predict("itl_p99_ms", measured_tail, roomy) == pytest.approx(1.2 * p99(roomy))
     assert cal.predict("itl_p99_ms", measured_tail, still) == pytest.approx(0.5 * p99(still))
+    # and says so, for --verify to carry it to a fresh baseline the same way
+    assert cal.carried_by("itl_p99_ms", roomy) == "itl_p50_ms"
+    assert cal.carried_by("itl_p99_ms", still) == "itl_p99_ms"
+    assert cal.carried_by("ttft_p50_ms", roomy) == "ttft_p50_ms"

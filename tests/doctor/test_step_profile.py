@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 from collections.abc import Callable
 from dataclasses import replace
@@ -246,4 +247,53 @@ def test_the_profile_is_measured_by_default_only_for_a_server_on_this_machine(
     assert profile("http://127.0.0.1:8000/v1", flag=False) is None
     measured = profile("http://localhost:8000/v1")
     assert measured is not None and measured.row_ms_per_key is not None
+    if (os.cpu_count() or 1) > 1:  # the same curves on half the cores (the disaggregation what-if's)
+        assert measured.split is not None and measured.split[0].sizes == measured.prefill.sizes
     assert profile("http://10.0.0.7:8000/v1", verify=True) == measured  # --verify runs here: cached
+
+
+def test_an_instance_on_half_the_cores_costs_the_curves_measured_there() -> None:
+    """The disaggregation what-if runs a prefill and a decode instance on half the cores each. With
+    the profile's curves measured there (OMP_NUM_THREADS), a step costs what they say; without
+    them, every step x the ratio measured on another machine."""
+    split = {"split_prefill_ms": {"64": 1.6, "512": 6.0}, "split_decode_ms": {"1": 0.6, "8": 1.0}}
+    profile = StepProfile.from_json({**PROFILE_JSON, **split})
+    assert profile is not None and profile.split is not None and PROFILE.split is None
+    half = profile.on_half_cores()
+    assert half is not None and half.prefill(512) == 6.0 and half.decode(8) == 1.0
+    assert half.row_ms_per_key == profile.row_ms_per_key  # the rest kept
+    cost = StepCost(0.0, 0.0, 0.0, profile=profile)
+    chunk = StepShape(prefill_tokens=512)
+    assert cost.on_half_cores(1.43).server_ms(chunk) == pytest.approx(6.0)
+    whole = StepCost(0.0, 0.0, 0.0, profile=PROFILE)
+    assert whole.on_half_cores(1.43).server_ms(chunk) == pytest.approx(1.43 * whole.server_ms(chunk))
+
+
+def test_a_profile_measured_on_a_faster_moment_is_scaled_to_the_run() -> None:
+    """The profile is cached; the VM's speed moves by a third over minutes. A one-slot run whose
+    every step ran 1.3x slower than the served profile says: the recorded decode steps give the
+    ratio, the whole profile is scaled by it, and the eight-slot decode (whose growth with rows the
+    run never showed) comes out right. Unscaled, the fitted constant absorbs the 1-row slowdown
+    but the growth stays at the profile's speed (under by ~10%)."""
+    assert SERVED_PROFILE is not None and SERVED_PROFILE.served_base_excess == pytest.approx(0.71 - 0.51)
+    slow = SERVED_PROFILE.scaled(1.3)
+    assert slow.decode(8) == pytest.approx(1.3 * 0.74) and slow.served_growth(8) == pytest.approx(
+        1.3 * SERVED_PROFILE.served_growth(8)
+    )
+    samples = [RequestSample(32, 32, 0, 0.0, None, None) for _ in range(16)]
+    one_slot = SimSettings(1, 2048, None, 16, True)
+    extras = (1.3 * SERVED_PROFILE.served_base_excess, PROMPT_FACTOR, 0.0)
+    truth = StepCost(0.0, 0.0, 0.0, profile=slow, kind_extra_ms=extras)
+    baseline = simulate(samples, one_slot, truth, 8)
+    eight = simulate(samples, replace(one_slot, max_num_seqs=8), truth, 8)
+    run, model, settings = _one_slot_evidence(samples, baseline)
+    one_row = StepShape(decode_rows=1, row_attention=DECODE_PROBE_CONTEXT)
+    records = [[truth.server_ms(one_row), 0, 1, DECODE_PROBE_CONTEXT, 0, DECODE_PROBE_CONTEXT]] * 20
+    run.server["steps"] = {"fields": [*STEP_KEYS, *ROW_STEP_KEYS], "rows": records}
+    scaled = calibrate(run, settings, model, profile=SERVED_PROFILE)
+    unscaled = calibrate(run, settings, model, profile=replace(SERVED_PROFILE, served_base_excess=None))
+    assert scaled is not None and unscaled is not None
+    assert scaled.profile_speed == pytest.approx(1.3) and unscaled.profile_speed is None
+    true_tpot = SIM_METRICS["decode_ms_per_step"](eight)
+    assert SIM_METRICS["decode_ms_per_step"](scaled.run(max_num_seqs=8)) == pytest.approx(true_tpot, rel=0.03)
+    assert SIM_METRICS["decode_ms_per_step"](unscaled.run(max_num_seqs=8)) < 0.95 * true_tpot

@@ -3,6 +3,7 @@ fresh baseline as a ratio, the 25% bar, gains within the noise, and which what-i
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -35,6 +36,28 @@ def test_the_prediction_is_carried_to_the_fresh_baseline_and_compared_on_medians
     assert (check.baseline, check.predicted, check.measured) == (220.0, pytest.approx(55.0), 60.0)
     assert check.noise == pytest.approx(20.0 / 220.0)
     assert check.agrees and check.verdict == "agrees"  # gain 160 against 165 predicted
+
+
+def test_a_prediction_moving_with_another_metric_is_carried_by_that_metric() -> None:
+    """The kv_pool what-if's ITL p99 without the baseline's preemption stalls is the plain gaps' tail:
+    predicted from the run's ITL p50, it is carried to the fresh baseline by the ITL p50 too. The
+    fresh baseline's p99 (its stalls, 46% spread over three runs) would have doubled it."""
+
+    def itl(p50: float, p99: float) -> dict[str, Any]:
+        return {"itl_ms": {"p50": p50, "p99": p99}}
+
+    carried = WhatIf(
+        "num_kv_blocks 12 -> 36", "...", {"itl_p99_ms": 8.0}, carried_by={"itl_p99_ms": "itl_p50_ms"}
+    )
+    pairs = [
+        (itl(4.0, 30.0), itl(3.9, 6.0)),
+        (itl(4.4, 16.0), itl(4.2, 6.5)),
+        (itl(4.2, 21.0), itl(4.0, 5.5)),
+    ]
+    [check] = compare(carried, itl(4.0, 15.0), pairs)
+    assert (check.baseline, check.predicted, check.measured) == (21.0, pytest.approx(8.4), 6.0)
+    [itself] = compare(replace(carried, carried_by={}), itl(4.0, 15.0), pairs)
+    assert itself.predicted == pytest.approx(8.0 * 21.0 / 15.0)
 
 
 def test_the_bar_is_25_percent_of_the_predicted_gain_and_noise_is_no_verdict() -> None:
