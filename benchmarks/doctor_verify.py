@@ -46,7 +46,9 @@ CACHE = Path.home() / ".cache" / "kvflow-bench" / "doctor-verify"
 # --no-profile-steps diagnoses with the line through the run's step means instead.
 PROFILE_FLAGS = [f for f in sys.argv if f in ("--profile-steps", "--no-profile-steps")]
 # The bench's default: each /metrics scrape stalls a step (~8 ms on a 2-core VM), and scraping every
-# 0.1 s put stalls in 2% of the planted runs' decode steps, their ITL p99 (session 26).
+# 0.1 s put stalls in 2% of the planted runs' decode steps, their ITL p99 (session 26). Since session
+# 27 the bench reads a kvflow server's gauges off its step window and does not scrape it during the
+# load at all (kvflow/bench/gauges.py: window_gauges).
 METRICS_INTERVAL_S = 0.5
 VERDICT_MARK = {"agrees": "yes", "missed": "no", "within noise": "noise"}
 QUANTIZATION = Scenario("quantization", {}, DatasetSpec("random", 8, input_len=32, output_len=96), 1, None)

@@ -21,7 +21,7 @@ from kvflow.bench.arrivals import LoadSpec, run_load
 from kvflow.bench.client import ClientConfig, Endpoint, Prompt, send_request
 from kvflow.bench.datasets import BenchTokenizer, Conversation, DatasetSpec, Workload, build_workload
 from kvflow.bench.events import RequestRecord
-from kvflow.bench.gauges import GaugeSamples, sample_gauges
+from kvflow.bench.gauges import GaugeSamples, records_gauges, sample_gauges, window_gauges
 from kvflow.bench.metrics import aggregate, request_metrics
 from kvflow.bench.priority import assign_priorities, per_priority
 from kvflow.bench.replicas import ReplicaScrapes
@@ -90,7 +90,8 @@ class BenchConfig:
         default=0.5,
         metadata={
             "help": "seconds between /metrics samples during the run (gauges: running, waiting, "
-            "KV usage); 0: only before and after"
+            "KV usage); 0: only before and after. A kvflow server's gauges are read off its "
+            "recorded steps instead (a scrape stalls the step it lands on)"
         },
     )
     progress: bool = True
@@ -312,10 +313,14 @@ class Runner:
                 await self.run_conversation(http, conversation, i, True, None)
             metrics_url = self.config.server_root + "/metrics"
             self.before = scrape(metrics_url, headers)
-            steps_before = recorded_steps(dashboard_hello(self.config.server_root, headers))
+            steps_hello = dashboard_hello(self.config.server_root, headers)
+            steps_before = recorded_steps(steps_hello)
             self.replicas.scrape_before(headers)
             samplers = []
-            if self.before is not None and self.config.metrics_interval > 0:
+            # A kvflow server records its gauges with every step (window_gauges reads them after the
+            # run): scraping it during the load would stall the steps being measured.
+            from_window = records_gauges(steps_hello)
+            if self.before is not None and self.config.metrics_interval > 0 and not from_window:
                 samplers.append(sample_gauges(http, metrics_url, self.config.metrics_interval, self.gauges))
             if self.config.metrics_interval > 0:
                 samplers += self.replicas.samplers(http, self.config.metrics_interval)
@@ -339,6 +344,8 @@ class Runner:
                 hello = dashboard_hello(self.config.server_root, headers)
                 self.step_records = steps_after(recorded_steps(hello), start)
                 self.window = run_window(hello, start)
+                if from_window and self.before is not None and self.config.metrics_interval > 0:
+                    self.gauges = window_gauges(self.window) or self.gauges
             self.replicas.scrape_after(headers)
         return duration
 
@@ -497,7 +504,8 @@ def _config_dict(config: BenchConfig, info: ServerInfo) -> dict[str, Any]:
         "model": info.model,
         "endpoint": config.endpoint,
         **{f"dataset_{k}" if k == "name" else k: v for k, v in asdict(config.dataset).items()},
-        **{k: v for k, v in asdict(config.load).items() if v is not None},
+        # the load's seed beside the dataset's (`seed`): one key had held whichever came last
+        **{("load_seed" if k == "seed" else k): v for k, v in asdict(config.load).items() if v is not None},
         "slo": config.slo,
         "priority_mix": {str(p): share for p, share in config.priority_mix.items()},
         "warmup": config.warmup,

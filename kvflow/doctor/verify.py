@@ -176,10 +176,17 @@ def bench_config_from_result(result: dict[str, Any]) -> BenchConfig:
         max_model_len=c.get("max_model_len"),
         seed=c["seed"],
     )
+    load_seed = int(c.get("load_seed", c.get("seed", 0)))  # older results: one seed for both
     if "concurrency" in c:
-        load = LoadSpec(concurrency=int(c["concurrency"]), seed=c.get("seed", 0))
+        load = LoadSpec(concurrency=int(c["concurrency"]), seed=load_seed)
     else:
-        load = LoadSpec(request_rate=float(c["request_rate"]), burstiness=float(c.get("burstiness", 1.0)))
+        cap = c.get("max_concurrency")
+        load = LoadSpec(
+            request_rate=float(c["request_rate"]),
+            burstiness=float(c.get("burstiness", 1.0)),
+            max_concurrency=None if cap is None else int(cap),
+            seed=load_seed,
+        )
     return BenchConfig(
         base_url=c["base_url"],
         dataset=dataset,

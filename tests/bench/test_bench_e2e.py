@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from fixtures.live_server import LiveServer
 
+from kvflow.bench import runner
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
@@ -124,3 +125,23 @@ def test_without_usage_the_servers_tokenize_counts_the_output(server: LiveServer
     # partial UTF-8 byte tokens, decoded as U+FFFD, which re-encode as 3 bytes each. Hence usage
     # first, and the warning when the local count disagrees with it.
     assert all(r["output_tokens"] > 0 for r in result["requests"])
+
+
+def test_a_kvflow_servers_gauges_come_from_its_steps_not_from_scrapes(
+    server: LiveServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each /metrics scrape renders ~21 KB holding the server's GIL, and the step it lands on stalls
+    (~8 ms on a 2-core VM): against a kvflow server the bench scrapes before and after only, and
+    reads the running, waiting and KV usage series off the steps its window recorded."""
+    scrapes: list[object] = []
+
+    async def scrape_during_the_load(*args: object) -> None:
+        scrapes.append(args)
+
+    monkeypatch.setattr(runner, "sample_gauges", scrape_during_the_load)
+    spec = DatasetSpec("random", 4, input_len=INPUT_LEN, output_len=OUTPUT_LEN)
+    result = run_benchmark(replace(config(server, spec), metrics_interval=0.05))
+    assert result["failed"] == 0 and not scrapes
+    gauges = result["server"]["gauges"]
+    assert 1.0 <= gauges["running"]["max"] <= 2.0  # two clients
+    assert 0.0 < gauges["kv_usage"]["max"] <= 1.0 and gauges["kv_usage"]["samples"] >= 1

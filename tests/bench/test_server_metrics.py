@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from kvflow.bench.gauges import GaugeSamples, gauge_lines
+from kvflow.bench.gauges import GaugeSamples, gauge_lines, records_gauges, window_gauges
 from kvflow.bench.server_metrics import label_key, parse_metrics
 from kvflow.bench.server_view import histogram_quantile, server_section
 from kvflow.server.metrics import EngineMetrics
@@ -82,3 +82,23 @@ def test_a_gauge_sample_parses_only_the_gauges_lines() -> None:
     assert filtered.values == whole.values
     assert filtered.summary("kvflow:num_requests_running") == {"mean": 3.0, "max": 3.0, "samples": 1.0}
     assert filtered.summary("kvflow:kv_cache_usage_perc") == {"mean": 0.25, "max": 0.25, "samples": 1.0}
+
+
+def test_a_kvflow_windows_steps_give_the_gauges_a_scrape_would_read() -> None:
+    """Each step records the running and waiting requests and the KV usage after it: at every grid
+    time the gauges read the last step that ended by then, so a long step weighs as long as it ran
+    (a 28 ms prefill is three samples, a 5 ms decode one)."""
+    fields = ["t", "dur_ms", "prefill_tokens", "running", "waiting", "kv_usage"]
+    steps = [
+        [100.000, 5.0, 0, 1, 2, 0.25],  # ends at 100.005
+        [100.005, 28.0, 64, 2, 1, 0.5],  # ends at 100.033
+        [100.033, 14.0, 0, 1, 0, 0.4],  # ends at 100.047
+    ]
+    samples = window_gauges({"step_fields": fields, "steps": steps}, grid_s=0.01)
+    assert samples is not None and samples.num_scrapes == 5  # 100.005, .015, .025, .035, .045 (the last
+    # step still running at .045)
+    assert samples.values["kvflow:num_requests_running"] == [1.0, 1.0, 1.0, 2.0, 2.0]
+    assert samples.summary("kvflow:num_requests_waiting") == {"mean": 1.6, "max": 2.0, "samples": 5.0}
+    assert samples.summary("kvflow:kv_cache_usage_perc")["max"] == 0.5  # type: ignore[index]
+    assert window_gauges({"step_fields": fields[:3], "steps": [s[:3] for s in steps]}) is None
+    assert records_gauges({"fields": {"step": fields}}) and not records_gauges({"fields": {"step": ["t"]}})

@@ -108,3 +108,26 @@ def test_each_change_is_applied_once() -> None:
         ]),
     ]  # fmt: skip
     assert [w.change for w in verifiable(findings)] == ["a", "cut"]
+
+
+def test_a_rerun_keeps_the_datasets_and_the_loads_seeds_apart() -> None:
+    """The dataset's seed (the lengths and the content) and the load's (a salt of the content, and
+    open-loop arrival times) are both recorded: one `seed` key had held whichever came last, and an
+    open-loop re-run dropped its load's seed and cap on conversations in flight."""
+    dataset = DatasetSpec("random", 12, input_len=48, output_len=64, range_ratio=0.5, seed=3)
+    for load in (
+        LoadSpec(concurrency=4, seed=11),
+        LoadSpec(request_rate=2.0, burstiness=0.5, max_concurrency=3, seed=11),
+    ):
+        bench = BenchConfig("http://x/v1", dataset, load)
+        rerun = bench_config_from_result({"config": _config_dict(bench, ServerInfo("m", None, None))})
+        assert (rerun.dataset, rerun.load) == (dataset, load)
+    older = {
+        "config": _config_dict(
+            BenchConfig("http://x/v1", dataset, LoadSpec(concurrency=4)), ServerInfo("m", None, None)
+        )
+    }
+    older["config"].pop("load_seed")
+    older["config"]["seed"] = 5  # a result from before: one seed for both, as the CLI gives
+    rerun = bench_config_from_result(older)
+    assert rerun.dataset.seed == 5 and rerun.load.seed == 5
