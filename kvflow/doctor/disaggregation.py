@@ -3,30 +3,28 @@ behind vllm-router --vllm-pd-disaggregation, kvflow/kv_transfer/), so no prompt 
 with decodes. Offered when prompt chunks explain the ITL tail; it says when colocated chunked
 prefill stays better.
 
-The prediction, for the same machine split in two instances (each half the cores):
-    ITL p99   the run's ITL p50 (its decode steps) x DECODE_SPLIT_SLOWDOWN (a decode step on half
-              the cores) x DECODE_ONLY_TAIL (p99 / p50 of gaps when no chunk ever joins a step)
-    TTFT p50  a request's path through the pair, each part from the calibrated simulator
-              (kvflow/doctor/calibrate.py) when the run is a kvflow server's:
-                the prefill instance   the same requests replayed with one output token each, on
-                                       half the cores (the step profile's curves measured there,
-                                       kvflow/doctor/step_profile.py; without them every step x
-                                       PREFILL_SPLIT_SLOWDOWN), each client sending its next
-                                       request after that request's decode (its outputs x the
-                                       split ITL; clients fall out of step as on the pair): this
-                                       instance's queueing and prefill, carried onto the measured
-                                       TTFT as every simulated change is
-                the KV transfer        the p50 prompt's KV at TRANSFER_BYTES_PER_S
-                the decode instance    the rest of the step in flight there (the other clients'
-                                       decode rows, by the share of their round they spend
-                                       decoding), then its own step: the prompt's last block
-                                       recomputed (one token is always computed, so a prompt's
-                                       trailing tokens after its last full block, at least one)
-                                       beside those rows; on half the cores as above (without
-                                       split curves, x DECODE_SPLIT_SLOWDOWN)
-                the router             HOP_LEGS more HTTP legs, each what the run's client added
-                                       to the server's TTFT
-              otherwise the run's TTFT p50 x PREFILL_SPLIT_SLOWDOWN + the transfer.
+The prediction, for the same machine split in two instances (each half the cores), from the
+calibrated simulator (kvflow/doctor/calibrate.py) when the run is a kvflow server's, every step on
+half the cores (the step profile's curves measured there, kvflow/doctor/step_profile.py; without
+them every step x PREFILL_SPLIT_SLOWDOWN or DECODE_SPLIT_SLOWDOWN):
+    the prefill instance   the same requests replayed with one output token each, each client
+                           sending its next request after that request's decode (its outputs at
+                           the run's ITL p50 x the split decode ratio; clients fall out of step as
+                           on the pair): its queueing and prefill, carried onto the measured TTFT as
+                           every simulated change is
+    the KV transfer        the p50 prompt's KV at TRANSFER_BYTES_PER_S
+    the decode instance    the same requests arriving with their KV but the tokens after the
+                           prompt's last full block (one token is always computed), each client's
+                           next one after a trip through the prefill instance (its simulated TTFTs)
+                           and the transfer: its queueing behind the step in flight and its own step
+                           beside the others' decodes (their TTFT there), and its gaps (ITL p50 and
+                           p99: the steps that take in a last block are the tail), carried by the
+                           run's plain decode gaps' ratio (its tail was its prompt chunks)
+    the router             HOP_LEGS more HTTP legs, each what the run's client added to the
+                           server's TTFT
+    TTFT p50 = the prefill instance's + the transfer + the decode instance's + the router's.
+Otherwise: ITL p99 = the run's ITL p50 x DECODE_SPLIT_SLOWDOWN x DECODE_ONLY_TAIL (p99 / p50 of gaps
+when no chunk ever joins a step), TTFT p50 = the run's x PREFILL_SPLIT_SLOWDOWN + the transfer.
 Measured with benchmarks/pd_disaggregation.py and benchmarks/kv_transfer.py (2-core Xeon VM, Qwen2.5-0.5B
 shape, 4 streams, 1536-token prompts every 6 s, colocated 2 threads against 1 + 1); on other
 machines these ratios move with how prefill and decode scale with cores: the step profile measures
@@ -40,13 +38,14 @@ the other 26 ms are the router's hops on a machine whose two cores also run both
 
 from __future__ import annotations
 
-from dataclasses import replace
+import statistics
+from dataclasses import dataclass, replace
 
-from kvflow.doctor.calibrate import Calibration
+from kvflow.doctor.calibrate import SIM_METRICS, Calibration
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import WhatIf
-from kvflow.doctor.simulate import simulate
-from kvflow.doctor.step_cost import StepShape
+from kvflow.doctor.simulate import pooled, simulate
+from kvflow.doctor.step_cost import MIN_STEP_MS
 from kvflow.doctor.verify_pd import DISAGGREGATE
 
 DECODE_SPLIT_SLOWDOWN = 1.21  # PD ITL p50 / colocated ITL p50 (82 / 68 ms, medians of 2 rounds)
@@ -62,26 +61,39 @@ METHOD = (
     "applied to this run's ITL p50 and TTFT p50"
 )
 SIMULATED_METHOD = (
-    "the prefill instance simulated (one output per request, steps x the measured half-cores ratio), "
-    "plus the KV transfer, the decode instance's last block and the router's hops "
-    "(kvflow/doctor/disaggregation.py)"
+    "both instances simulated on half the cores (the prefill instance: one output per request; the "
+    "decode instance: each prompt's last block and the decodes), plus the KV transfer and the router's "
+    "hops (kvflow/doctor/disaggregation.py)"
 )
 
 
-def pd_ttft_ms(d: Diagnosis, cal: Calibration, itl_pd_ms: float, transfer_ms: float) -> float | None:
-    """The TTFT p50 through the pair (module docstring), None without a measured TTFT p50."""
-    run = d.run
-    if run.ttft_p50_ms is None:
+@dataclass(frozen=True)
+class PairPrediction:
+    """The pair simulated (module docstring): the TTFT p50 at the client, and the decode instance's
+    ITL p50 and p99."""
+
+    ttft_p50_ms: float
+    itl_p50_ms: float
+    itl_p99_ms: float
+
+
+def pd_simulated(cal: Calibration, transfer_ms: float) -> PairPrediction | None:
+    """Both instances simulated on half the cores (module docstring), for the run the calibration
+    was fitted to; None without its TTFT p50 and ITL p50."""
+    run = cal.evidence
+    if run.ttft_p50_ms is None or run.itl_p50_ms is None:
         return None
     # The prefill instance: each request prefilled and its one token sampled on half the cores; its
     # client comes back after that request's own decode on the other instance (its outputs at the
-    # split ITL: a common output length would keep the clients in step, each round a burst of
-    # prompts queueing at the prefill instance, where varied lengths spread them out).
-    samples = [replace(s, output_tokens=1) for s in cal.evidence.requests]
-    decode_phase_ms = [max(s.output_tokens - 1, 0) * itl_pd_ms for s in cal.evidence.requests]
+    # split ITL, first guessed from the run's: a common output length would keep the clients in step,
+    # each round a burst of prompts queueing at the prefill instance, where varied lengths spread
+    # them out).
+    requests = cal.evidence.requests
+    guess_ms = run.itl_p50_ms * decode_split_ratio(cal)
+    decode_phase_ms = [max(s.output_tokens - 1, 0) * guess_ms for s in requests]
     hop_ms = HOP_LEGS * cal.client_gap_ms
     prefill = simulate(
-        samples,
+        [replace(s, output_tokens=1) for s in requests],
         cal.settings,
         cal.cost.on_half_cores(PREFILL_SPLIT_SLOWDOWN),
         cal.concurrency,
@@ -91,45 +103,63 @@ def pd_ttft_ms(d: Diagnosis, cal: Calibration, itl_pd_ms: float, transfer_ms: fl
     )
     if not prefill.ttft_ms:
         return None
-    # The decode instance: the requests in flight besides this one (closed-loop clients, or Little's
-    # law's estimate), by the share of their time they spend decoding there (of a round: prefill,
-    # decode and the client's gap), whose rows run its steps.
-    round_ms = sum(decode_phase_ms) + sum(prefill.ttft_ms) + len(samples) * (cal.client_gap_ms + hop_ms)
-    in_flight = max(cal.evidence.concurrency - 1.0, 0.0)
-    others = round(in_flight * sum(decode_phase_ms) / round_ms) if round_ms > 0 else 0
-    decode_side = decode_instance_ttft_ms(cal, max(1, round(run.prompt_p50)), others)
-    return cal.predict("ttft_p50_ms", run.ttft_p50_ms, prefill) + transfer_ms + decode_side + hop_ms
+    # The decode instance: every prompt arrives with its KV but the tokens after its last full block
+    # (one token is always computed), each client's next request after its trip through the prefill
+    # instance (a wait drawn from that instance's simulated TTFTs) and the transfer; its steps are
+    # the others' decodes and those last blocks, on half the cores, pooled over replays as every
+    # prediction (a tail of few gaps is otherwise one residual draw).
+    cached = [replace(s, shared_prefix_tokens=s.prompt_tokens) for s in requests]
+    waits = [prefill.ttft_ms[i % len(prefill.ttft_ms)] for i in range(len(requests))]
+    decode_cost = cal.cost.on_half_cores(DECODE_SPLIT_SLOWDOWN)
+    on_decode = pooled(
+        [
+            simulate(
+                cached,
+                replace(cal.settings, enable_prefix_caching=True),
+                decode_cost,
+                cal.concurrency,
+                cal.client_gap_ms + hop_ms + transfer_ms,
+                seed,
+                after_ms=waits,
+                gap_jitter_ms=cal.evidence.client_gap_jitter_ms,
+            )
+            for seed in range(cal.replicas)
+        ]
+    )
+    if not on_decode.itl_ms or not on_decode.ttft_ms:
+        return None
+    # Carried onto the measurement by the plain decode gaps' ratio (the colocated run's tail is its
+    # prompt chunks, which the pair's decode instance does not have: Calibration.carried_by).
+    p50 = SIM_METRICS["itl_p50_ms"]
+    ratio = run.itl_p50_ms / max(p50(cal.pooled_baseline), MIN_STEP_MS)
+    decode_ttft = statistics.median(on_decode.ttft_ms) * ratio
+    ttft = cal.predict("ttft_p50_ms", run.ttft_p50_ms, prefill) + transfer_ms + decode_ttft + hop_ms
+    return PairPrediction(ttft, p50(on_decode) * ratio, SIM_METRICS["itl_p99_ms"](on_decode) * ratio)
 
 
-def decode_instance_ttft_ms(cal: Calibration, prompt: int, others: int) -> float:
-    """A request's time on the decode instance before its first token, which `others` decoding
-    requests keep busy: the rest of the step in flight when it arrives (half a step of their rows,
-    on average, an arrival being as likely at any point of a step), then its own step, the tokens
-    after the prompt's last full block (at least one: one token is always computed) sharing it
-    with their rows. On half the cores. At 4 clients of ~384-token prompts (Zen 2): measured 57.6
-    ms mean (queue 24.7, its step 32.9), and predicted 25.5 for its step alone, as one on an idle
-    instance."""
-    cost = cal.cost.on_half_cores(DECODE_SPLIT_SLOWDOWN)
-    block = cal.settings.block_size
-    last = prompt - block * ((prompt - 1) // block)
-    busy = StepShape()
-    for _ in range(others):  # each at the median request's mean decode context
-        busy = busy.plus_chunk(1, round(cal.evidence.decode_context), decode=True)
-    in_flight = cost.step_ms(busy) / 2 if others else 0.0
-    return in_flight + cost.step_ms(busy.plus_chunk(last, prompt))
+def decode_split_ratio(cal: Calibration) -> float:
+    """A decode step on half the cores over one on all of them at the run's concurrency: the
+    profile's split curves where measured, else DECODE_SPLIT_SLOWDOWN."""
+    profile = cal.cost.profile
+    if profile is None or profile.split is None:
+        return DECODE_SPLIT_SLOWDOWN
+    rows = max(1, round(cal.evidence.concurrency))
+    return profile.split[1](rows) / max(profile.decode(rows), MIN_STEP_MS)
 
 
 def disaggregate_what_if(d: Diagnosis) -> WhatIf | None:
     run = d.run
     if run.itl_p50_ms is None or run.itl_p99_ms is None or run.ttft_p50_ms is None:
         return None
-    itl_p50 = run.itl_p50_ms * DECODE_SPLIT_SLOWDOWN
-    itl_p99 = itl_p50 * DECODE_ONLY_TAIL
     kv_bytes = run.prompt_p50 * d.model.kv_bytes_per_token(d.roofline.kv_dtype)
     transfer_ms = 1e3 * kv_bytes / TRANSFER_BYTES_PER_S
     cal = d.calibration
-    simulated = pd_ttft_ms(d, cal, itl_p50, transfer_ms) if cal is not None else None
-    ttft = simulated if simulated is not None else run.ttft_p50_ms * PREFILL_SPLIT_SLOWDOWN + transfer_ms
+    simulated = pd_simulated(cal, transfer_ms) if cal is not None else None
+    if simulated is not None:
+        ttft, itl_p99 = simulated.ttft_p50_ms, simulated.itl_p99_ms
+    else:
+        ttft = run.ttft_p50_ms * PREFILL_SPLIT_SLOWDOWN + transfer_ms
+        itl_p99 = run.itl_p50_ms * DECODE_SPLIT_SLOWDOWN * DECODE_ONLY_TAIL
     effect = (
         f"ITL p99 {run.itl_p99_ms:,.1f} -> {itl_p99:,.1f} ms; "
         f"TTFT p50 {run.ttft_p50_ms:,.1f} -> {ttft:,.1f} ms "
@@ -146,4 +176,8 @@ def disaggregate_what_if(d: Diagnosis) -> WhatIf | None:
     verifiable = d.settings.server == "kvflow" and d.settings.enable_prefix_caching is not False
     setting = {"kv_role": DISAGGREGATE} if verifiable else None
     method = SIMULATED_METHOD if simulated is not None else METHOD
-    return WhatIf(change, effect, {"itl_p99_ms": itl_p99, "ttft_p50_ms": ttft}, setting, method=method)
+    # The simulated tail moves with the plain decode gaps (it was carried by their ratio); the
+    # constants' with the run's ITL p50 they multiply.
+    carried = {"itl_p99_ms": "itl_p50_ms"}
+    predicted = {"itl_p99_ms": itl_p99, "ttft_p50_ms": ttft}
+    return WhatIf(change, effect, predicted, setting, method=method, carried_by=carried)

@@ -73,10 +73,16 @@ class Verification:
         return self.noise > 0 and abs(self.predicted_gain) <= band and abs(self.measured_gain) <= band
 
     @property
+    def predicts_no_change(self) -> bool:
+        """A predicted value equal to the baseline (to rounding: carried by a ratio, an unchanged
+        value comes back a few ulps off, and a ratio of gains against it read 6e13x)."""
+        return abs(self.predicted_gain) <= 1e-9 * max(abs(self.baseline), 1.0)
+
+    @property
     def agrees(self) -> bool:
         if self.within_noise:
             return False
-        if self.predicted_gain == 0:
+        if self.predicts_no_change:
             return abs(self.measured_gain) <= AGREEMENT_TOLERANCE * self.baseline
         return abs(self.measured_gain - self.predicted_gain) <= AGREEMENT_TOLERANCE * abs(self.predicted_gain)
 
@@ -96,7 +102,7 @@ class Verification:
             return line + ": predicted and measured gains are both within the baseline's spread"
         if self.agrees:
             return line + f": within {AGREEMENT_TOLERANCE:.0%} of the prediction"
-        if self.predicted_gain == 0:
+        if self.predicts_no_change:
             return line + ": predicted to do nothing, but it did"
         ratio = self.measured_gain / self.predicted_gain
         way = "smaller" if ratio < 1 else "larger"

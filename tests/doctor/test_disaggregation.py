@@ -1,6 +1,6 @@
-"""The disaggregation what-if's decode instance (kvflow/doctor/disaggregation.py): a request arriving
-there waits for the step in flight and then shares its own step with the rows already decoding, on
-half the cores."""
+"""The disaggregation what-if's pair (kvflow/doctor/disaggregation.py) simulated: the decode instance
+takes each prompt's last block beside the others' decodes, and those steps are its tail; a request
+arriving there waits for the step in flight."""
 
 from __future__ import annotations
 
@@ -8,26 +8,43 @@ from dataclasses import replace
 
 import pytest
 
-from kvflow.doctor.calibrate import Calibration
-from kvflow.doctor.disaggregation import DECODE_SPLIT_SLOWDOWN, decode_instance_ttft_ms
-from kvflow.doctor.evidence import calculator_evidence
+from kvflow.doctor.calibrate import SIM_METRICS, Calibration
+from kvflow.doctor.disaggregation import DECODE_SPLIT_SLOWDOWN, PREFILL_SPLIT_SLOWDOWN, pd_simulated
+from kvflow.doctor.evidence import RequestSample, calculator_evidence
 from kvflow.doctor.simulate import SimSettings, simulate
 from kvflow.doctor.step_cost import StepCost, StepShape
 
 COST = StepCost(fixed_ms=2.0, per_token_ms=0.1, attention_ratio=0.0)  # a step: 2 ms + 0.1 ms a token
 
 
-def test_the_decode_instance_waits_for_the_step_in_flight_and_shares_its_own() -> None:
-    """At 4 clients of ~384-token prompts (2-core Zen 2) the decode instance took 57.6 ms to a first
-    token (24.7 queued behind the step in flight, 32.9 its step beside the others' decodes), where
-    its step alone on an idle instance had been the whole prediction (25.5)."""
-    evidence = replace(calculator_evidence(392, 4, 48), concurrency=4.0)  # 392 = 24 blocks + 8
-    settings = SimSettings(4, 512, None, 16, False)
-    cal = Calibration(COST, settings, simulate(evidence.requests, settings, COST, 4), 4, evidence, 0.0)
-    half = COST.on_half_cores(DECODE_SPLIT_SLOWDOWN)  # no profile: every step x the measured ratio
-    alone = half.step_ms(StepShape(prefill_tokens=8))  # the 8 tokens after the last full block
-    assert decode_instance_ttft_ms(cal, 392, 0) == pytest.approx(alone)
-    two_rows = half.step_ms(StepShape(decode_rows=2))
-    beside = half.step_ms(StepShape(decode_rows=2, prefill_tokens=8))
-    assert decode_instance_ttft_ms(cal, 392, 2) == pytest.approx(two_rows / 2 + beside)
-    assert decode_instance_ttft_ms(cal, 384, 0) == pytest.approx(half.step_ms(StepShape(prefill_tokens=16)))
+def test_the_decode_instances_tail_is_the_steps_that_take_in_a_last_block() -> None:
+    """Four clients of 392-token prompts (24 blocks + 8 tokens) and 48 outputs, colocated with a
+    512-token budget: the tail is the decodes stalled by prompt chunks. On the pair the decode
+    instance computes only each prompt's last 8 tokens, beside the other clients' decodes: its ITL
+    p99 is such a step, its p50 a plain decode, and a request's first token there waits for the step
+    in flight before its own (the constant-ratio estimate had priced its step on an idle instance,
+    25.5 ms where 57.6 were measured on a Zen 2)."""
+    samples = [RequestSample(392, 48, 0, 0.0, None, None) for _ in range(16)]
+    settings = SimSettings(4, 512, None, 16, True)
+    colocated = simulate(samples, settings, COST, 4)
+    p50 = SIM_METRICS["itl_p50_ms"]
+    evidence = replace(
+        calculator_evidence(392, 4, 48),
+        requests=samples,
+        concurrency=4.0,
+        itl_p50_ms=p50(colocated),  # the run's plain gaps as simulated: the carry's ratio is 1
+        ttft_p50_ms=SIM_METRICS["ttft_p50_ms"](colocated),
+    )
+    cal = Calibration(COST, settings, colocated, 4, evidence, 0.0)
+    pair = pd_simulated(cal, transfer_ms=1.0)
+    assert pair is not None
+    half = DECODE_SPLIT_SLOWDOWN  # no profile: every decode-instance step x the measured ratio
+    last_block_beside = half * (COST.fixed_ms + COST.per_token_ms * (8 + 3))
+    assert pair.itl_p99_ms == pytest.approx(last_block_beside, rel=0.05)
+    assert pair.itl_p99_ms < SIM_METRICS["itl_p99_ms"](colocated)  # no 512-token chunk stalls a decode
+    assert pair.itl_p50_ms <= half * COST.step_ms(StepShape(decode_rows=4)) + 1e-9
+    # TTFT: the prefill instance's (whole prompts on half the cores), the transfer, then the decode
+    # instance's: more than its own step on an idle instance.
+    alone = half * COST.step_ms(StepShape(prefill_tokens=8))
+    prefill_alone = PREFILL_SPLIT_SLOWDOWN * COST.step_ms(StepShape(prefill_tokens=392))
+    assert pair.ttft_p50_ms > prefill_alone + 1.0 + alone

@@ -131,3 +131,11 @@ def test_a_rerun_keeps_the_datasets_and_the_loads_seeds_apart() -> None:
     older["config"]["seed"] = 5  # a result from before: one seed for both, as the CLI gives
     rerun = bench_config_from_result(older)
     assert rerun.dataset.seed == 5 and rerun.load.seed == 5
+
+
+def test_a_prediction_of_no_change_carried_by_a_ratio_is_still_no_change() -> None:
+    """Carried to the fresh baseline by a ratio, an unchanged value comes back a few ulps off: it is
+    still a prediction of no change (the report had read a measured gain 6e13x the predicted one)."""
+    check = Verification("c", "itl_p99_ms", 11.4, 11.4 * (1 + 1e-15), 16.9)
+    assert check.predicts_no_change and not check.agrees
+    assert check.explain().endswith("predicted to do nothing, but it did")
