@@ -77,8 +77,8 @@ PROFILE_MAX_TOKENS = 1024
 DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # What the profile measures (in the cache key, so that a doctor whose profile gained a probe measures
 # again rather than reading an older profile without it): 2 added the decode steps at a long context,
-# 3 the served decode steps, 4 the curves on half the cores.
-PROFILE_FORMAT = 4
+# 3 the served decode steps, 4 the curves on half the cores, 5 the served probe's medians over sweeps.
+PROFILE_FORMAT = 5
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
 

@@ -9,8 +9,10 @@ from typing import Any
 
 import pytest
 
+from kvflow.bench.runner import BenchConfig
+from kvflow.doctor import served_decode
 from kvflow.doctor.evidence import client_gap_jitter
-from kvflow.doctor.served_decode import SERVED_KEYS, decode_step_ms, measure_served_decode
+from kvflow.doctor.served_decode import SERVED_KEYS, SERVED_SWEEPS, decode_step_ms, measure_served_decode
 
 
 def test_a_decode_step_is_read_from_the_records_of_exactly_that_many_rows() -> None:
@@ -43,3 +45,29 @@ def test_the_client_gap_spread_is_matched_by_request_id_and_centred() -> None:
         (-4.0, -2.0, 6.0)
     )  # 3, 5, 13 ms about their mean
     assert client_gap_jitter(requests, {}) == ()  # no window (another server): no spread
+
+
+def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One sweep's 4-row step read 3.41 ms where the one before read 2.34 (the VM slowed for a second
+    or two) and every prediction from that profile carried it: each b is probed once per sweep,
+    sweeps one after another, and the median kept; each sweep sends other prompts (a prompt the
+    server saw would be a prefix-cache hit)."""
+    seeds: list[tuple[int, int]] = []
+    slow_sweep = {0: 1.0, 1: 1.5, 2: 1.1}  # the second sweep ran on a slow moment
+
+    def bench(config: BenchConfig) -> dict[str, Any]:
+        b, sweep = config.load.concurrency or 0, config.load.seed
+        seeds.append((b, sweep))
+        step = b * slow_sweep[sweep]
+        rows = [[step, 0, b, 10.0 * b]] * 3
+        steps = {"fields": ["dur_ms", "prefill_tokens", "decode_tokens", "attention"], "rows": rows}
+        server = {"steps": steps, "client_minus_server_ttft_ms": 3.0}
+        return {"tpot_ms": {"p50": step + 0.5}, "server": server}
+
+    monkeypatch.setattr(served_decode, "spawn_server", lambda model, flags: (None, "http://127.0.0.1:1"))
+    monkeypatch.setattr(served_decode, "stop_server", lambda process: None)
+    monkeypatch.setattr(served_decode, "run_benchmark", bench)
+    served = measure_served_decode("m", [], [1, 4])
+    assert sorted(seeds) == [(b, s) for b in (1, 4) for s in range(SERVED_SWEEPS)]
+    assert served["served_decode_ms"] == {1: pytest.approx(1.1), 4: pytest.approx(4.4)}  # the middle sweep
+    assert served["served_tpot_ms"][4] == pytest.approx(4.9) and served["served_ttft_gap_ms"][1] == 3.0
