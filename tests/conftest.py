@@ -70,6 +70,19 @@ def prefill_through_dequantized_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True, scope="session")
+def _one_served_probe_sweep() -> Iterator[None]:
+    """The doctor's served probe sweeps its client counts three times and keeps medians (against a
+    VM's moments of slowness, kvflow/doctor/served_decode.py); the tests that measure a profile need
+    one sweep's numbers, not their noise (the median over sweeps has its own test): a third of the
+    probe's ~15 s per tiny model."""
+    from kvflow.doctor import served_decode
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(served_decode, "SERVED_SWEEPS", 1)
+        yield
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _one_torch_thread() -> None:
     """Tiny models: one thread is faster (no OpenMP hand-off) and immune to the 1000x slowdown two
     spinning OpenMP threads suffer when another process holds one of this machine's two cores."""

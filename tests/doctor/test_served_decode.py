@@ -64,6 +64,7 @@ def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pyte
         server = {"steps": steps, "client_minus_server_ttft_ms": 3.0}
         return {"tpot_ms": {"p50": step + 0.5}, "server": server}
 
+    monkeypatch.setattr(served_decode, "SERVED_SWEEPS", SERVED_SWEEPS)  # tests/conftest.py sets 1
     monkeypatch.setattr(served_decode, "spawn_server", lambda model, flags: (None, "http://127.0.0.1:1"))
     monkeypatch.setattr(served_decode, "stop_server", lambda process: None)
     monkeypatch.setattr(served_decode, "run_benchmark", bench)
