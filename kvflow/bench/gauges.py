@@ -77,13 +77,14 @@ WINDOW_GAUGES = {
     "waiting": "kvflow:num_requests_waiting",
     "kv_usage": "kvflow:kv_cache_usage_perc",
 }
+WINDOW_FIELDS = ("t", "dur_ms", *WINDOW_GAUGES)  # what a step row needs for them
 
 
 def records_gauges(hello: dict[str, Any] | None) -> bool:
     """Whether a dashboard window's steps (its first frame, kvflow/bench/server_steps.py) record the
     gauges, each step's."""
     fields = ((hello or {}).get("fields") or {}).get("step") or []
-    return all(f in fields for f in ("t", "dur_ms", *WINDOW_GAUGES))
+    return all(f in fields for f in WINDOW_FIELDS)
 
 
 def window_gauges(window: dict[str, Any] | None, grid_s: float = GRID_S) -> GaugeSamples | None:
@@ -92,7 +93,7 @@ def window_gauges(window: dict[str, Any] | None, grid_s: float = GRID_S) -> Gaug
     last step that ended by then. None without a window that records them."""
     fields = (window or {}).get("step_fields") or []
     steps = (window or {}).get("steps") or []
-    if not steps or any(f not in fields for f in ("t", "dur_ms", *WINDOW_GAUGES)):
+    if not steps or any(f not in fields for f in WINDOW_FIELDS):
         return None
     index = {name: i for i, name in enumerate(fields)}
     ends = sorted((row[index["t"]] + row[index["dur_ms"]] / 1e3, row) for row in steps)

@@ -319,8 +319,9 @@ class Runner:
             samplers = []
             # A kvflow server records its gauges with every step (window_gauges reads them after the
             # run): scraping it during the load would stall the steps being measured.
-            from_window = records_gauges(steps_hello)
-            if self.before is not None and self.config.metrics_interval > 0 and not from_window:
+            sampled = self.before is not None and self.config.metrics_interval > 0
+            from_window = sampled and records_gauges(steps_hello)
+            if sampled and not from_window:
                 samplers.append(sample_gauges(http, metrics_url, self.config.metrics_interval, self.gauges))
             if self.config.metrics_interval > 0:
                 samplers += self.replicas.samplers(http, self.config.metrics_interval)
@@ -344,7 +345,7 @@ class Runner:
                 hello = dashboard_hello(self.config.server_root, headers)
                 self.step_records = steps_after(recorded_steps(hello), start)
                 self.window = run_window(hello, start)
-                if from_window and self.before is not None and self.config.metrics_interval > 0:
+                if from_window:
                     self.gauges = window_gauges(self.window) or self.gauges
             self.replicas.scrape_after(headers)
         return duration

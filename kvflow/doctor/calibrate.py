@@ -187,14 +187,24 @@ class Calibration:
                 )
                 for s in samples
             ]
-        return self._replays(samples, settings)
+        return self.replays(samples, settings)
 
-    def _replays(self, samples: list[RequestSample], settings: SimSettings) -> SimRun:
+    def replays(
+        self,
+        samples: list[RequestSample],
+        settings: SimSettings,
+        cost: StepCost | None = None,
+        client_gap_ms: float | None = None,
+        after_ms: list[float] | None = None,
+    ) -> SimRun:
+        """`samples` replayed `replicas` times under other seeds and pooled, with the run's clients
+        (their concurrency and uneven returns); the calibrated cost and client gap unless given (an
+        instance of a split machine: kvflow/doctor/disaggregation.py)."""
+        cost = self.cost if cost is None else cost
+        gap = self.client_gap_ms if client_gap_ms is None else client_gap_ms
         jitter = self.evidence.client_gap_jitter_ms
         runs = [
-            simulate(
-                samples, settings, self.cost, self.concurrency, self.client_gap_ms, seed, gap_jitter_ms=jitter
-            )
+            simulate(samples, settings, cost, self.concurrency, gap, seed, after_ms, gap_jitter_ms=jitter)
             for seed in range(self.replicas)
         ]
         return pooled(runs)
@@ -286,18 +296,19 @@ def calibrate(
             return None
         cost = replace(fitted, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
         run = replay(cost)
-    speed = profile_speed(profile, _step_records(evidence)) if profile is not None else None
+    recorded = _step_records(evidence)
+    speed = profile_speed(profile, recorded) if profile is not None else None
     if profile is not None and speed is not None:
         profile = profile.scaled(speed)
     if profile is not None:
-        records = _record_fit(profile, _step_records(evidence))
+        records = _record_fit(profile, recorded)
         for _ in range(FIT_ROUNDS):
             extras, per_key = _kind_extras(measured, run, profile, records)
             cost = replace(cost, profile=profile, kind_extra_ms=extras, attention_ms_per_key=per_key)
             run = replay(cost)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
             run = replay(cost)
-    residuals = step_residuals(cost, _step_records(evidence))
+    residuals = step_residuals(cost, recorded)
     if any(residuals):
         cost = replace(cost, residuals=residuals)
         run = replay(cost)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, replace
 from kvflow.doctor.calibrate import SIM_METRICS, Calibration
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import WhatIf
-from kvflow.doctor.simulate import pooled, simulate
+from kvflow.doctor.simulate import simulate
 from kvflow.doctor.step_cost import MIN_STEP_MS
 from kvflow.doctor.verify_pd import DISAGGREGATE
 
@@ -108,23 +108,12 @@ def pd_simulated(cal: Calibration, transfer_ms: float) -> PairPrediction | None:
     # instance (a wait drawn from that instance's simulated TTFTs) and the transfer; its steps are
     # the others' decodes and those last blocks, on half the cores, pooled over replays as every
     # prediction (a tail of few gaps is otherwise one residual draw).
-    cached = [replace(s, shared_prefix_tokens=s.prompt_tokens) for s in requests]
-    waits = [prefill.ttft_ms[i % len(prefill.ttft_ms)] for i in range(len(requests))]
-    decode_cost = cal.cost.on_half_cores(DECODE_SPLIT_SLOWDOWN)
-    on_decode = pooled(
-        [
-            simulate(
-                cached,
-                replace(cal.settings, enable_prefix_caching=True),
-                decode_cost,
-                cal.concurrency,
-                cal.client_gap_ms + hop_ms + transfer_ms,
-                seed,
-                after_ms=waits,
-                gap_jitter_ms=cal.evidence.client_gap_jitter_ms,
-            )
-            for seed in range(cal.replicas)
-        ]
+    on_decode = cal.replays(
+        [replace(s, shared_prefix_tokens=s.prompt_tokens) for s in requests],
+        replace(cal.settings, enable_prefix_caching=True),
+        cal.cost.on_half_cores(DECODE_SPLIT_SLOWDOWN),
+        cal.client_gap_ms + hop_ms + transfer_ms,
+        [prefill.ttft_ms[i % len(prefill.ttft_ms)] for i in range(len(requests))],
     )
     if not on_decode.itl_ms or not on_decode.ttft_ms:
         return None

@@ -389,9 +389,10 @@ class _Replay:
     def _step(self, now: float, scheduled: list[tuple[_Request, int]]) -> float:
         """One engine step over `scheduled`: its cost, then each request's progress."""
         shape, work = _step_parts(scheduled)
-        step_ms = self.cost.step_ms(shape)
+        between_ms = self.cost.between_ms(shape)
+        step_ms = self.cost.server_ms(shape) + between_ms  # StepCost.step_ms, its parts kept
         prompt = shape.prompt_tokens > 0
-        drawn = self.cost.with_drawn_residual(step_ms, prompt, self.rng, self.cost.between_ms(shape))
+        drawn = self.cost.with_drawn_residual(step_ms, prompt, self.rng, between_ms)
         step_ms = max(drawn, MIN_STEP_MS)
         # The server's kinds: by decodes and prompt tokens, whichever path attended them.
         kind = "mixed" if shape.decode_rows and prompt else ("prefill_only" if prompt else "decode_only")

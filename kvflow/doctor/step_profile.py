@@ -141,15 +141,20 @@ class StepProfile:
         def times(curve: Curve | None) -> Curve | None:
             return None if curve is None else curve.scaled(factor)
 
-        return StepProfile(
-            self.prefill.scaled(factor),
-            self.decode.scaled(factor),
-            None if self.row_ms_per_key is None else self.row_ms_per_key * factor,
-            times(self.served_excess),
-            times(self.served_between),
-            times(self.served_delivery),
-            None if self.split is None else (self.split[0].scaled(factor), self.split[1].scaled(factor)),
-            None if self.served_base_excess is None else self.served_base_excess * factor,
+        def ms(value: float | None) -> float | None:
+            return None if value is None else value * factor
+
+        halves = None if self.split is None else (self.split[0].scaled(factor), self.split[1].scaled(factor))
+        return replace(
+            self,
+            prefill=self.prefill.scaled(factor),
+            decode=self.decode.scaled(factor),
+            row_ms_per_key=ms(self.row_ms_per_key),
+            served_excess=times(self.served_excess),
+            served_between=times(self.served_between),
+            served_delivery=times(self.served_delivery),
+            split=halves,
+            served_base_excess=ms(self.served_base_excess),
         )
 
     def on_half_cores(self) -> StepProfile | None:
