@@ -100,13 +100,22 @@ def sim_settings(
     )
 
 
+# A pivot below this share of its column's largest entry marks the system singular: with columns
+# scaled to unit size (_least_squares) a design whose columns are dependent (a prompt fit over two
+# clusters of steps, three unknowns) leaves a pivot of rounding size, ~1e-16, where an absolute
+# threshold let a solution through that was the rounding's choice among infinitely many.
+SINGULAR_PIVOT = 1e-9
+
+
 def _solve(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
+    """Gaussian elimination with partial pivoting; None when singular (a pivot under SINGULAR_PIVOT
+    of the largest entry in its column before elimination)."""
     n = len(rhs)
     m = [[*r, v] for r, v in zip(rows, rhs, strict=True)]
+    scale = [max((abs(r[col]) for r in rows), default=0.0) for col in range(n)]
     for col in range(n):
         pivot = max(range(col, n), key=lambda i: abs(m[i][col]))
-        if abs(m[pivot][col]) < 1e-12:
+        if scale[col] == 0.0 or abs(m[pivot][col]) <= SINGULAR_PIVOT * scale[col]:
             return None
         m[col], m[pivot] = m[pivot], m[col]
         for i in range(n):
@@ -119,14 +128,21 @@ def _solve(rows: list[list[float]], rhs: list[float]) -> list[float] | None:
 def _least_squares(
     design: list[list[float]], target: list[float], weights: list[float]
 ) -> list[float] | None:
-    """argmin sum w (design . x - target)^2 through the normal equations."""
+    """argmin sum w (design . x - target)^2 through the normal equations, each column scaled to
+    its largest entry first (a step's ms and its keys differ by five orders of magnitude); None when
+    the columns cannot be told apart."""
     k = len(design[0])
+    norms = [max(abs(r[i]) for r in design) for i in range(k)]
+    if min(norms) == 0.0:
+        return None
+    scaled = [[r[i] / norms[i] for i in range(k)] for r in design]
     ata = [
-        [sum(w * r[i] * r[j] for r, w in zip(design, weights, strict=True)) for j in range(k)]
+        [sum(w * r[i] * r[j] for r, w in zip(scaled, weights, strict=True)) for j in range(k)]
         for i in range(k)
     ]
-    atb = [sum(w * r[i] * t for r, t, w in zip(design, target, weights, strict=True)) for i in range(k)]
-    return _solve(ata, atb)
+    atb = [sum(w * r[i] * t for r, t, w in zip(scaled, target, weights, strict=True)) for i in range(k)]
+    solved = _solve(ata, atb)
+    return None if solved is None else [x / norms[i] for i, x in enumerate(solved)]
 
 
 def fit(measured: dict[str, tuple[float, float]], run: SimRun, ratio: float) -> StepCost | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
-from kvflow.doctor.calibrate import SIM_METRICS, calibrate
+from kvflow.doctor.calibrate import SIM_METRICS, _least_squares, _prompt_fit, calibrate
 from kvflow.doctor.cli import diagnosis_step_profile
 from kvflow.doctor.evidence import RequestSample, RunEvidence, calculator_evidence
 from kvflow.doctor.model_spec import ModelSpec
@@ -228,6 +228,31 @@ def test_the_servers_step_records_separate_factor_constant_and_attention() -> No
     decode_add, factor, constant = cal.cost.kind_extra_ms
     assert (decode_add, factor, constant) == (pytest.approx(1.3), pytest.approx(2.0), pytest.approx(3.0))
     assert cal.cost.attention_ms_per_key == pytest.approx(1e-4)
+
+
+def test_two_clusters_of_prompt_steps_do_not_make_up_a_constant() -> None:
+    """A run whose prompts all take two chunks (the planted prefix_caching_off run: 776 tokens at a
+    512-token budget) records two shapes of prompt step: 512 tokens attending nothing beyond the
+    probe, and 264 tokens after them. Two points cannot fix a factor, a constant and a price per key.
+    With the columns' scales five orders apart, the elimination had left a rounding-sized pivot and
+    returned one of the infinitely many fits (factor 0.87, an 11.6 ms constant), which priced the
+    cached what-if's 8-row step at 36 ms where 25-30 were measured. The fit keeps the attention and
+    no constant. The steps below are that run's records (ms; the profiled shapes and the keys beyond
+    the probe's, session 28)."""
+    durations = {
+        512: (176.401, 154.75, 156.583, 161.036, 170.384, 169.558),
+        264: (105.308, 105.929, 102.142, 100.696, 103.092, 106.268),
+    }
+    # (profiled ms, keys beyond the probe's), as the run's scaled profile gave them
+    shape = {512: (175.38063839403517, 0.0), 264: (91.50186912083531, 135168.0)}
+    steps = [(dur, *shape[tokens]) for tokens, durs in durations.items() for dur in durs]
+    design = [[s, 1.0, k] for _, s, k in steps]
+    assert _least_squares(design, [d for d, _, _ in steps], [1.0] * len(steps)) is None
+    factor, constant, per_key = _prompt_fit(steps)
+    assert constant == 0.0
+    # Through both clusters' means: 164.785 = f x 175.381; 103.906 = f x 91.502 + per_key x 135168.
+    assert factor == pytest.approx(164.785 / 175.381, rel=1e-3)
+    assert per_key == pytest.approx((103.906 - factor * 91.502) / 135168, rel=1e-2)
 
 
 def test_the_profile_is_measured_by_default_only_for_a_server_on_this_machine(
