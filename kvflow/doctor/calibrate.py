@@ -320,7 +320,9 @@ def calibrate(
         records = _record_fit(profile, recorded)
         for _ in range(FIT_ROUNDS):
             extras, per_key = _kind_extras(measured, run, profile, records)
-            cost = replace(cost, profile=profile, kind_extra_ms=extras, attention_ms_per_key=per_key)
+            cost = replace(
+                cost, profile=profile, kind_extra_ms=extras, attention_ms_per_key=per_key, client_gap_ms=gap
+            )
             run = replay(cost)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
             run = replay(cost)
@@ -426,27 +428,54 @@ def _kind_extras(
     return (decode_add, factor, constant), per_key
 
 
+# The prompt-step fits _prompt_fit tries, (factor fitted, constant, price per key), first first:
+# - all three, where the steps' shapes and keys both vary (chunks of many sizes and contexts);
+# - the factor held at 1 (the profile is the compute) and a constant, what the server adds to a
+#   prompt step: on the planted tiny model the served prompt steps took 1.5-4 ms more than the
+#   engine alone whatever their size (32 tokens 3.2 ms served, 1.8 alone; 160-256 tokens 4.0-6.9
+#   served, 2.6-3.3 alone), and a factor fitted to one-prompt steps (3.4) priced the max_num_seqs
+#   what-if's eight-prompt steps at 9-12 ms, 4.5-6.4 measured (session 28);
+# - the factor and the attention with no constant: two clusters of shapes (a prompt's first chunk
+#   and its second, which attends the first) cannot tell a constant from the attention, and the
+#   attention is what makes a later chunk dearer (a constant would charge every short prompt for it);
+# - then the factor and a constant, and the constant alone.
+PROMPT_FITS = (
+    (True, True, True),
+    (False, True, True),
+    (True, False, True),
+    (True, True, False),
+    (False, True, False),
+)
+
+
 def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Least squares dur = factor x shape + constant + per_key x keys beyond the probe, over the
-    prompt steps; terms the steps cannot separate (shapes or keys that barely vary, a negative
-    coefficient) are dropped, the constant first, down to the factor alone (the mean ratio)."""
+    prompt steps; where the steps cannot fix every term (shapes or keys that barely vary, two
+    clusters of shapes, a negative coefficient), fewer terms, in the order of PROMPT_FITS, down to
+    the factor alone (the mean ratio)."""
     shapes = [s for _, s, _ in steps]
     varied_shape = (max(shapes) - min(shapes)) >= SHAPE_SPREAD * statistics.mean(shapes)
     keys = [k for _, _, k in steps]
     varied_keys = max(keys) > 0 and (max(keys) - min(keys)) >= SHAPE_SPREAD * max(keys)
     durations = [d for d, _, _ in steps]
-    # When the steps cannot tell a constant from the attention (two clusters of shapes, say: a
-    # prompt's first chunk and its second, which attends the first), the attention is kept: it is
-    # what makes a later chunk dearer, and a constant would charge every short prompt for it.
-    for with_constant, with_keys in ((True, True), (False, True), (True, False)):
-        if (with_constant and not varied_shape) or (with_keys and not varied_keys):
+    for fitted_factor, with_constant, with_keys in PROMPT_FITS:
+        if (fitted_factor and with_constant and not varied_shape) or (with_keys and not varied_keys):
             continue
-        design = [[s, *([1.0] if with_constant else []), *([k] if with_keys else [])] for _, s, k in steps]
-        solved = _least_squares(design, durations, [1.0] * len(steps))
-        if solved is not None and solved[0] > 0 and min(solved) >= 0:
-            constant = solved[1] if with_constant else 0.0
-            per_key = solved[-1] if with_keys else 0.0
-            return solved[0], constant, per_key
+        columns = [
+            [*([s] if fitted_factor else []), *([1.0] if with_constant else []), *([k] if with_keys else [])]
+            for _, s, k in steps
+        ]
+        # With the factor held at 1 the profile (scaled to the run's speed) is the step's compute,
+        # and the rest is what the server adds: the target is the steps' excess over it.
+        target = durations if fitted_factor else [d - s for d, s, _ in steps]
+        solved = _least_squares(columns, target, [1.0] * len(steps))
+        if solved is None or min(solved) < 0 or (fitted_factor and solved[0] <= 0):
+            continue
+        terms = iter(solved)
+        factor = next(terms) if fitted_factor else 1.0
+        constant = next(terms) if with_constant else 0.0
+        per_key = next(terms) if with_keys else 0.0
+        return factor, constant, per_key
     return sum(durations) / max(sum(shapes), 1e-9), 0.0, 0.0
 
 

@@ -34,8 +34,11 @@ forward, about the same at 8 rows), while a step with prompts grows with them (i
 the compute the benchmark's client contends for): an added constant fitted to 1-prompt steps put an
 8-prompt step at half its measured time, a factor put it within 5% (benchmarks/NOTES.md, session 23).
 With the server's own step records (kvflow bench keeps them from a kvflow server) the factor and the
-constant of prompt steps are fitted together over those steps; from the per-kind means alone, the
-factor only.
+constant of prompt steps are fitted together over those steps; where the steps are all of one shape
+the profile is held as the compute and the constant fitted (calibrate.PROMPT_FITS: since the served
+probe prices the rows a step delivers and the first tokens it sends, what is left of a prompt
+step's excess is about the same at any size, session 28); from the per-kind means alone, the factor
+only.
 
 The fitted cost is each step's mean. A server's steps also vary around it (the engine thread
 contends for the GIL and the cores with HTTP bursts, scrapes and, on one machine, the benchmark's
@@ -126,6 +129,9 @@ class StepCost:
     # Every step's server time x this: the same steps on a share of the cores (a what-if that splits
     # the machine, kvflow/doctor/disaggregation.py). 1: the measured server.
     scale: float = 1.0
+    # The diagnosed run's clients' TTFT beyond the server's (calibrate.py: the prediction's offset):
+    # delivery_ms adds only what a step's other first tokens cost beyond it.
+    client_gap_ms: float = 0.0
 
     def on_half_cores(self, slowdown: float) -> StepCost:
         """This cost for one instance of a machine split in two: the profile's curves measured on
@@ -159,8 +165,23 @@ class StepCost:
         return self.overhead_ms + growth
 
     def delivery_ms(self, tokens: int) -> float:
-        """How much later than a lone token a client reads one of `tokens` a step delivered."""
-        return self.profile.delivery_growth(tokens) if self.profile is not None else 0.0
+        """How much later than a lone token a client reads one of `tokens` a step delivered, beyond
+        what the run's own clients paid.
+
+        The served probe's growth is measured against one client on an idle server, with b clients
+        in step (b first tokens in one step, b requests arriving together at a busy server). The
+        run's offset (client_gap_ms, added to every predicted TTFT) already holds what its own
+        clients paid beyond that lone client: on the planted max_num_seqs run, 8 clients on one
+        slot paid 6.4-8.8 ms where one client paid 3.3-3.7 with one first token per step each, and
+        8 first tokens in one step then cost 8-11 ms (the probe: 8.9-12). Adding the probe's whole
+        growth to the run's offset had counted those 3-5 ms twice (session 28)."""
+        profile = self.profile
+        if profile is None:
+            return 0.0
+        growth = profile.delivery_growth(tokens)
+        if profile.served_base_gap is None:
+            return growth
+        return max(growth - max(self.client_gap_ms - profile.served_base_gap, 0.0), 0.0)
 
     def with_drawn_residual(
         self, step_ms: float, has_prompt: bool, rng: random.Random, between_ms: float | None = None

@@ -26,7 +26,10 @@ measured through a server (kvflow/doctor/served_decode.py):
                           API thread delivering b tokens), added after every step by its rows
     delivery_growth(n)    the clients' TTFT beyond the server's when one step delivers n first
                           tokens, less that for 1: added to a request's TTFT and e2e (and to when its
-                          client sends the next) by the tokens its first and last steps delivered
+                          client sends the next) by the tokens its first and last steps delivered,
+                          less what the diagnosed run's clients already paid beyond the probe's lone
+                          client (StepCost.delivery_ms: b clients arriving together also arrive at
+                          a busy server, which the run's own offset holds)
 Attention beyond the probes' own short contexts is not in the curves: a query row's is
 row_ms_per_key, a prefill chunk's is fitted to the server's steps.
 
@@ -133,6 +136,9 @@ class StepProfile:
     # The served 1-row decode step's excess over the profiled one (what the growth curves start
     # from); None without the served probe.
     served_base_excess: float | None = None
+    # The lone client's TTFT beyond the server's in the served probe (what served_delivery starts
+    # from); None without the served probe.
+    served_base_gap: float | None = None
 
     def scaled(self, factor: float) -> StepProfile:
         """Every time in the profile x `factor`: the same machine running that much slower (a VM's
@@ -155,6 +161,7 @@ class StepProfile:
             served_delivery=times(self.served_delivery),
             split=halves,
             served_base_excess=ms(self.served_base_excess),
+            served_base_gap=ms(self.served_base_gap),
         )
 
     def on_half_cores(self) -> StepProfile | None:
@@ -206,7 +213,8 @@ class StepProfile:
         per_key = _row_ms_per_key(data, curves[1])
         excess, between, delivery, base_excess = _served_curves(data, curves[1], per_key)
         halves = (split[0], split[1]) if split[0] is not None and split[1] is not None else None
-        return cls(curves[0], curves[1], per_key, excess, between, delivery, halves, base_excess)
+        gaps = {int(b): float(ms) for b, ms in (data.get("served_ttft_gap_ms") or {}).items()}
+        return cls(curves[0], curves[1], per_key, excess, between, delivery, halves, base_excess, gaps.get(1))
 
 
 def _curve(points_by_size: dict[str, float] | None) -> Curve | None:

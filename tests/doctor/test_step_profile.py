@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
@@ -148,6 +149,29 @@ def test_serving_adds_by_the_rows_a_step_delivers_measured_against_one_row() -> 
     )
 
 
+def test_a_steps_first_tokens_cost_the_clients_only_beyond_what_the_run_paid() -> None:
+    """The probe's TTFT gap grows from one client on an idle server (3.0 ms) to eight in step (8.4):
+    eight first tokens in one step, and eight requests arriving together at a busy server. A run
+    whose clients already paid 6.0 ms (its offset, added to every prediction) gets only the growth
+    beyond its own excess over the lone client: 5.4 - 3.0; one that paid no more than the lone
+    client, all of it; a lone token, nothing."""
+    assert SERVED_PROFILE is not None and SERVED_PROFILE.served_base_gap == 3.0
+    cost = StepCost(0.0, 0.0, 0.0, profile=SERVED_PROFILE)
+    assert cost.delivery_ms(8) == pytest.approx(8.4 - 3.0)
+    assert replace(cost, client_gap_ms=2.0).delivery_ms(8) == pytest.approx(8.4 - 3.0)
+    assert replace(cost, client_gap_ms=6.0).delivery_ms(8) == pytest.approx(8.4 - 3.0 - (6.0 - 3.0))
+    assert replace(cost, client_gap_ms=12.0).delivery_ms(8) == 0.0
+    assert replace(cost, client_gap_ms=6.0).delivery_ms(1) == 0.0
+    # Calibrated on a run, the cost carries the run's offset.
+    samples = [RequestSample(32, 32, 0, 0.0, None, None) for _ in range(16)]
+    baseline = _server(SimSettings(1, 2048, None, 16, True), samples, 8, SERVED_PROFILE)
+    run, model, settings = _one_slot_evidence(samples, baseline)
+    run = replace(run, server={**run.server, "client_minus_server_ttft_ms": 6.0})
+    cal = calibrate(run, settings, model, profile=SERVED_PROFILE)
+    assert cal is not None and cal.cost.client_gap_ms == 6.0
+    assert cal.cost.delivery_ms(8) == pytest.approx(8.4 - 6.0)
+
+
 def test_calibrated_on_one_slot_a_served_profile_predicts_eight_slots_decode() -> None:
     """A server whose steps cost more the more rows they deliver (SERVED): calibrated on one slot,
     where every decode delivers one token, the profile without the served probe prices the eight-slot
@@ -253,6 +277,24 @@ def test_two_clusters_of_prompt_steps_do_not_make_up_a_constant() -> None:
     # Through both clusters' means: 164.785 = f x 175.381; 103.906 = f x 91.502 + per_key x 135168.
     assert factor == pytest.approx(164.785 / 175.381, rel=1e-3)
     assert per_key == pytest.approx((103.906 - factor * 91.502) / 135168, rel=1e-2)
+
+
+def test_one_shape_of_prompt_step_gets_what_the_server_adds_not_a_factor() -> None:
+    """A one-slot run's prompt steps are all one shape (32 tokens), so a factor and a constant cannot
+    be told apart. What the server adds to a prompt step is about the same whatever its size (the
+    planted tiny model served 32 tokens in 3.2 ms against 1.8 alone, 160-256 tokens in 4.0-6.9
+    against 2.6-3.3, session 28), so the fit holds the profile as the compute and adds a constant:
+    an 8-prompt step of 256 tokens costs the profile's 256 tokens plus it, where the factor (3.4 on
+    the planted run) had priced it at twice the measured time."""
+    rng = random.Random(3)
+    shape = PROFILE.prefill(32)
+    steps = [(shape + 2.5 + rng.uniform(-1.0, 1.0), shape, 0.0) for _ in range(24)]
+    factor, constant, per_key = _prompt_fit(steps)
+    assert factor == 1.0 and per_key == 0.0
+    assert constant == pytest.approx(statistics.mean(d - shape for d, _, _ in steps))
+    # Steps faster than the profile (a run on a faster moment than the profile's) get a factor below 1.
+    faster = [(0.8 * shape, shape, 0.0) for _ in range(24)]
+    assert _prompt_fit(faster) == (pytest.approx(0.8), 0.0, 0.0)
 
 
 def test_the_profile_is_measured_by_default_only_for_a_server_on_this_machine(
