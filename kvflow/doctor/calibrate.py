@@ -434,7 +434,7 @@ def _kind_extras(
 #   prompt step: on the planted tiny model the served prompt steps took 1.5-4 ms more than the
 #   engine alone whatever their size (32 tokens 3.2 ms served, 1.8 alone; 160-256 tokens 4.0-6.9
 #   served, 2.6-3.3 alone), and a factor fitted to one-prompt steps (3.4) priced the max_num_seqs
-#   what-if's eight-prompt steps at 9-12 ms, 4.5-6.4 measured (session 28);
+#   what-if's eight-prompt steps at 9-12 ms, 4.0-6.9 measured over five runs (session 28);
 # - the factor and the attention with no constant: two clusters of shapes (a prompt's first chunk
 #   and its second, which attends the first) cannot tell a constant from the attention, and the
 #   attention is what makes a later chunk dearer (a constant would charge every short prompt for it);
