@@ -121,6 +121,7 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
         "measured_over_predicted": ratio,
         "within_25pct": check.agrees,
         "value_error": check.value_error,
+        "paired_value_error": check.paired_value_error,
         "verdict": check.verdict,
         "baseline_spread": check.noise,
     }
@@ -129,17 +130,27 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "| scenario | change | metric | baseline | predicted | measured | gain pred. | gain meas. "
-        f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | value error | baseline spread |"
+        f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | value error | pair by pair | baseline spread |"
     )
-    print("|" + " --- |" * 12)
+    print("|" + " --- |" * 13)
     for r in rows:
         ratio = "-" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.2f}"
         print(
             f"| {r['scenario']} | {r['change']} | {r['metric']} | {r['baseline']:,.1f} | "
             f"{r['predicted']:,.1f} | {r['measured']:,.1f} | {r['predicted_gain']:,.1f} | "
             f"{r['measured_gain']:,.1f} | {ratio} | "
-            f"{VERDICT_MARK[r['verdict']]} | {r['value_error']:.0%} | {r['baseline_spread']:.0%} |"
+            f"{VERDICT_MARK[r['verdict']]} | {r['value_error']:.0%} | {percent(r['paired_value_error'])} | "
+            f"{r['baseline_spread']:.0%} |"
         )
+
+
+def percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0%}"
+
+
+def median(ordered: list[float]) -> float:
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def main() -> None:
@@ -182,12 +193,18 @@ def main() -> None:
         f"\n{met} of {len(rows) - noise} predictions within {AGREEMENT_TOLERANCE:.0%} of the measured gain; "
         f"{noise} more with predicted and measured gains both within the baseline's spread"
     )
-    errors = sorted(r["value_error"] for r in rows if r["verdict"] != "within noise")
+    shown = [r for r in rows if r["verdict"] != "within noise"]
+    errors = sorted(r["value_error"] for r in shown)
     if errors:
-        median = errors[len(errors) // 2] if len(errors) % 2 else sum(errors[len(errors) // 2 - 1 :][:2]) / 2
         print(
             f"error on the predicted value, |predicted - measured| / measured, over the {len(errors)} "
-            f"predictions whose effect exceeds the noise: median {median:.0%}, worst {errors[-1]:.0%}"
+            f"predictions whose effect exceeds the noise: median {median(errors):.0%}, worst {errors[-1]:.0%}"
+        )
+    paired = sorted(r["paired_value_error"] for r in shown if r["paired_value_error"] is not None)
+    if paired:
+        print(
+            f"the same, measured pair by pair (each changed run against its own baseline): median "
+            f"{median(paired):.0%}, worst {paired[-1]:.0%}"
         )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))

@@ -307,6 +307,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 "measured": c.measured,
                 "agrees": c.agrees,
                 "value_error": c.value_error,
+                "paired_measured": c.paired_measured,
+                "paired_value_error": c.paired_value_error,
                 "noise": c.noise,
                 "verdict": c.verdict,
                 "explanation": c.explain(),

@@ -36,6 +36,22 @@ def test_the_prediction_is_carried_to_the_fresh_baseline_and_compared_on_medians
     assert (check.baseline, check.predicted, check.measured) == (220.0, pytest.approx(55.0), 60.0)
     assert check.noise == pytest.approx(20.0 / 220.0)
     assert check.agrees and check.verdict == "agrees"  # gain 160 against 165 predicted
+    # Pair by pair: 60 / 220, 70 / 230, 50 / 210 -> the median ratio 60 / 220, at the median baseline.
+    assert check.paired_measured == pytest.approx(220.0 * 60.0 / 220.0)
+
+
+def test_pair_by_pair_the_drift_between_pairs_cancels() -> None:
+    """The change divides TTFT by 10, as predicted; the machine ran the three pairs at speeds 1, 1.3
+    and 1.35 (each pair's baseline and change back to back), and each changed run has its own +-10%.
+    The changed runs' median lands on the middle pair's low draw (23.4 against the 26 predicted at
+    the median baseline); pair by pair the ratios are 0.11, 0.09 and 0.10, and the prediction holds."""
+    what_if = WhatIf("max_num_seqs 1 -> 8", "...", {"ttft_p50_ms": 20.0}, {"max_num_seqs": 8})
+    pairs = [(result(200.0), result(22.0)), (result(260.0), result(23.4)), (result(270.0), result(27.0))]
+    [check] = compare(what_if, result(200.0), pairs)
+    assert check.predicted == pytest.approx(26.0)  # carried to the median baseline, 260
+    assert check.measured == 23.4 and check.value_error == pytest.approx(26.0 / 23.4 - 1)
+    assert check.paired_measured == pytest.approx(26.0)
+    assert check.paired_value_error == pytest.approx(0.0, abs=1e-12)
 
 
 def test_a_prediction_moving_with_another_metric_is_carried_by_that_metric() -> None:
@@ -56,6 +72,8 @@ def test_a_prediction_moving_with_another_metric_is_carried_by_that_metric() -> 
     ]
     [check] = compare(carried, itl(4.0, 15.0), pairs)
     assert (check.baseline, check.predicted, check.measured) == (21.0, pytest.approx(8.4), 6.0)
+    # Pair by pair too, each changed tail against its own baseline's ITL p50.
+    assert check.paired_measured == pytest.approx(4.2 * 6.5 / 4.4)
     [itself] = compare(replace(carried, carried_by={}), itl(4.0, 15.0), pairs)
     assert itself.predicted == pytest.approx(8.0 * 21.0 / 15.0)
 
