@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from dataclasses import replace
@@ -148,11 +149,6 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def median(ordered: list[float]) -> float:
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     names = [s.name for s in SCENARIOS if s.planted] + ["quantization"]
@@ -198,13 +194,14 @@ def main() -> None:
     if errors:
         print(
             f"error on the predicted value, |predicted - measured| / measured, over the {len(errors)} "
-            f"predictions whose effect exceeds the noise: median {median(errors):.0%}, worst {errors[-1]:.0%}"
+            f"predictions whose effect exceeds the noise: median {statistics.median(errors):.0%}, "
+            f"worst {errors[-1]:.0%}"
         )
     paired = sorted(r["paired_value_error"] for r in shown if r["paired_value_error"] is not None)
     if paired:
         print(
             f"the same, measured pair by pair (each changed run against its own baseline): median "
-            f"{median(paired):.0%}, worst {paired[-1]:.0%}"
+            f"{statistics.median(paired):.0%}, worst {paired[-1]:.0%}"
         )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import tempfile
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -243,12 +244,6 @@ def verifiable(findings: list[Finding]) -> list[WhatIf]:
     return result
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
-
-
 def compare(
     what_if: WhatIf, original: dict[str, Any], pairs: list[tuple[dict[str, Any], dict[str, Any]]]
 ) -> list[Verification]:
@@ -267,14 +262,14 @@ def compare(
         carriers = [carry(b) for b, _ in pairs if carry(b) is not None]
         if not bases or not afters or not carriers:
             continue
-        base, after = _median(bases), _median(afters)
-        before, now = carry(original), _median(carriers)
+        base, after = statistics.median(bases), statistics.median(afters)
+        before, now = carry(original), statistics.median(carriers)
         scaled = now * predicted / before if before else predicted
         noise = (max(bases) - min(bases)) / base if base and len(bases) > 1 else 0.0
         # Pair by pair: each changed run against its own baseline's carrying metric, the metric the
         # prediction was carried by (not the baseline's own value where that is a noisy tail).
         ratios = [read(c) / carry(b) for b, c in pairs if read(c) is not None and carry(b)]
-        paired = now * _median(ratios) if ratios else None
+        paired = now * statistics.median(ratios) if ratios else None
         checks.append(Verification(what_if.change, metric, base, scaled, after, noise, paired))
     return checks
 
