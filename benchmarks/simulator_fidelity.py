@@ -47,6 +47,7 @@ GRID = [(budget, blocks, c) for budget in (64, 512) for blocks in (None, 20) for
 METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 MAX_MODEL_LEN = 256
 PROFILE_FILE = "step_profile.json"  # beside the recorded runs (tests/doctor/test_simulator_fidelity.py)
+WINDOW_KEYS = ("x_request_id", "ttft_ms", "arrival", "handed_off")  # of a request row, what the replay reads
 
 
 def run_path(budget: int, blocks: int | None, concurrency: int) -> Path:
@@ -150,11 +151,21 @@ def record(directory: Path, model: Path) -> None:
     (directory / PROFILE_FILE).write_text(profile_file(model, dtype, None).read_text())
     for budget, blocks, c in GRID:
         result = json.loads(run_path(budget, blocks, c).read_text())
-        result["server"].pop("window", None)  # the requests' stories: not what the replay reads
+        window = result["server"].pop("window", None) or {}
         for request in result["requests"]:
             for key in ("chunks", "ttft_first_chunk_ms", "conversation", "turn", "language"):
                 request.pop(key, None)
-        text = json.dumps(_rounded(result), separators=(",", ":"))
+        trimmed = _rounded(result)
+        # Of the window's request rows, what the replay reads: each request's client gap (its TTFT
+        # on the server, matched by x-request-id) and its HTTP handoff (kvflow/doctor/evidence.py),
+        # timestamps in seconds kept to the microsecond (a handoff is a few ms).
+        trimmed["server"]["window"] = {
+            "requests": [
+                {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items() if k in WINDOW_KEYS}
+                for row in window.get("requests") or []
+            ]
+        }
+        text = json.dumps(trimmed, separators=(",", ":"))
         name = run_path(budget, blocks, c).name + ".gz"
         (directory / name).write_bytes(gzip.compress(text.encode(), mtime=0))
 

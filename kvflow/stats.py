@@ -40,6 +40,14 @@ class PrefillChunk:
 @dataclass
 class RequestTimeline:
     arrival_time: float
+    # On a server: when its HTTP handler, started at `arrival_time`, had parsed and tokenized it and
+    # queued it for the engine thread (AsyncLLMEngine.add_requests). The handler's work, slower while
+    # the engine's steps hold the GIL. None: not served that way (an offline LLM).
+    handed_off_time: float | None = None
+    # When the engine took it in (LLMEngine.add_processed_request): the engine thread drains its
+    # queue between steps, so a request handed off during a step waits for the step's end. Until
+    # then no step can schedule it, free slot or not. None: never added.
+    added_time: float | None = None
     first_scheduled_time: float | None = None
     prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     first_token_time: float | None = None

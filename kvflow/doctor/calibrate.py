@@ -218,9 +218,19 @@ class Calibration:
         instance of a split machine: kvflow/doctor/disaggregation.py)."""
         cost = self.cost if cost is None else cost
         gap = self.client_gap_ms if client_gap_ms is None else client_gap_ms
-        jitter = self.evidence.client_gap_jitter_ms
+        jitter, handoff = self.evidence.client_gap_jitter_ms, self.evidence.handoff_ms
         runs = [
-            simulate(samples, settings, cost, self.concurrency, gap, seed, after_ms, gap_jitter_ms=jitter)
+            simulate(
+                samples,
+                settings,
+                cost,
+                self.concurrency,
+                gap,
+                seed,
+                after_ms,
+                gap_jitter_ms=jitter,
+                handoff_ms=handoff,
+            )
             for seed in range(self.replicas)
         ]
         return pooled(runs)
@@ -300,10 +310,12 @@ def calibrate(
     # lie the delivery, the client and the trip back, about what the client adds to TTFT.
     gap = max(float(evidence.server.get("client_minus_server_ttft_ms") or 0.0), 0.0)
 
-    jitter = evidence.client_gap_jitter_ms
+    jitter, handoff = evidence.client_gap_jitter_ms, evidence.handoff_ms
 
     def replay(cost: StepCost) -> SimRun:
-        return simulate(evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter)
+        return simulate(
+            evidence.requests, sim, cost, concurrency, gap, gap_jitter_ms=jitter, handoff_ms=handoff
+        )
 
     run = replay(cost)
     for _ in range(FIT_ROUNDS):

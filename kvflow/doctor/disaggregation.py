@@ -100,6 +100,7 @@ def pd_simulated(cal: Calibration, transfer_ms: float) -> PairPrediction | None:
         cal.client_gap_ms + hop_ms + transfer_ms,
         after_ms=decode_phase_ms,
         gap_jitter_ms=cal.evidence.client_gap_jitter_ms,
+        handoff_ms=cal.evidence.handoff_ms,
     )
     if not prefill.ttft_ms:
         return None

@@ -55,6 +55,9 @@ class RunEvidence:
     # Each request's client TTFT beyond the server's (a kvflow server's window names its requests),
     # less their mean: how unevenly clients' requests reach the server (client_gap_jitter).
     client_gap_jitter_ms: tuple[float, ...] = ()
+    # Each request's HTTP handoff on a kvflow server: from its arrival (the handler's start, where
+    # the server's TTFT starts) to the engine taking it in (handoff_delays).
+    handoff_ms: tuple[float, ...] = ()
 
     @property
     def measured(self) -> bool:
@@ -202,6 +205,26 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
             for p, row in sorted((result.get("per_priority") or {}).items(), key=lambda kv: int(kv[0]))
         },
         client_gap_jitter_ms=client_gap_jitter(ok, result.get("server") or {}),
+        handoff_ms=handoff_delays(result.get("server") or {}),
+    )
+
+
+def handoff_delays(server: dict[str, Any]) -> tuple[float, ...]:
+    """Each request's HTTP handoff on a kvflow server (ms): from its arrival to its handler queueing
+    it for the engine thread (the window's `handed_off` - `arrival`); empty without a window, or
+    from a server that does not report it.
+    Why: the handler parses and tokenizes a request before the engine can schedule it, on the
+    server's one process, so more slowly while the engine's steps hold the GIL. With a slot free,
+    the planted max_num_seqs 8 server's requests reached the engine 1.2-7.2 ms after they arrived
+    (median 5.6) and were scheduled 0.2 ms at most after that; the simulator had them scheduled at
+    arrival, and predicted a TTFT of 15 ms where 19-23 were measured (benchmarks/NOTES.md, session
+    29). The rest, from handed off to taken in (`added`), is the step in progress the engine finishes
+    first, which the simulator has of its own: counted in the handoff it was counted twice."""
+    rows = (server.get("window") or {}).get("requests") or []
+    return tuple(
+        1e3 * max(float(row["handed_off"]) - float(row["arrival"]), 0.0)
+        for row in rows
+        if row.get("handed_off") is not None and row.get("arrival") is not None
     )
 
 

@@ -20,6 +20,8 @@ Cache kinds: a request holds blocks in every cache group of the model (SimSettin
 kvflow/doctor/sim_blocks.py: a sliding window's stay about W / block_size + 1, a state's fixed), and
 a prefix hit is a multiple of `hit_granularity` (a linear-attention model restores its state from a
 checkpoint, taken every checkpoint_interval tokens).
+A request reaches the scheduler after its HTTP handoff (RunEvidence.handoff_ms: the handler parses
+and tokenizes it while the engine's steps hold the GIL), drawn from the run's own.
 Not modelled: speculative decoding, HTTP delivery (predictions are differences between two simulated
 runs, applied to the measured numbers, so what both share cancels).
 """
@@ -61,7 +63,10 @@ class _Request:
     prompt: int
     output: int
     hit: int  # prompt tokens a prefix cache serves at first admission (a prefix shared with others)
-    arrival: float
+    arrival: float  # at the server (its HTTP handler's start, the server's TTFT clock)
+    # When the engine takes it in: arrival + the handler's handoff (parsing, tokenizing, and the GIL
+    # the engine's steps hold meanwhile); no step schedules it before, free slot or not.
+    ready: float = 0.0
     computed: int = 0
     produced: int = 0
     admitted: bool = False
@@ -286,21 +291,33 @@ def simulate(
     seed: int = 0,
     after_ms: Sequence[float] | None = None,
     gap_jitter_ms: Sequence[float] = (),
+    handoff_ms: Sequence[float] = (),
 ) -> SimRun:
     """Replay `samples` (in send order): closed loop with `concurrency` clients, each sending its
     next request `client_gap_ms` after the server finished its last (delivery, the client, the new
     request's trip), plus `after_ms[i]` after sample i (what its client waits for elsewhere: its
     decode on another instance), plus one of `gap_jitter_ms` drawn (how unevenly the run's clients
-    came back: RunEvidence.client_gap_jitter_ms), else open loop at the samples' send times. `seed`
-    drives the draws (and the steps' departures from their mean cost, StepCost.residuals): the same
-    seed, the same draws."""
+    came back: RunEvidence.client_gap_jitter_ms), else open loop at the samples' send times. Each
+    request reaches the scheduler one of `handoff_ms` after it arrives (the run's HTTP handoffs,
+    RunEvidence.handoff_ms; none: at once). `seed` drives the draws (and the steps' departures from
+    their mean cost, StepCost.residuals): the same seed, the same draws."""
     requests = [
-        _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), s.send_s)
+        _Request(i, max(s.prompt_tokens, 1), max(s.output_tokens, 1), _cacheable(s, settings), 1e3 * s.send_s)
         for i, s in enumerate(samples)
     ]
     waits = list(after_ms) if after_ms is not None else [0.0] * len(requests)
     sched = _Scheduler(settings, cost)
-    replay = _Replay(requests, sched, cost, concurrency, client_gap_ms, seed, waits, tuple(gap_jitter_ms))
+    replay = _Replay(
+        requests,
+        sched,
+        cost,
+        concurrency,
+        client_gap_ms,
+        seed,
+        waits,
+        tuple(gap_jitter_ms),
+        tuple(handoff_ms),
+    )
     now = 0.0
     while len(replay.done) + len(replay.sched.capped) < len(requests):
         advanced = replay.advance(now)
@@ -323,21 +340,27 @@ class _Replay:
         seed: int,
         after_ms: list[float],
         gap_jitter_ms: tuple[float, ...] = (),
+        handoff_ms: tuple[float, ...] = (),
     ) -> None:
         self.sched, self.cost, self.client_gap_ms = sched, cost, client_gap_ms
         self.after_ms = after_ms  # per request: its client's wait beyond the gap
         self.gap_jitter_ms = gap_jitter_ms
-        # Its own stream, so that two replays of one seed draw the same step residuals whatever
-        # their clients' returns drew.
+        self.handoff_ms = handoff_ms
+        # Their own streams, so that two replays of one seed draw the same step residuals whatever
+        # their clients' returns and handoffs drew.
         self.jitter_rng = random.Random(f"{seed}:client-gaps")
+        self.handoff_rng = random.Random(f"{seed}:handoffs")
         self.rng = random.Random(seed)
         self.closed = concurrency is not None
         self.upcoming: deque[_Request] = deque(requests)
         if self.closed:  # the first `concurrency` clients send at once, the rest when one finishes
             for request in requests:
-                request.arrival = math.inf
+                request.arrival = request.ready = math.inf
             for request in requests[: max(1, concurrency or 1)]:
-                request.arrival = 0.0
+                self._arrive(request, 0.0)
+        else:
+            for request in requests:
+                self._arrive(request, request.arrival)
         self.kinds = {kind: KindStats() for kind in KINDS}
         self.explained: dict[str, float] = {"preemption": 0.0, "prefill_chunks": 0.0, "recompute": 0.0}
         self.done: list[_Request] = []
@@ -361,6 +384,10 @@ class _Replay:
         upcoming = self._next_arrival_time()
         return None if math.isinf(upcoming) else max(now, upcoming)
 
+    def _arrive(self, request: _Request, at: float) -> None:
+        request.arrival = at
+        request.ready = at + (self.handoff_rng.choice(self.handoff_ms) if self.handoff_ms else 0.0)
+
     def _sent(self) -> list[_Request]:
         """The upcoming requests with a send time: in a closed loop the first few (each client's next,
         in any order of arrival once jittered), in an open loop all (in order)."""
@@ -372,19 +399,30 @@ class _Replay:
         return sent
 
     def _admit_arrivals(self, now: float) -> None:
-        """Requests that arrived by `now` join the waiting queue, earliest first."""
-        if not self.closed:
-            while self.upcoming and self.upcoming[0].arrival <= now:
-                self.sched.waiting.append(self.upcoming.popleft())
-            return
-        for request in sorted((r for r in self._sent() if r.arrival <= now), key=lambda r: r.arrival):
+        """Requests the engine has taken in by `now` join the waiting queue, earliest first."""
+        if self.closed:
+            ready = [r for r in self._sent() if r.ready <= now]
+        else:  # in arrival order, and none is ready before it arrives
+            ready = []
+            for request in self.upcoming:
+                if request.arrival > now:
+                    break
+                if request.ready <= now:
+                    ready.append(request)
+        for request in sorted(ready, key=lambda r: r.ready):
             self.upcoming.remove(request)
             self.sched.waiting.append(request)
 
     def _next_arrival_time(self) -> float:
-        if not self.closed:
-            return self.upcoming[0].arrival if self.upcoming else math.inf
-        return min((r.arrival for r in self._sent()), default=math.inf)
+        """When the next request reaches the engine (its handoff done)."""
+        if self.closed:
+            return min((r.ready for r in self._sent()), default=math.inf)
+        earliest = math.inf
+        for request in self.upcoming:  # arrival order; ready >= arrival, so stop past the earliest
+            if request.arrival >= earliest:
+                break
+            earliest = min(earliest, request.ready)
+        return earliest
 
     def _step(self, now: float, scheduled: list[tuple[_Request, int]]) -> float:
         """One engine step over `scheduled`: its cost, then each request's progress."""
@@ -421,20 +459,16 @@ class _Replay:
     def _client_sends_next(self, now: float) -> None:
         if self.closed and self.upcoming:
             jitter = self.jitter_rng.choice(self.gap_jitter_ms) if self.gap_jitter_ms else 0.0
-            _next_arrival(self.upcoming, now + max(self.client_gap_ms + jitter, 0.0))
+            at = now + max(self.client_gap_ms + jitter, 0.0)
+            for request in self.upcoming:  # the workload's next request, sent at once
+                if math.isinf(request.arrival):
+                    self._arrive(request, at)
+                    return
 
 
 def _prefill_ms_by_cause(cost: StepCost, work: Work) -> dict[str, float]:
     """What each cause's prompt chunks added to the step."""
     return {cause: cost.prefill_ms(w) for cause, w in work.items()}
-
-
-def _next_arrival(upcoming: deque[_Request], now: float) -> None:
-    """Closed loop: the client that finished sends the next request of the workload at once."""
-    for request in upcoming:
-        if math.isinf(request.arrival):
-            request.arrival = now
-            return
 
 
 def _produce(

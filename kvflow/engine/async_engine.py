@@ -26,6 +26,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -208,6 +209,7 @@ class AsyncLLMEngine:
             self._num_pending_adds += len(requests)
         stream = OutputStream([r.request_id for r in requests], self.abort)
         for request in requests:
+            request.timeline.handed_off_time = time.monotonic()  # before the engine thread owns it
             self._commands.put(_Add(request, stream))
         return stream
 

@@ -360,6 +360,7 @@ class LLMEngine:
         except BaseException:
             del self.output_processor.states[request.request_id]
             raise
+        request.timeline.added_time = time.monotonic()
         if request.structured_state is not None:
             self.structured.submit(request)  # compiles off this thread; the scheduler skips it till then
         return request.request_id

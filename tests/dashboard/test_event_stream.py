@@ -28,7 +28,8 @@ from kvflow.server.dashboard.schema import (
 
 NUM_REQUESTS = 6
 REQUEST_KEYS = {
-    "id", "state", "reason", "arrival", "first_scheduled", "first_token", "last_token", "finished",
+    "id", "state", "reason", "arrival", "handed_off", "added",
+    "first_scheduled", "first_token", "last_token", "finished",
     "chunks", "preemptions", "prompt_tokens", "cached_tokens", "output_tokens", "priority", "ttft_ms",
     "itl_p50_ms", "itl_p99_ms", "slowest_gaps", "grammar_ms", "restore_ms", "x_request_id",
 }  # fmt: skip
@@ -61,7 +62,7 @@ def check_frame(frame: dict[str, Any], num_blocks: int) -> None:
         assert set(obj) == REQUEST_KEYS
         assert obj["state"] in REQUEST_STATES
         assert (obj["reason"] is not None) == (obj["state"] == "finished")
-        assert obj["first_scheduled"] is None or obj["first_scheduled"] >= obj["arrival"]
+        assert obj["first_scheduled"] is None or obj["first_scheduled"] >= obj["added"] >= obj["arrival"]
     if frame["kv"] is not None:
         kv = frame["kv"]
         assert len(kv["owner"]) == num_blocks

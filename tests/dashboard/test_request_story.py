@@ -46,6 +46,10 @@ def test_queued_behind_the_running_slot(start_server: Callable[..., LiveServer])
     assert queue["limit"] == "max_num_seqs" and "max_num_seqs=1" in queue["why"]
     assert queue["running_when_it_arrived"] or queue["scheduled_ahead_of_it"]
     assert queue["queue_ms"] > 0 and queue["steps_waited"] > 0
+    # Its HTTP handoff (arrival -> the engine took it in) is part of the queue; the slot the rest.
+    assert (
+        0 <= queue["handoff_ms"] < queue["queue_ms"] / 2 and "the engine took it in after" in told["summary"]
+    )
     assert told["ttft_ms"] == pytest.approx(queue["queue_ms"] + told["prefill_ms"], abs=0.01)
     assert "max_num_seqs=1" in told["summary"]
     with server.client() as client:  # the page the Gantt row links to

@@ -1,6 +1,7 @@
 """The served decode probe (kvflow/doctor/served_decode.py): a real `kvflow serve` of the tiny model,
 streamed to by kvflow bench at 1 and 2 clients, read back from the server's own step records; and
-the per-request client gap spread the simulator draws returns from (RunEvidence.client_gap_jitter_ms)."""
+the per-request client gap spread the simulator draws returns from (RunEvidence.client_gap_jitter_ms)
+and the HTTP handoffs it delays each request by (RunEvidence.handoff_ms)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from kvflow.bench.runner import BenchConfig
 from kvflow.doctor import served_decode
-from kvflow.doctor.evidence import client_gap_jitter
+from kvflow.doctor.evidence import client_gap_jitter, handoff_delays
 from kvflow.doctor.served_decode import SERVED_KEYS, SERVED_SWEEPS, decode_step_ms, measure_served_decode
 
 
@@ -45,6 +46,19 @@ def test_the_client_gap_spread_is_matched_by_request_id_and_centred() -> None:
         (-4.0, -2.0, 6.0)
     )  # 3, 5, 13 ms about their mean
     assert client_gap_jitter(requests, {}) == ()  # no window (another server): no spread
+
+
+def test_each_requests_handoff_is_its_handlers_time_before_the_engine_queue() -> None:
+    window = {
+        "requests": [
+            {"arrival": 10.0, "handed_off": 10.0035, "added": 10.0041},
+            {"arrival": 10.001, "handed_off": 10.0083, "added": 10.0112},  # the step in progress after
+            {"arrival": 11.0, "handed_off": None, "added": None},  # still in its handler
+            {"arrival": 12.0},  # a server that does not report it
+        ]
+    }
+    assert handoff_delays({"window": window}) == pytest.approx((3.5, 7.3))
+    assert handoff_delays({}) == ()  # no window (another server): scheduled at arrival
 
 
 def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,7 +15,7 @@ from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.doctor.calibrate import SIM_METRICS, Calibration, sim_groups
 from kvflow.doctor.evidence import RequestSample, calculator_evidence
 from kvflow.doctor.simulate import SimSettings, pooled, simulate
-from kvflow.doctor.step_cost import StepCost
+from kvflow.doctor.step_cost import StepCost, StepShape
 from kvflow.engine.scheduler import Scheduler
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig, build_kv_cache_config
 from kvflow.outputs import ModelRunnerOutput
@@ -199,6 +199,40 @@ def test_clients_come_back_unevenly_and_in_the_order_they_arrive() -> None:
         samples, settings, cost, concurrency=4, client_gap_ms=3.0, gap_jitter_ms=(-2.0, 0.0, 4.0)
     )
     assert again.itl_ms == apart.itl_ms  # the same seed, the same draws
+
+
+def test_an_open_loop_sends_at_its_requests_send_times_in_seconds() -> None:
+    """Open loop: a request sent a second after another that takes a few ms finds the server idle.
+    (The replay had read the bench's send times, in seconds, as milliseconds: every request of a
+    paced run arrived within a few ms of the first and queued behind the others.)"""
+    cost = StepCost(1.0, 0.02, 0.0)
+    samples = [RequestSample(32, 4, 0, float(i), None, None) for i in range(4)]  # one per second
+    run = simulate(samples, SimSettings(1, 512, None, 16, False), cost, concurrency=None)
+    alone = cost.step_ms(StepShape(prefill_tokens=32))
+    assert run.queue_ms == [0.0] * 4
+    assert run.ttft_ms == pytest.approx([alone] * 4)
+
+
+def test_a_request_is_scheduled_only_once_the_engine_has_it() -> None:
+    """Each request reaches the scheduler one of the run's HTTP handoffs after it arrives
+    (RunEvidence.handoff_ms): its TTFT, counted from its arrival as the server counts it, holds the
+    handoff, and one that the engine takes in while a step runs waits for the next step, slot free
+    or not."""
+    cost = StepCost(1.0, 0.02, 0.0)
+    step = cost.step_ms(StepShape(prefill_tokens=32))
+    one = [RequestSample(32, 1, 0, 0.0, None, None)]
+    settings = SimSettings(8, 512, None, 16, False)
+    handed = simulate(one, settings, cost, concurrency=1, handoff_ms=(3.0,))
+    assert handed.ttft_ms == pytest.approx([3.0 + step])
+    assert handed.queue_ms == pytest.approx([3.0])
+    # Sent 0.5 ms apart, each handed over 1 ms later: the second reaches the engine during the first's
+    # step (1 ms .. 1 ms + step) and waits for it to end, queued from its arrival at 0.5 ms.
+    two = [RequestSample(32, 1, 0, 0.0, None, None), RequestSample(32, 1, 0, 0.0005, None, None)]
+    run = simulate(two, settings, cost, concurrency=None, handoff_ms=(1.0,))
+    assert run.queue_ms == pytest.approx([1.0, 0.5 + step])
+    assert run.kinds["prefill_only"].count == 2
+    # Without handoffs (another server's run): scheduled at arrival, as before.
+    assert simulate(one, settings, cost, concurrency=1).queue_ms == [0.0]
 
 
 def test_pooled_replays_keep_per_replay_counts() -> None:

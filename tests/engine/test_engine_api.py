@@ -37,6 +37,7 @@ def test_generate_accepts_strings_and_token_ids_with_per_prompt_params(llm: LLM)
     assert outs[0].outputs[0].text == tokenizer.decode(outs[0].outputs[0].token_ids)
     t = outs[0].metrics
     assert t.arrival_time <= t.first_scheduled_time <= t.first_token_time <= t.token_times[-1]
+    assert t.added_time is not None and t.arrival_time <= t.added_time <= t.first_scheduled_time
     assert len(t.token_times) == len(outs[0].outputs[0].token_ids)
     assert t.prefill_chunks and t.prefill_chunks[0].num_tokens == len(prompt_ids)
 

@@ -3,12 +3,14 @@ ID` reads): where its TTFT and its slowest gaps went, from the server's recorded
 dashboard's request rows and engine steps, schema.py). Torch-free: the doctor imports it.
 
     TTFT = queue (arrival -> first scheduled) + prefill (first scheduled -> first token)
-    queue        its grammar compile and its KV restore (both waited in the queue); behind whom:
+    queue        its HTTP handoff (arrival -> the engine took it in: the handler parses and tokenizes
+                 between the engine's steps, which hold the GIL), its grammar compile and its KV
+                 restore (all waited in the queue); behind whom:
                  the requests running while it waited and those that arrived before it and were
                  scheduled after it arrived; why: the binding limit over the steps it waited through
                  (max_num_seqs when they ran full, the KV pool when usage stood at KV_FULL or steps
                  preempted, the token budget when steps filled max_num_batched_tokens; else none of
-                 these: the steps were busy)
+                 these: the steps were busy; or the handoff, when it was most of the wait)
     prefill      each chunk: its tokens and the step that computed it (duration, the other prompt
                  tokens and decode rows that shared it)
     preemptions  when it was preempted and when its recomputation started
@@ -74,13 +76,16 @@ _LIMIT_WORDS = {
     "token_budget": "steps were full of prompt tokens (max_num_batched_tokens={})",
     "busy": "the engine was busy with other requests' steps; no limit was reached",
     "none": "no step ran while it waited",
+    "handoff": "most of the wait was before the engine had it: the HTTP handler parses and tokenizes "
+    "a request between the engine's steps",
 }
 
 
 def _queue(view: WindowView, row: dict[str, Any]) -> dict[str, Any]:
-    arrival, scheduled = row["arrival"], row["first_scheduled"]
+    arrival, scheduled, added = row["arrival"], row["first_scheduled"], row.get("added")
     end = scheduled if scheduled is not None else max((s[_S["t"]] for s in view.steps), default=arrival)
     steps = _steps_between(view, arrival, end)
+    handoff_ms = _ms(added, arrival)  # None: a server that does not report it
     running, ahead = [], []
     for other in view.requests.values():
         if other["id"] == row["id"] or other["first_scheduled"] is None:
@@ -90,10 +95,15 @@ def _queue(view: WindowView, row: dict[str, Any]) -> dict[str, Any]:
             running.append(other["id"])
         elif other["arrival"] < arrival and arrival <= other["first_scheduled"] <= end:
             ahead.append(other["id"])
-    limit = _binding_limit(view, steps)
+    queue_ms = _ms(scheduled, arrival)
+    if handoff_ms is not None and queue_ms and 2 * handoff_ms >= queue_ms:
+        limit = "handoff"  # the slots and the budget could not hold back what the engine did not have
+    else:  # the limits bind once the engine has it
+        limit = _binding_limit(view, _steps_between(view, added, end) if added is not None else steps)
     setting = view.max_num_seqs if limit == "max_num_seqs" else view.max_num_batched_tokens
     return {
-        "queue_ms": _ms(scheduled, arrival),
+        "queue_ms": queue_ms,
+        "handoff_ms": handoff_ms,
         "grammar_ms": row.get("grammar_ms"),
         "restore_ms": row.get("restore_ms"),
         "steps_waited": len(steps),
@@ -209,7 +219,10 @@ def story_text(story: dict[str, Any]) -> str:
     ]
     served_first = [*q["running_when_it_arrived"], *q["scheduled_ahead_of_it"]]
     shown = ", ".join(served_first[:8]) + (", ..." if len(served_first) > 8 else "")
-    queued = f"  queued {_num(q['queue_ms'])} ms ({q['steps_waited']} steps)"
+    queued = f"  queued {_num(q['queue_ms'])} ms ({q['steps_waited']} steps"
+    if q.get("handoff_ms") is not None:
+        queued += f"; the engine took it in after {_num(q['handoff_ms'])} ms"
+    queued += ")"
     if served_first:
         queued += (
             f" behind {len(served_first)} request(s) served first ({shown}; "

@@ -123,6 +123,8 @@ def request_object(
         "state": state,
         "reason": finish_reason,
         "arrival": _t(timeline.arrival_time),
+        "handed_off": _t(timeline.handed_off_time),
+        "added": _t(timeline.added_time),
         "first_scheduled": _t(timeline.first_scheduled_time),
         "first_token": _t(timeline.first_token_time),
         "last_token": _t(timeline.token_times[-1]) if timeline.token_times else None,
