@@ -39,6 +39,7 @@ from kvflow.bench.runner import BenchConfig, run_benchmark  # noqa: E402
 from kvflow.cli import build_parser  # noqa: E402
 from kvflow.doctor.cli import build_diagnosis  # noqa: E402
 from kvflow.doctor.findings import diagnose, rank_causes  # noqa: E402
+from kvflow.doctor.noise import NOISE_COVERAGE  # noqa: E402
 from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, verify  # noqa: E402
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
@@ -123,6 +124,8 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
         "within_25pct": check.agrees,
         "value_error": check.value_error,
         "paired_value_error": check.paired_value_error,
+        "interval": list(check.interval) if check.interval is not None else None,
+        "covered": check.covered,
         "verdict": check.verdict,
         "baseline_spread": check.noise,
     }
@@ -131,9 +134,10 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
 def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "| scenario | change | metric | baseline | predicted | measured | gain pred. | gain meas. "
-        f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | value error | pair by pair | baseline spread |"
+        f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | value error | pair by pair | baseline spread "
+        "| predicted interval |"
     )
-    print("|" + " --- |" * 13)
+    print("|" + " --- |" * 14)
     for r in rows:
         ratio = "-" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.2f}"
         print(
@@ -141,8 +145,16 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['predicted']:,.1f} | {r['measured']:,.1f} | {r['predicted_gain']:,.1f} | "
             f"{r['measured_gain']:,.1f} | {ratio} | "
             f"{VERDICT_MARK[r['verdict']]} | {r['value_error']:.0%} | {percent(r['paired_value_error'])} | "
-            f"{r['baseline_spread']:.0%} |"
+            f"{r['baseline_spread']:.0%} | {interval(r)} |"
         )
+
+
+def interval(r: dict[str, Any]) -> str:
+    """The predicted interval, and whether the measured value fell inside (yes) or not (no)."""
+    if r["interval"] is None:
+        return "-"
+    lo, hi = r["interval"]
+    return f"{lo:,.1f}-{hi:,.1f} ({'yes' if r['covered'] else 'no'})"
 
 
 def percent(value: float | None) -> str:
@@ -202,6 +214,12 @@ def main() -> None:
         print(
             f"the same, measured pair by pair (each changed run against its own baseline): median "
             f"{statistics.median(paired):.0%}, worst {paired[-1]:.0%}"
+        )
+    stated = [r for r in shown if r["covered"] is not None]
+    if stated:
+        print(
+            f"measured inside the predicted interval (the diagnosed run's {NOISE_COVERAGE:.0%} bootstrap "
+            f"interval, carried): {sum(r['covered'] for r in stated)} of {len(stated)}"
         )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))

@@ -309,6 +309,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 "value_error": c.value_error,
                 "paired_measured": c.paired_measured,
                 "paired_value_error": c.paired_value_error,
+                "interval": list(c.interval) if c.interval is not None else None,
+                "covered": c.covered,
                 "noise": c.noise,
                 "verdict": c.verdict,
                 "explanation": c.explain(),

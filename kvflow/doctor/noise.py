@@ -9,8 +9,10 @@ NOISE_COVERAGE of the values, [lo, hi]. Its relative
 half-width h = (hi - lo) / 2 / value is the run's noise on that metric (a tail metric, p99 ITL, is
 noisier than a median: fewer samples decide it).
 
-    interval of a prediction   predicted x (1 - h), predicted x (1 + h): the run's relative noise,
-                               carried to the value after the change
+    interval of a prediction   predicted x (1 - h), predicted x (1 + h) (never below 0), h the run's
+                               relative noise on the metric the prediction was carried by
+                               (WhatIf.carried_by: the metric itself unless it says otherwise): the
+                               noise that entered it, carried to the value after the change
     within noise               |predicted - baseline| <= h x baseline for every latency metric the
                                what-if predicts: a rerun of the same load could show as much change
                                as the prediction. Such what-ifs are not offered as fixes: the
@@ -46,8 +48,8 @@ def _ttft(q: float) -> Callable[[Sequence[RequestSample]], float | None]:
     return lambda rs: _pct([r.ttft_ms for r in rs if r.ttft_ms is not None], q)
 
 
-def _itl_p99(rs: Sequence[RequestSample]) -> float | None:
-    return _pct([g for r in rs for g in r.itl_ms], 99)
+def _itl(q: float) -> Callable[[Sequence[RequestSample]], float | None]:
+    return lambda rs: _pct([g for r in rs for g in r.itl_ms], q)
 
 
 def _tpot_p50(rs: Sequence[RequestSample]) -> float | None:
@@ -63,7 +65,8 @@ def _e2e_p50(rs: Sequence[RequestSample]) -> float | None:
 METRICS: dict[str, Callable[[Sequence[RequestSample]], float | None]] = {
     "ttft_p50_ms": _ttft(50),
     "ttft_p95_ms": _ttft(95),
-    "itl_p99_ms": _itl_p99,
+    "itl_p99_ms": _itl(99),
+    "itl_p50_ms": _itl(50),  # what some tails are carried by (the kv_pool what-if's: calibrate.py)
     "decode_ms_per_step": _tpot_p50,
     "e2e_p50_ms": _e2e_p50,
 }
@@ -81,7 +84,7 @@ def relative_noise(run: RunEvidence, metric: str) -> float | None:
     if fn is None or not requests:
         return None
     value = fn(requests)
-    size = sum(len(r.itl_ms) for r in requests) if metric == "itl_p99_ms" else len(requests)
+    size = sum(len(r.itl_ms) for r in requests) if metric.startswith("itl") else len(requests)
     if not value or size > MAX_VALUES:
         return None
     resamples = max(MIN_RESAMPLES, min(BOOTSTRAP_RESAMPLES, BOOTSTRAP_WORK // max(size, 1)))
@@ -118,10 +121,15 @@ def _within_noise(run: RunEvidence, what_if: WhatIf, noise: dict[str, float | No
     latency = {m: v for m, v in what_if.predicted.items() if m in METRICS}
     verdicts = []
     for metric, predicted in latency.items():
+        # The interval: the noise of what the prediction was scaled by. A tail carried by the plain
+        # gaps' ratio (the kv_pool what-if's ITL p99, once its preemption stalls are gone) had taken
+        # the baseline tail's own h, 4.2 there: -15 to 25 ms around 4.7 (session 29).
+        carrier = noise.get(what_if.carried_by.get(metric, metric))
+        if carrier is not None:
+            what_if.interval[metric] = [max(predicted * (1 - carrier), 0.0), predicted * (1 + carrier)]
         h, base = noise.get(metric), run.metric(metric)
         if h is None or base is None:
             continue
-        what_if.interval[metric] = [predicted * (1 - h), predicted * (1 + h)]
         verdicts.append(abs(predicted - base) <= h * base)
     # Only a what-if that predicts latency alone, all of it inside the noise, is held back.
     return bool(verdicts) and all(verdicts) and len(latency) == len(what_if.predicted)

@@ -56,6 +56,20 @@ class Verification:
     # back, so the machine's drift between pairs cancels, where the median of the changed runs
     # alone carries it (this VM's speed moves by a third over minutes). None: not computed.
     paired_measured: float | None = None
+    # The prediction's interval from the diagnosed run's own noise (kvflow/doctor/noise.py: the
+    # bootstrap over its requests), carried to the fresh baseline as the prediction is; None: the
+    # run could not state one.
+    interval: tuple[float, float] | None = None
+
+    @property
+    def covered(self) -> bool | None:
+        """The measured value inside the predicted interval; None without an interval. Over many
+        checks, the share covered says whether the intervals are as wide as the errors (they hold
+        the diagnosed run's sampling noise, not the machine's drift between runs)."""
+        if self.interval is None:
+            return None
+        lo, hi = self.interval
+        return lo <= self.measured <= hi
 
     @property
     def value_error(self) -> float:
@@ -119,6 +133,9 @@ class Verification:
         paired = self.paired_value_error
         if paired is not None and self.paired_measured is not None:
             line += f" [pair by pair: measured {self.paired_measured:,.1f}, value off by {paired:.0%}]"
+        if self.interval is not None:
+            (lo, hi), where = self.interval, "inside" if self.covered else "outside"
+            line += f" [measured {where} the predicted interval {lo:,.1f}-{hi:,.1f}]"
         if self.within_noise:
             return line + ": predicted and measured gains are both within the baseline's spread"
         if self.agrees:
@@ -250,7 +267,7 @@ def compare(
     """Each predicted metric: the prediction carried from the original run to the fresh baseline
     (as a ratio of the metric it moves with, WhatIf.carried_by: the metric itself unless the
     prediction says otherwise), against what the changed runs measured (medians over the repeated
-    pairs)."""
+    pairs); its interval carried with it."""
     checks = []
     for metric, predicted in what_if.predicted.items():
         read = MEASURED.get(metric)
@@ -264,13 +281,16 @@ def compare(
             continue
         base, after = statistics.median(bases), statistics.median(afters)
         before, now = carry(original), statistics.median(carriers)
-        scaled = now * predicted / before if before else predicted
+        scale = now / before if before else 1.0
+        scaled = predicted * scale
+        bounds = what_if.interval.get(metric)
+        interval = (bounds[0] * scale, bounds[1] * scale) if bounds else None
         noise = (max(bases) - min(bases)) / base if base and len(bases) > 1 else 0.0
         # Pair by pair: each changed run against its own baseline's carrying metric, the metric the
         # prediction was carried by (not the baseline's own value where that is a noisy tail).
         ratios = [read(c) / carry(b) for b, c in pairs if read(c) is not None and carry(b)]
         paired = now * statistics.median(ratios) if ratios else None
-        checks.append(Verification(what_if.change, metric, base, scaled, after, noise, paired))
+        checks.append(Verification(what_if.change, metric, base, scaled, after, noise, paired, interval))
     return checks
 
 

@@ -83,6 +83,10 @@ def test_verify_measures_the_prefix_caching_prediction(
     assert check["metric"] == "ttft_p50_ms"
     assert check["measured"] < check["baseline"]  # caching the prefix did cut TTFT
     assert check["agrees"] or "missed" in check["explanation"]
+    # The prediction's interval from the run's noise, carried to the fresh baseline, and whether the
+    # measured value fell inside it.
+    lo, hi = check["interval"]
+    assert lo <= check["predicted"] <= hi and check["covered"] == (lo <= check["measured"] <= hi)
     print(check["explanation"])
 
 

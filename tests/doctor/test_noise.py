@@ -52,3 +52,24 @@ def test_what_ifs_within_the_noise_are_held_back() -> None:
     assert [w["change"] for w in held] == ["a smaller chunk"]
     lo, hi = large.interval["ttft_p50_ms"]
     assert lo == pytest.approx(base * 0.5 * (1 - h)) and hi == pytest.approx(base * 0.5 * (1 + h))
+
+
+def test_a_prediction_carried_by_another_metric_takes_that_metrics_noise_and_stays_positive() -> None:
+    """The kv_pool what-if's ITL p99, once the baseline's preemption stalls are gone, is scaled by
+    the plain gaps' ratio (WhatIf.carried_by: itl_p50_ms): the noise that entered it is the ITL
+    p50's, not the stalled tail's (h = 4.2 on the planted run, an interval of -15 to 25 ms around
+    4.7). Whatever h, the interval never goes below zero."""
+    run = run_of(12)
+    stalled = [
+        replace(r, itl_ms=(*r.itl_ms[:-1], 400.0)) if i % 6 == 0 else r for i, r in enumerate(run.requests)
+    ]  # a stall in every sixth request: the tail's value hangs on which requests a rerun draws
+    run = replace(run, requests=stalled, itl_p99_ms=METRICS["itl_p99_ms"](stalled))
+    tail, plain = relative_noise(run, "itl_p99_ms"), relative_noise(run, "itl_p50_ms")
+    assert tail is not None and plain is not None and tail > 1.0 > 10 * plain
+    carried = WhatIf(
+        "num_kv_blocks 12 -> 36", "...", {"itl_p99_ms": 12.0}, carried_by={"itl_p99_ms": "itl_p50_ms"}
+    )
+    itself = WhatIf("num_kv_blocks 12 -> 24", "...", {"itl_p99_ms": 12.0})
+    hold_back_noise(run, [TTFT.answer("warning", "s", "c", {}, [carried, itself])])
+    assert carried.interval["itl_p99_ms"] == pytest.approx([12.0 * (1 - plain), 12.0 * (1 + plain)])
+    assert itself.interval["itl_p99_ms"] == pytest.approx([0.0, 12.0 * (1 + tail)])

@@ -40,6 +40,22 @@ def test_the_prediction_is_carried_to_the_fresh_baseline_and_compared_on_medians
     assert check.paired_measured == pytest.approx(220.0 * 60.0 / 220.0)
 
 
+def test_the_predicted_interval_is_carried_with_the_prediction_and_covers_or_not() -> None:
+    """A what-if's interval (the diagnosed run's noise, kvflow/doctor/noise.py) moves to the fresh
+    baseline by the prediction's own ratio; the check says whether the measured value fell inside."""
+    what_if = WhatIf("max_num_seqs 1 -> 8", "...", {"ttft_p50_ms": 50.0}, {"max_num_seqs": 8})
+    what_if.interval["ttft_p50_ms"] = [40.0, 60.0]
+    pairs = [(result(220.0), result(64.0)), (result(230.0), result(70.0)), (result(210.0), result(60.0))]
+    [check] = compare(what_if, result(200.0), pairs)
+    assert check.interval == (pytest.approx(44.0), pytest.approx(66.0))  # x 220 / 200
+    assert check.measured == 64.0 and check.covered is True
+    assert "inside the predicted interval 44.0-66.0" in check.explain()
+    [outside] = compare(what_if, result(200.0), [(b, result(80.0)) for b, _ in pairs])
+    assert outside.covered is False and "outside" in outside.explain()
+    [none] = compare(replace(what_if, interval={}), result(200.0), pairs)
+    assert none.interval is None and none.covered is None
+
+
 def test_pair_by_pair_the_drift_between_pairs_cancels() -> None:
     """The change divides TTFT by 10, as predicted; the machine ran the three pairs at speeds 1, 1.3
     and 1.35 (each pair's baseline and change back to back), and each changed run has its own +-10%.
