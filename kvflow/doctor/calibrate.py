@@ -307,8 +307,12 @@ def calibrate(
     cost = StepCost(floor, 0.0, ratio)
     concurrency = max(1, round(evidence.concurrency)) if evidence.closed_loop else None
     # Closed loop: between the server's last token of one request and the next request's arrival
-    # lie the delivery, the client and the trip back, about what the client adds to TTFT.
-    gap = max(float(evidence.server.get("client_minus_server_ttft_ms") or 0.0), 0.0)
+    # lie the delivery, the client and the trip back, about what the client adds to TTFT; of a
+    # client's requests after its first where known (its first opened the connection: 2-4x the
+    # gap; RunEvidence.client_return_gap_ms), which is also what the median request's TTFT holds.
+    gap = evidence.client_return_gap_ms
+    if gap is None:
+        gap = max(float(evidence.server.get("client_minus_server_ttft_ms") or 0.0), 0.0)
 
     jitter, handoff = evidence.client_gap_jitter_ms, evidence.handoff_ms
 

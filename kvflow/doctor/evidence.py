@@ -53,8 +53,13 @@ class RunEvidence:
     # kvflow bench --priority-mix: TTFT p50 / p99 (ms) per priority class, lowest value (first served) first
     ttft_by_priority: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
     # Each request's client TTFT beyond the server's (a kvflow server's window names its requests),
-    # less their mean: how unevenly clients' requests reach the server (client_gap_jitter).
+    # less their mean: how unevenly clients' requests reach the server (client_gap_jitter). In a
+    # closed loop, over the requests a client sent after its first, and their mean the gap a client
+    # takes to come back (client_return_gap_ms; None: not known, the run's mean gap stands for it).
     client_gap_jitter_ms: tuple[float, ...] = ()
+    client_return_gap_ms: float | None = None
+    # The same over each client's first request (None: not a closed loop, or not known).
+    client_first_gap_ms: float | None = None
     # Each request's HTTP handoff on a kvflow server: from its arrival (the handler's start, where
     # the server's TTFT starts) to the engine taking it in (handoff_delays).
     handoff_ms: tuple[float, ...] = ()
@@ -175,6 +180,14 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
     tpot = result["tpot_ms"]["p50"]
     concurrency = config.get("concurrency")
     closed_loop = concurrency is not None
+    # A closed loop's clients each open their connection with their first request, all at once: those
+    # requests' client gaps were 2-4x the later ones' on the planted runs (20 ms against 4-6 on
+    # kv_pool, 11 against 2.4-4 on max_num_seqs), and drawn for a client's return they spread the
+    # simulated clients apart where the real ones came back together (session 29).
+    by_send = sorted(ok, key=lambda r: r.get("send_s") or 0.0)
+    returning = (
+        by_send[int(concurrency) :] if closed_loop and len(by_send) > int(concurrency) + 1 else by_send
+    )
     if concurrency is None and tpot:  # open loop: Little's law, tokens/s x s/token = streams in flight
         concurrency = result["output_throughput"] * tpot / 1e3
     return RunEvidence(
@@ -204,7 +217,11 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
             int(p): (row["ttft_ms"]["p50"], row["ttft_ms"]["p99"])
             for p, row in sorted((result.get("per_priority") or {}).items(), key=lambda kv: int(kv[0]))
         },
-        client_gap_jitter_ms=client_gap_jitter(ok, result.get("server") or {}),
+        client_gap_jitter_ms=client_gap_jitter(returning, result.get("server") or {}),
+        client_return_gap_ms=mean_client_gap(returning, result.get("server") or {}),
+        client_first_gap_ms=mean_client_gap(
+            by_send[: len(by_send) - len(returning)], result.get("server") or {}
+        ),
         handoff_ms=handoff_delays(result.get("server") or {}),
     )
 
@@ -228,6 +245,24 @@ def handoff_delays(server: dict[str, Any]) -> tuple[float, ...]:
     )
 
 
+def _client_gaps(requests: list[dict[str, Any]], server: dict[str, Any]) -> list[float]:
+    """Each request's client TTFT minus the server's, matched by the x-request-id kvflow bench sends
+    in the server's window (kvflow/bench/server_steps.py); empty without a window."""
+    rows = (server.get("window") or {}).get("requests") or []
+    by_id = {row.get("x_request_id"): row.get("ttft_ms") for row in rows if row.get("x_request_id")}
+    return [
+        float(r["ttft_ms"]) - float(by_id[r["x_request_id"]])
+        for r in requests
+        if r.get("ttft_ms") is not None and by_id.get(r.get("x_request_id")) is not None
+    ]
+
+
+def mean_client_gap(requests: list[dict[str, Any]], server: dict[str, Any]) -> float | None:
+    """The mean of `requests`' client gaps (_client_gaps), never below 0; None without two."""
+    gaps = _client_gaps(requests, server)
+    return max(sum(gaps) / len(gaps), 0.0) if len(gaps) >= 2 else None
+
+
 def client_gap_jitter(requests: list[dict[str, Any]], server: dict[str, Any]) -> tuple[float, ...]:
     """Each request's client TTFT minus the server's (matched by the x-request-id kvflow bench sends,
     in the server's window, kvflow/bench/server_steps.py), less their mean; empty without a window.
@@ -236,13 +271,7 @@ def client_gap_jitter(requests: list[dict[str, Any]], server: dict[str, Any]) ->
     none sharing a step with another's decodes; measured, a client comes back 3-13 ms later, the
     prompts land in different steps and stall the decodes (the kv_pool what-if's ITL p99 predicted
     1.9 ms where 5.0 were measured; benchmarks/NOTES.md, session 26)."""
-    rows = (server.get("window") or {}).get("requests") or []
-    by_id = {row.get("x_request_id"): row.get("ttft_ms") for row in rows if row.get("x_request_id")}
-    gaps = [
-        float(r["ttft_ms"]) - float(by_id[r["x_request_id"]])
-        for r in requests
-        if r.get("ttft_ms") is not None and by_id.get(r.get("x_request_id")) is not None
-    ]
+    gaps = _client_gaps(requests, server)
     if len(gaps) < 2:
         return ()
     mean = sum(gaps) / len(gaps)

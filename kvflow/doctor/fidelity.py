@@ -2,7 +2,9 @@
 simulated against measured latency percentiles of the same requests under the same settings).
 
 The client's TTFT is the simulated server TTFT plus the measured client offset (delivery and the
-client, kvflow/doctor/calibrate.py); ITL is the server's cadence, which the client sees directly.
+client, kvflow/doctor/calibrate.py; each client's first request its own, it opened the connection);
+ITL is the server's cadence, which the client sees directly. The replay is FIDELITY_REPLAYS seeds
+pooled, the expected percentiles of the simulator, not one draw of them.
 Used by benchmarks/simulator_fidelity.py and the recorded-run tests (tests/doctor/
 test_simulator_fidelity.py), which report the same table.
 """
@@ -17,6 +19,7 @@ from kvflow.doctor.calibrate import Calibration, calibrate
 from kvflow.doctor.evidence import evidence_from_bench
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import settings_from_result
+from kvflow.doctor.simulate import pooled, simulate
 from kvflow.doctor.step_profile import StepProfile
 
 # metric -> (the bench result's latency section, the percentile)
@@ -26,6 +29,11 @@ FIDELITY_METRICS: dict[str, tuple[str, float]] = {
     "itl_p50_ms": ("itl_ms", 50),
     "itl_p99_ms": ("itl_ms", 99),
 }
+
+
+# Replays pooled (seeds of the step and client-gap draws): a TTFT p99 over one replay of 64 requests
+# is its slowest request, and one changed draw had moved it 10.2 -> 15.7 ms (session 29).
+FIDELITY_REPLAYS = 8
 
 
 @dataclass(frozen=True)
@@ -42,15 +50,37 @@ class FidelityRow:
 
 def fidelity(calibration: Calibration, result: dict[str, Any]) -> list[FidelityRow]:
     """Each of FIDELITY_METRICS, measured (the bench result) against the calibrated baseline."""
-    run, offset = calibration.baseline, calibration.client_gap_ms
+    ev, offset = calibration.evidence, calibration.client_gap_ms
+    run = pooled(
+        [
+            simulate(
+                ev.requests,
+                calibration.settings,
+                calibration.cost,
+                calibration.concurrency,
+                offset,
+                seed,
+                gap_jitter_ms=ev.client_gap_jitter_ms,
+                handoff_ms=ev.handoff_ms,
+            )
+            for seed in range(FIDELITY_REPLAYS)
+        ]
+    )
+    # Each client's first request opened its connection: its own offset (2-4x the others' on the
+    # planted runs), which a TTFT p99 over a few dozen requests is made of.
+    first = ev.client_first_gap_ms
+    opened = calibration.concurrency or 0
+    ttft = [
+        t + (first if first is not None and i < opened else offset)
+        for t, i in zip(run.ttft_ms, run.ttft_request, strict=True)
+    ]
     rows = []
     for metric, (section, q) in FIDELITY_METRICS.items():
         measured = (result.get(section) or {}).get(f"p{q:g}")
-        values = run.ttft_ms if section == "ttft_ms" else run.itl_ms
+        values = ttft if section == "ttft_ms" else run.itl_ms
         if measured is None or not values:
             continue
-        simulated = percentile(values, q) + (offset if section == "ttft_ms" else 0.0)
-        rows.append(FidelityRow(metric, float(measured), simulated))
+        rows.append(FidelityRow(metric, float(measured), percentile(values, q)))
     return rows
 
 

@@ -114,6 +114,7 @@ class SimRun:
     explained_ms: dict[str, float]  # cause -> stall excess summed over all gaps
     num_capped: int  # requests the pool could not hold at all
     replicas: int = 1  # replays pooled into these lists (pooled): the counts above are per replay
+    ttft_request: list[int] = field(default_factory=list)  # each TTFT's request (its sample's index)
 
     @property
     def num_requests(self) -> int:
@@ -137,6 +138,7 @@ def pooled(runs: Sequence[SimRun]) -> SimRun:
             pool.attention += stats.attention
     return SimRun(
         ttft_ms=[v for r in runs for v in r.ttft_ms],
+        ttft_request=[i for r in runs for i in r.ttft_request],
         queue_ms=[v for r in runs for v in r.queue_ms],
         itl_ms=[v for r in runs for v in r.itl_ms],
         tpot_ms=[v for r in runs for v in r.tpot_ms],
@@ -502,8 +504,10 @@ def _summary(
     explained: dict[str, float],
 ) -> SimRun:
     ttft, queue, itl, tpot, e2e = [], [], [], [], []
+    ttft_request: list[int] = []
     for r in done:
         ttft.append(r.token_times[0] - r.arrival + r.first_delivery_ms)
+        ttft_request.append(r.index)
         queue.append((r.first_scheduled or r.arrival) - r.arrival)
         gaps = [b - a for a, b in zip(r.token_times, r.token_times[1:], strict=False)]
         itl += gaps
@@ -512,6 +516,7 @@ def _summary(
         e2e.append(r.token_times[-1] - r.arrival + r.last_delivery_ms)
     return SimRun(
         ttft_ms=ttft,
+        ttft_request=ttft_request,
         queue_ms=queue,
         itl_ms=itl,
         tpot_ms=tpot,

@@ -12,7 +12,7 @@ import pytest
 
 from kvflow.bench.runner import BenchConfig
 from kvflow.doctor import served_decode
-from kvflow.doctor.evidence import client_gap_jitter, handoff_delays
+from kvflow.doctor.evidence import client_gap_jitter, evidence_from_bench, handoff_delays
 from kvflow.doctor.served_decode import SERVED_KEYS, SERVED_SWEEPS, decode_step_ms, measure_served_decode
 
 
@@ -46,6 +46,41 @@ def test_the_client_gap_spread_is_matched_by_request_id_and_centred() -> None:
         (-4.0, -2.0, 6.0)
     )  # 3, 5, 13 ms about their mean
     assert client_gap_jitter(requests, {}) == ()  # no window (another server): no spread
+
+
+def test_a_clients_first_request_opened_its_connection_and_is_kept_apart() -> None:
+    """Closed loop, 2 clients: their first requests (the first 2 sent) opened the connections, and
+    their client gaps (20 ms) are not what a client takes to come back (4-6 ms): the return gap and
+    its jitter come from the later requests, the first gap is kept on its own."""
+    gaps = [20.0, 20.0, 4.0, 6.0, 5.0, 5.0]
+    requests = [
+        {
+            "x_request_id": f"r{i}",
+            "ttft_ms": 10.0 + g,
+            "send_s": 0.01 * i,
+            "prompt_tokens": 8,
+            "output_tokens": 4,
+        }
+        for i, g in enumerate(gaps)
+    ]
+    server = {"window": {"requests": [{"x_request_id": f"r{i}", "ttft_ms": 10.0} for i in range(6)]}}
+    result = {
+        "requests": requests,
+        "server": server,
+        "config": {"concurrency": 2},
+        "ttft_ms": {"p50": 15.0, "p95": 30.0},
+        "tpot_ms": {"p50": 1.0},
+        "itl_ms": {"p50": 1.0, "p99": 2.0},
+        "output_throughput": 100.0,
+    }
+    ev = evidence_from_bench(result)
+    assert ev.client_return_gap_ms == pytest.approx(5.0) and ev.client_first_gap_ms == pytest.approx(20.0)
+    assert ev.client_gap_jitter_ms == pytest.approx((-1.0, 1.0, 0.0, 0.0))
+    open_loop = evidence_from_bench({**result, "config": {"request_rate": 4.0}})
+    assert (
+        open_loop.client_return_gap_ms == pytest.approx(sum(gaps) / 6)
+        and open_loop.client_first_gap_ms is None
+    )
 
 
 def test_each_requests_handoff_is_its_handlers_time_before_the_engine_queue() -> None:

@@ -31,17 +31,18 @@ from kvflow.doctor.step_profile import StepProfile
 
 RECORDED = Path(__file__).parent / "recorded_runs"
 RUNS = sorted(p.name.removesuffix(".json.gz") for p in RECORDED.glob("*.json.gz"))
-# Worst / median error of the replays over the 8 runs recorded in session 29 (2-core Zen 2; with
-# each request's client gap and HTTP handoff from the server's window, RunEvidence), the line
-# through the step means: TTFT p50 10% / 4%, TTFT p99 16% / 6%, ITL p50 5% / 2%, ITL p99 19% / 6%.
-# (Session 25's recordings, without the window: 19% / 10%, 19% / 11%, 8% / 2%, 15% / 8%.)
-WORST = {"ttft_p50_ms": 0.13, "ttft_p99_ms": 0.19, "itl_p50_ms": 0.08, "itl_p99_ms": 0.22}
-MEDIAN = {"ttft_p50_ms": 0.07, "ttft_p99_ms": 0.09, "itl_p50_ms": 0.04, "itl_p99_ms": 0.09}
+# Worst / median error of the replays (8 seeds pooled, kvflow/doctor/fidelity.py) over the 8 runs
+# recorded in session 29 (2-core Zen 2; with each request's client gap and HTTP handoff from the
+# server's window, RunEvidence), the line through the step means: TTFT p50 8% / 2%, TTFT p99 16% /
+# 9%, ITL p50 5% / 2%, ITL p99 30% / 11%. (Session 25's recordings, without the window, one replay:
+# 19% / 10%, 19% / 11%, 8% / 2%, 15% / 8%.)
+WORST = {"ttft_p50_ms": 0.11, "ttft_p99_ms": 0.19, "itl_p50_ms": 0.08, "itl_p99_ms": 0.33}
+MEDIAN = {"ttft_p50_ms": 0.05, "ttft_p99_ms": 0.12, "itl_p50_ms": 0.04, "itl_p99_ms": 0.14}
 # With the step profile recorded beside them (the doctor's default for a server on its machine):
-# TTFT p50 20% / 2%, TTFT p99 28% / 6%, ITL p50 3% / 2%, ITL p99 31% / 15% (session 25's: 16% / 8%,
-# 21% / 12%, 10% / 3%, 16% / 14%). One replay of 64 requests per run: its p99s are a few draws.
-WORST_PROFILED = {"ttft_p50_ms": 0.23, "ttft_p99_ms": 0.31, "itl_p50_ms": 0.06, "itl_p99_ms": 0.34}
-MEDIAN_PROFILED = {"ttft_p50_ms": 0.05, "ttft_p99_ms": 0.09, "itl_p50_ms": 0.04, "itl_p99_ms": 0.18}
+# TTFT p50 23% / 2%, TTFT p99 12% / 7%, ITL p50 5% / 2%, ITL p99 31% / 18% (session 25's: 16% / 8%,
+# 21% / 12%, 10% / 3%, 16% / 14%).
+WORST_PROFILED = {"ttft_p50_ms": 0.26, "ttft_p99_ms": 0.15, "itl_p50_ms": 0.08, "itl_p99_ms": 0.34}
+MEDIAN_PROFILED = {"ttft_p50_ms": 0.05, "ttft_p99_ms": 0.10, "itl_p50_ms": 0.04, "itl_p99_ms": 0.21}
 
 
 def _replay(name: str, profile: StepProfile | None = None) -> list[FidelityRow]:
