@@ -20,6 +20,8 @@ from fixtures.dashboard_load import send_load
 from fixtures.live_server import LiveServer
 
 from kvflow.cli import main
+from kvflow.server.dashboard.request_story import WindowView, explain_request
+from kvflow.server.dashboard.schema import STEP_FIELDS
 
 
 def window_rows(server: LiveServer) -> dict[str, dict[str, Any]]:
@@ -177,3 +179,29 @@ def test_a_kv_restore_from_the_offload_tier(start_server: Callable[..., LiveServ
     told = story(server, "turn-4")
     assert told["cached_tokens"] >= 40 and told["queue"]["restore_ms"] is not None
     assert "KV restore" in told["summary"]
+
+
+def test_a_wait_mostly_before_the_engine_had_it_is_named_the_handoff() -> None:
+    """A request whose queue was mostly its HTTP handoff (arrival -> the engine took it in: its
+    handler parsing and tokenizing between the engine's steps): the limit is the handoff, not the
+    slots or the budget, which cannot hold back what the engine does not have."""
+
+    def step(t: float, dur_ms: float) -> list[Any]:
+        values = {"t": t, "dur_ms": dur_ms, "running": 1}
+        return [values.get(name, 0) for name in STEP_FIELDS]
+
+    row = {
+        "id": "r", "state": "finished", "priority": 0, "arrival": 10.0, "handed_off": 10.004,
+        "added": 10.005, "first_scheduled": 10.006, "first_token": 10.008, "chunks": [[10.006, 16]],
+        "preemptions": [], "prompt_tokens": 16, "cached_tokens": 0, "output_tokens": 1, "ttft_ms": 8.0,
+        "slowest_gaps": [],
+    }  # fmt: skip
+    view = WindowView(
+        {"r": row}, [step(10.001, 3.0), step(10.006, 2.0)], max_num_seqs=1, max_num_batched_tokens=64
+    )
+    story = explain_request(view, "r")
+    assert story["queue"]["handoff_ms"] == pytest.approx(5.0) and story["queue"]["queue_ms"] == pytest.approx(
+        6.0
+    )
+    assert story["queue"]["limit"] == "handoff" and "before the engine had it" in story["queue"]["why"]
+    assert "the engine took it in after 5.0 ms" in story["summary"]
