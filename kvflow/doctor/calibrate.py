@@ -212,10 +212,12 @@ class Calibration:
         cost: StepCost | None = None,
         client_gap_ms: float | None = None,
         after_ms: list[float] | None = None,
+        replicas: int | None = None,
     ) -> SimRun:
-        """`samples` replayed `replicas` times under other seeds and pooled, with the run's clients
-        (their concurrency and uneven returns); the calibrated cost and client gap unless given (an
-        instance of a split machine: kvflow/doctor/disaggregation.py)."""
+        """`samples` replayed `replicas` times (default: Calibration.replicas) under other seeds and
+        pooled, with the run's clients (their concurrency, uneven returns and handoffs); the
+        calibrated cost and client gap unless given (an instance of a split machine:
+        kvflow/doctor/disaggregation.py)."""
         cost = self.cost if cost is None else cost
         gap = self.client_gap_ms if client_gap_ms is None else client_gap_ms
         jitter, handoff = self.evidence.client_gap_jitter_ms, self.evidence.handoff_ms
@@ -231,7 +233,7 @@ class Calibration:
                 gap_jitter_ms=jitter,
                 handoff_ms=handoff,
             )
-            for seed in range(self.replicas)
+            for seed in range(self.replicas if replicas is None else replicas)
         ]
         return pooled(runs)
 

@@ -19,7 +19,6 @@ from kvflow.doctor.calibrate import Calibration, calibrate
 from kvflow.doctor.evidence import evidence_from_bench
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import settings_from_result
-from kvflow.doctor.simulate import pooled, simulate
 from kvflow.doctor.step_profile import StepProfile
 
 # metric -> (the bench result's latency section, the percentile)
@@ -51,21 +50,7 @@ class FidelityRow:
 def fidelity(calibration: Calibration, result: dict[str, Any]) -> list[FidelityRow]:
     """Each of FIDELITY_METRICS, measured (the bench result) against the calibrated baseline."""
     ev, offset = calibration.evidence, calibration.client_gap_ms
-    run = pooled(
-        [
-            simulate(
-                ev.requests,
-                calibration.settings,
-                calibration.cost,
-                calibration.concurrency,
-                offset,
-                seed,
-                gap_jitter_ms=ev.client_gap_jitter_ms,
-                handoff_ms=ev.handoff_ms,
-            )
-            for seed in range(FIDELITY_REPLAYS)
-        ]
-    )
+    run = calibration.replays(ev.requests, calibration.settings, replicas=FIDELITY_REPLAYS)
     # Each client's first request opened its connection: its own offset (2-4x the others' on the
     # planted runs), which a TTFT p99 over a few dozen requests is made of.
     first = ev.client_first_gap_ms
