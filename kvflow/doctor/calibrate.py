@@ -38,7 +38,14 @@ from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, pooled, simulate
-from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, StepShape, profiled_step
+from kvflow.doctor.step_cost import (
+    MIN_STEP_MS,
+    StepCost,
+    StepResiduals,
+    StepShape,
+    follows_a_drop,
+    profiled_step,
+)
 from kvflow.doctor.step_profile import StepProfile
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import KVCacheSpec
@@ -46,6 +53,9 @@ from kvflow.kv_cache.specs import KVCacheSpec
 FIT_ROUNDS = 4
 MIN_STEP_RECORDS = 8  # fewer recorded steps of a kind: fit it from the per-kind mean instead
 SHAPE_SPREAD = 0.2  # prompt steps whose profiled times span less than this share: a factor only
+# Prompt fits whose weighted errors differ by less than this share are a tie: the earlier in
+# PROMPT_FITS is kept (two fits that both pass through the steps' means).
+TIE = 1e-6
 # Predictions pool replays (other seeds of the residual and client-gap draws) up to this many gaps:
 # one client's 90 gaps made the planted long_prompt run's simulated ITL p99 its single largest draw,
 # and a budget what-if moved it 13.7 -> 20.1 ms with nothing but the draws changed (session 26).
@@ -345,7 +355,7 @@ def calibrate(
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
             run = replay(cost)
     residuals = step_residuals(cost, recorded)
-    if any(residuals):
+    if residuals.decode or residuals.prompt:
         cost = replace(cost, residuals=residuals)
         run = replay(cost)
         cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
@@ -376,27 +386,41 @@ def profile_speed(profile: StepProfile, steps: list[tuple[float, StepShape]]) ->
     return statistics.median(ratios) if len(ratios) >= MIN_STEP_RECORDS else None
 
 
-def step_residuals(
-    cost: StepCost, steps: list[tuple[float, StepShape]]
-) -> tuple[tuple[float, ...], tuple[float, ...]]:
+def step_residuals(cost: StepCost, steps: list[tuple[float, StepShape]]) -> StepResiduals:
     """The recorded steps' departures from the fitted cost: decode-only steps' in ms (a stall adds
     the same to any decode step, and decode steps are alike in size), steps with prompt tokens' as a
     fraction of the modelled step (a run's prompt steps span one chunk size to another: a 512-token
-    chunk's +-10 ms added to a what-if's 8-token step would be most of it). Each kind centred on zero
-    so the draws keep the fitted mean; a kind with fewer than MIN_STEP_RECORDS records gets none (its
-    steps cost their mean)."""
-    by_kind: tuple[list[float], list[float]] = ([], [])
+    chunk's +-10 ms added to a what-if's 8-token step would be most of it). Decode-only steps that
+    follow a drop in decode rows (`steps` in the order they ran) are kept apart (StepResiduals).
+    Each kind centred on zero so the draws keep the fitted mean, the steps after a drop on the
+    other decode steps' centre (their excess is the point); a kind with fewer than MIN_STEP_RECORDS
+    records gets none (its steps cost their mean), the steps after a drop then joining the others."""
+    decode: list[float] = []
+    prompt: list[float] = []
+    turnover: list[float] = []
+    previous_rows = 0
     for dur, shape in steps:
         modelled = cost.server_ms(shape)
         if shape.prompt_tokens:
-            by_kind[1].append(dur / max(modelled, MIN_STEP_MS) - 1.0)
+            prompt.append(dur / max(modelled, MIN_STEP_MS) - 1.0)
         else:
-            by_kind[0].append(dur - modelled)
-    decode, prompt = (
-        tuple(r - statistics.mean(kind) for r in kind) if len(kind) >= MIN_STEP_RECORDS else ()
-        for kind in by_kind
-    )
-    return decode, prompt
+            (turnover if follows_a_drop(previous_rows, shape) else decode).append(dur - modelled)
+        previous_rows = shape.decode_rows
+    if len(turnover) < MIN_STEP_RECORDS:
+        decode, turnover = decode + turnover, []
+    if len(decode) < MIN_STEP_RECORDS:
+        return StepResiduals(prompt=_centred(prompt))
+    centre = statistics.mean(decode)
+    kept_apart = tuple(r - centre for r in turnover)
+    return StepResiduals(_centred(decode), _centred(prompt), kept_apart)
+
+
+def _centred(departures: list[float]) -> tuple[float, ...]:
+    """`departures` less their mean; none from fewer than MIN_STEP_RECORDS."""
+    if len(departures) < MIN_STEP_RECORDS:
+        return ()
+    mean = statistics.mean(departures)
+    return tuple(r - mean for r in departures)
 
 
 RecordFit = tuple[float | None, tuple[float, float, float] | None]
@@ -468,14 +492,22 @@ PROMPT_FITS = (
 
 def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, float]:
     """Least squares dur = factor x shape + constant + per_key x keys beyond the probe, over the
-    prompt steps; where the steps cannot fix every term (shapes or keys that barely vary, two
-    clusters of shapes, a negative coefficient), fewer terms, in the order of PROMPT_FITS, down to
-    the factor alone (the mean ratio)."""
+    prompt steps, in relative terms (weights 1 / the profiled step^2); where the steps cannot fix
+    every term (shapes or keys that barely vary, two clusters of shapes, a negative coefficient),
+    the best fit of fewer terms (PROMPT_FITS, the earlier on a tie), else the factor alone (the
+    mean ratio)."""
     shapes = [s for _, s, _ in steps]
     varied_shape = (max(shapes) - min(shapes)) >= SHAPE_SPREAD * statistics.mean(shapes)
     keys = [k for _, _, k in steps]
     varied_keys = max(keys) > 0 and (max(keys) - min(keys)) >= SHAPE_SPREAD * max(keys)
     durations = [d for d, _, _ in steps]
+    # Relative residuals: a prompt step's departures are fractions of it (step_residuals), and with
+    # equal weights a run's few big chunks decided what its small ones cost. On the planted
+    # prefill_chunks run (chunks of 22-512 tokens) that fit, 0.82 x the profile + 14.5 ms, priced a
+    # disaggregated decode instance's 1-16-token last blocks 6-12 ms above the 13-27 measured, its
+    # ITL p99 27% high; relative, 1-4 ms above (session 30).
+    weights = [1.0 / max(s, MIN_STEP_MS) ** 2 for s in shapes]
+    best: tuple[float, tuple[float, float, float]] | None = None
     for fitted_factor, with_constant, with_keys in PROMPT_FITS:
         if (fitted_factor and with_constant and not varied_shape) or (with_keys and not varied_keys):
             continue
@@ -486,14 +518,25 @@ def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, 
         # With the factor held at 1 the profile (scaled to the run's speed) is the step's compute,
         # and the rest is what the server adds: the target is the steps' excess over it.
         target = durations if fitted_factor else [d - s for d, s, _ in steps]
-        solved = _least_squares(columns, target, [1.0] * len(steps))
+        solved = _least_squares(columns, target, weights)
         if solved is None or min(solved) < 0 or (fitted_factor and solved[0] <= 0):
             continue
         terms = iter(solved)
         factor = next(terms) if fitted_factor else 1.0
         constant = next(terms) if with_constant else 0.0
         per_key = next(terms) if with_keys else 0.0
-        return factor, constant, per_key
+        # A term the full fit priced just below zero (a price per key of -3e-6 ms) is dropped, and of
+        # the fits left the one closest to the steps is kept, not the first in the list: the first
+        # (the factor held at 1) had put the run's big chunks 8-15% above their measured times where
+        # the factor and a constant fitted them within 5%.
+        error = sum(
+            w * (d - (factor * s + constant + per_key * k)) ** 2
+            for (d, s, k), w in zip(steps, weights, strict=True)
+        )
+        if best is None or error < best[0] * (1.0 - TIE):
+            best = (error, (factor, constant, per_key))
+    if best is not None:
+        return best[1]
     return sum(durations) / max(sum(shapes), 1e-9), 0.0, 0.0
 
 

@@ -12,19 +12,25 @@ them every step x PREFILL_SPLIT_SLOWDOWN or DECODE_SPLIT_SLOWDOWN):
                            the run's ITL p50 x the split decode ratio; clients fall out of step as
                            on the pair): its queueing and prefill, carried onto the measured TTFT as
                            every simulated change is
-    the KV transfer        the p50 prompt's KV at TRANSFER_BYTES_PER_S
-    the decode instance    the same requests arriving with their KV but the tokens after the
-                           prompt's last full block (one token is always computed), each client's
-                           next one after a trip through the prefill instance (its simulated TTFTs)
-                           and the transfer: its queueing behind the step in flight and its own step
-                           beside the others' decodes (their TTFT there), and its gaps (ITL p50 and
-                           p99: the steps that take in a last block are the tail), carried by the
-                           run's plain decode gaps' ratio (its tail was its prompt chunks)
+    the decode instance    the same requests, each client's next one after a trip through the
+                           prefill instance (its simulated TTFTs): each prompt's full blocks fetched
+                           from the prefill instance at TRANSFER_BYTES_PER_S from when the engine
+                           takes it in, beside the step in flight, and the request admitted at the
+                           first step boundary after (kvflow/kv_transfer/imports.py), then the
+                           tokens after the last full block computed (one token always is) beside
+                           the others' decodes: its TTFT there, and its gaps (ITL p50 and p99: the
+                           steps that take in a last block are the tail), carried by the run's
+                           plain decode gaps' ratio (its tail was its prompt chunks)
     the router             HOP_LEGS more HTTP legs, each what the run's client added to the
                            server's TTFT
-    TTFT p50 = the prefill instance's + the transfer + the decode instance's + the router's.
+    TTFT p50 = the prefill instance's + the decode instance's + the router's.
+The fetch's wait for a step boundary is most of the decode instance's TTFT: on the planted
+prefill_chunks pair (session 30) requests waited 14.3 ms (median) between the engine taking them in
+and their admission, about one decode step, for a 1 ms fetch; arriving with their KV, as the
+simulated decode instance had them until then, its TTFT came out 25 ms where 47 were measured.
 Otherwise: ITL p99 = the run's ITL p50 x DECODE_SPLIT_SLOWDOWN x DECODE_ONLY_TAIL (p99 / p50 of gaps
-when no chunk ever joins a step), TTFT p50 = the run's x PREFILL_SPLIT_SLOWDOWN + the transfer.
+when no chunk ever joins a step), TTFT p50 = the run's x PREFILL_SPLIT_SLOWDOWN + the p50 prompt's
+transfer.
 Measured with benchmarks/pd_disaggregation.py and benchmarks/kv_transfer.py (2-core Xeon VM, Qwen2.5-0.5B
 shape, 4 streams, 1536-token prompts every 6 s, colocated 2 threads against 1 + 1); on other
 machines these ratios move with how prefill and decode scale with cores: the step profile measures
@@ -44,7 +50,6 @@ from dataclasses import dataclass, replace
 from kvflow.doctor.calibrate import SIM_METRICS, Calibration
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.finding import WhatIf
-from kvflow.doctor.simulate import simulate
 from kvflow.doctor.step_cost import MIN_STEP_MS
 from kvflow.doctor.verify_pd import DISAGGREGATE
 
@@ -77,12 +82,14 @@ class PairPrediction:
     itl_p99_ms: float
 
 
-def pd_simulated(cal: Calibration, transfer_ms: float) -> PairPrediction | None:
+def pd_simulated(cal: Calibration, transfer_ms_per_token: float) -> PairPrediction | None:
     """Both instances simulated on half the cores (module docstring), for the run the calibration
-    was fitted to; None without its TTFT p50 and ITL p50."""
+    was fitted to, a prompt token's KV moving between them in `transfer_ms_per_token`; None without
+    its TTFT p50 and ITL p50."""
     run = cal.evidence
     if run.ttft_p50_ms is None or run.itl_p50_ms is None:
         return None
+    transfer_ms = run.prompt_p50 * transfer_ms_per_token  # the client's round trip holds one
     # The prefill instance: each request prefilled and its one token sampled on half the cores; its
     # client comes back after that request's own decode on the other instance (its outputs at the
     # split ITL, first guessed from the run's: a common output length would keep the clients in step,
@@ -92,29 +99,35 @@ def pd_simulated(cal: Calibration, transfer_ms: float) -> PairPrediction | None:
     guess_ms = run.itl_p50_ms * decode_split_ratio(cal)
     decode_phase_ms = [max(s.output_tokens - 1, 0) * guess_ms for s in requests]
     hop_ms = HOP_LEGS * cal.client_gap_ms
-    prefill = simulate(
+    # Pooled over replays as every prediction: one replay of a 12-request run put the planted
+    # prefill_chunks pair's prefill-instance TTFT p50 anywhere from 198 to 340 ms by its seed alone
+    # (which of a returning burst's prompts queued behind the others), 251-428 carried (session 30).
+    prefill = cal.replays(
         [replace(s, output_tokens=1) for s in requests],
         cal.settings,
         cal.cost.on_half_cores(PREFILL_SPLIT_SLOWDOWN),
-        cal.concurrency,
         cal.client_gap_ms + hop_ms + transfer_ms,
-        after_ms=decode_phase_ms,
-        gap_jitter_ms=cal.evidence.client_gap_jitter_ms,
-        handoff_ms=cal.evidence.handoff_ms,
+        decode_phase_ms,
     )
     if not prefill.ttft_ms:
         return None
-    # The decode instance: every prompt arrives with its KV but the tokens after its last full block
-    # (one token is always computed), each client's next request after its trip through the prefill
-    # instance (a wait drawn from that instance's simulated TTFTs) and the transfer; its steps are
-    # the others' decodes and those last blocks, on half the cores, pooled over replays as every
-    # prediction (a tail of few gaps is otherwise one residual draw).
+    # The decode instance: every prompt's full blocks fetched (one token is always computed), each
+    # client's next request after its trip through the prefill instance (that request's median
+    # simulated TTFT there); its steps are the others' decodes and the last blocks, on half the
+    # cores, pooled over replays as every prediction (a tail of few gaps is otherwise one residual
+    # draw).
+    trips: dict[int, list[float]] = {}
+    for index, ttft_ms in zip(prefill.ttft_request, prefill.ttft_ms, strict=True):
+        trips.setdefault(index, []).append(ttft_ms)
+    typical = statistics.median(prefill.ttft_ms)  # a request the pool capped on every replay
+    waits = [statistics.median(trips[i]) if i in trips else typical for i in range(len(requests))]
+    fetching = replace(cal.settings, enable_prefix_caching=True, fetch_ms_per_token=transfer_ms_per_token)
     on_decode = cal.replays(
         [replace(s, shared_prefix_tokens=s.prompt_tokens) for s in requests],
-        replace(cal.settings, enable_prefix_caching=True),
+        fetching,
         cal.cost.on_half_cores(DECODE_SPLIT_SLOWDOWN),
-        cal.client_gap_ms + hop_ms + transfer_ms,
-        [prefill.ttft_ms[i % len(prefill.ttft_ms)] for i in range(len(requests))],
+        cal.client_gap_ms + hop_ms,
+        waits,
     )
     if not on_decode.itl_ms or not on_decode.ttft_ms:
         return None
@@ -123,7 +136,7 @@ def pd_simulated(cal: Calibration, transfer_ms: float) -> PairPrediction | None:
     p50 = SIM_METRICS["itl_p50_ms"]
     ratio = run.itl_p50_ms / max(p50(cal.pooled_baseline), MIN_STEP_MS)
     decode_ttft = statistics.median(on_decode.ttft_ms) * ratio
-    ttft = cal.predict("ttft_p50_ms", run.ttft_p50_ms, prefill) + transfer_ms + decode_ttft + hop_ms
+    ttft = cal.predict("ttft_p50_ms", run.ttft_p50_ms, prefill) + decode_ttft + hop_ms
     return PairPrediction(ttft, p50(on_decode) * ratio, SIM_METRICS["itl_p99_ms"](on_decode) * ratio)
 
 
@@ -144,7 +157,8 @@ def disaggregate_what_if(d: Diagnosis) -> WhatIf | None:
     kv_bytes = run.prompt_p50 * d.model.kv_bytes_per_token(d.roofline.kv_dtype)
     transfer_ms = 1e3 * kv_bytes / TRANSFER_BYTES_PER_S
     cal = d.calibration
-    simulated = pd_simulated(cal, transfer_ms) if cal is not None else None
+    per_token = transfer_ms / max(run.prompt_p50, 1)
+    simulated = pd_simulated(cal, per_token) if cal is not None else None
     if simulated is not None:
         ttft, itl_p99 = simulated.ttft_p50_ms, simulated.itl_p99_ms
     else:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 from kvflow.doctor.evidence import RequestSample
 from kvflow.doctor.sim_blocks import SimBlockPool, other_group_blocks
-from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, StepShape, attention_work
+from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, StepShape, attention_work, follows_a_drop
 from kvflow.kv_cache.specs import KVCacheSpec
 
 KINDS = ("decode_only", "mixed", "prefill_only")
@@ -55,6 +55,12 @@ class SimSettings:
     other_groups: tuple[KVCacheSpec, ...] = ()
     token_group: bool = True
     hit_granularity: int | None = None  # a prefix hit is a multiple of this; None: block_size
+    # A decode instance behind a prefill instance (kvflow/kv_transfer/imports.py): a request's hit is
+    # fetched from the other instance, at this many ms per token. The fetch starts when the engine
+    # takes the request in (a step boundary) and runs beside the steps; the scheduler steps over the
+    # request until a boundary finds its blocks arrived, so it waits out the step in flight even when
+    # the fetch is quicker. 0: every hit is in the pool.
+    fetch_ms_per_token: float = 0.0
 
 
 @dataclass
@@ -67,6 +73,7 @@ class _Request:
     # When the engine takes it in: arrival + the handler's handoff (parsing, tokenizing, and the GIL
     # the engine's steps hold meanwhile); no step schedules it before, free slot or not.
     ready: float = 0.0
+    fetched: float = 0.0  # when its hit has arrived from another instance (SimSettings.fetch_ms_per_token)
     computed: int = 0
     produced: int = 0
     admitted: bool = False
@@ -236,9 +243,21 @@ class _Scheduler:
             self._admit(now, budget, scheduled)
         return scheduled
 
+    def take_in(self, request: _Request, now: float) -> None:
+        """The engine takes `request` in at `now` (a step boundary): it waits, and any fetch of its
+        hit from another instance starts."""
+        request.fetched = now + request.hit * self.s.fetch_ms_per_token
+        self.waiting.append(request)
+
+    def next_fetched(self, now: float) -> float:
+        """When the next fetch still in flight at `now` arrives (inf: none is)."""
+        return min((r.fetched for r in self.waiting if r.fetched > now), default=math.inf)
+
     def _admit(self, now: float, budget: int, scheduled: list[tuple[_Request, int]]) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.s.max_num_seqs:
-            request = self.waiting[0]
+        # In arrival order, stepping over requests whose KV is still in flight (kvflow's scheduler).
+        for request in [r for r in self.waiting if r.fetched <= now]:
+            if budget <= 0 or len(self.running) >= self.s.max_num_seqs:
+                break
             shared = self.shared_blocks(request)
             # Its own blocks a preemption left cached come back as hits (never the last token).
             own = []
@@ -252,10 +271,10 @@ class _Scheduler:
             if self.pool.free_needed(new, own) + others > self.pool.num_free:
                 if self.running:
                     break
-                self.waiting.popleft()  # even an empty pool cannot hold it
+                self.waiting.remove(request)  # even an empty pool cannot hold it
                 self.capped.append(request)
                 continue
-            self.waiting.popleft()
+            self.waiting.remove(request)
             self.pool.resize_others(request.index, others)
             self.pool.allocate(request.index, new, own)
             request.computed, request.admitted = hit, True
@@ -366,6 +385,7 @@ class _Replay:
         self.kinds = {kind: KindStats() for kind in KINDS}
         self.explained: dict[str, float] = {"preemption": 0.0, "prefill_chunks": 0.0, "recompute": 0.0}
         self.done: list[_Request] = []
+        self.previous_rows = 0  # the last step's decode rows (StepResiduals.turnover)
 
     def advance(self, now: float) -> float | None:
         """Admit arrivals, then run one step (or wait for the next arrival): the new time, or None
@@ -383,7 +403,7 @@ class _Replay:
             return self._step(now, scheduled)
         if not sched.running and not sched.waiting:
             return now
-        upcoming = self._next_arrival_time()
+        upcoming = min(self._next_arrival_time(), sched.next_fetched(now))
         return None if math.isinf(upcoming) else max(now, upcoming)
 
     def _arrive(self, request: _Request, at: float) -> None:
@@ -413,7 +433,7 @@ class _Replay:
                     ready.append(request)
         for request in sorted(ready, key=lambda r: r.ready):
             self.upcoming.remove(request)
-            self.sched.waiting.append(request)
+            self.sched.take_in(request, now)
 
     def _next_arrival_time(self) -> float:
         """When the next request reaches the engine (its handoff done)."""
@@ -432,7 +452,9 @@ class _Replay:
         between_ms = self.cost.between_ms(shape)
         step_ms = self.cost.server_ms(shape) + between_ms  # StepCost.step_ms, its parts kept
         prompt = shape.prompt_tokens > 0
-        drawn = self.cost.with_drawn_residual(step_ms, prompt, self.rng, between_ms)
+        after_drop = follows_a_drop(self.previous_rows, shape)
+        self.previous_rows = shape.decode_rows
+        drawn = self.cost.with_drawn_residual(step_ms, prompt, self.rng, between_ms, after_drop)
         step_ms = max(drawn, MIN_STEP_MS)
         # The server's kinds: by decodes and prompt tokens, whichever path attended them.
         kind = "mixed" if shape.decode_rows and prompt else ("prefill_only" if prompt else "decode_only")

@@ -50,7 +50,7 @@ the measured run's own variation).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from kvflow.doctor.step_profile import StepProfile
 from kvflow.query_rows import is_query_row_chunk
@@ -110,6 +110,23 @@ class StepShape:
 
 
 @dataclass(frozen=True)
+class StepResiduals:
+    """The recorded steps' departures from the fitted cost, by kind (calibrate.step_residuals).
+
+    A decode-only step that follows a drop in decode rows (a request finished) runs while the
+    server's HTTP side completes that response and its client's next request arrives and is
+    parsed, all contending with the engine for the cores: on the planted 2-client runs those steps
+    took 4.2-5.3 ms (median) against 1.6-2.1 for the other decode steps, and they were every one of
+    the runs' longest decode steps (session 30). Drawn from the other steps' departures, a replay
+    had put those stalls on any step, two rows each where the real ones held one (the other
+    client's), and its ITL p99 20-33% above the measured."""
+
+    decode: tuple[float, ...] = ()  # ms, centred on zero: decode-only steps
+    prompt: tuple[float, ...] = ()  # fractions of the step, centred on zero: steps with prompt tokens
+    turnover: tuple[float, ...] = ()  # ms, on the same centre as `decode`: decode-only after a drop
+
+
+@dataclass(frozen=True)
 class StepCost:
     fixed_ms: float  # scheduling, the forward's per-step overhead, sampling and outputs of a step
     per_token_ms: float  # one more decode row or prompt token (and per unit of attention work)
@@ -121,11 +138,10 @@ class StepCost:
     kind_extra_ms: tuple[float, float, float] = (0.0, 1.0, 0.0)
     # With a profile: ms per attended key beyond what the profile's probe of the same shape attended.
     attention_ms_per_key: float = 0.0
-    # What the server's recorded steps took beyond this cost, centred on zero per kind: decode-only
-    # steps' in ms, steps with prompt tokens' as fractions of the step (calibrate.step_residuals).
-    # Each simulated step draws one, so the simulated steps vary as the recorded ones did. Empty:
-    # every step costs its mean.
-    residuals: tuple[tuple[float, ...], tuple[float, ...]] = ((), ())
+    # What the server's recorded steps took beyond this cost (calibrate.step_residuals). Each
+    # simulated step draws one, so the simulated steps vary as the recorded ones did. Empty: every
+    # step costs its mean.
+    residuals: StepResiduals = field(default_factory=lambda: StepResiduals())
     # Every step's server time x this: the same steps on a share of the cores (a what-if that splits
     # the machine, kvflow/doctor/disaggregation.py). 1: the measured server.
     scale: float = 1.0
@@ -184,12 +200,20 @@ class StepCost:
         return max(growth - max(self.client_gap_ms - profile.served_base_gap, 0.0), 0.0)
 
     def with_drawn_residual(
-        self, step_ms: float, has_prompt: bool, rng: random.Random, between_ms: float | None = None
+        self,
+        step_ms: float,
+        has_prompt: bool,
+        rng: random.Random,
+        between_ms: float | None = None,
+        after_drop: bool = False,
     ) -> float:
         """`step_ms` (`between_ms` of it after the server's step; default overhead_ms) plus one
         recorded step's departure from its mean, drawn for a step of this kind: ms added to a
-        decode-only step, a fraction of a step with prompt tokens; unchanged without records."""
-        residuals = self.residuals[1 if has_prompt else 0]
+        decode-only step (one of the steps after a drop in decode rows when `after_drop` and the run
+        recorded enough of them: StepResiduals.turnover), a fraction of a step with prompt tokens;
+        unchanged without records."""
+        r = self.residuals
+        residuals = r.prompt if has_prompt else (r.turnover if after_drop and r.turnover else r.decode)
         if not residuals:
             return step_ms
         drawn = rng.choice(residuals)
@@ -209,6 +233,12 @@ def attention_work(num_tokens: int, context_end: int) -> float:
     """Keys seen by `num_tokens` queries ending at `context_end` (causal: each query sees the keys
     before it): n x (context_end - (n - 1) / 2)."""
     return num_tokens * (context_end - (num_tokens - 1) / 2)
+
+
+def follows_a_drop(previous_rows: int, shape: StepShape) -> bool:
+    """A decode-only step with fewer decode rows than the step before it: a request finished (or was
+    preempted) at the end of that step (StepResiduals.turnover)."""
+    return not shape.prompt_tokens and shape.decode_rows < previous_rows
 
 
 def profiled_step(profile: StepProfile, shape: StepShape) -> tuple[float, float]:

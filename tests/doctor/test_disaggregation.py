@@ -36,15 +36,15 @@ def test_the_decode_instances_tail_is_the_steps_that_take_in_a_last_block() -> N
         ttft_p50_ms=SIM_METRICS["ttft_p50_ms"](colocated),
     )
     cal = Calibration(COST, settings, colocated, 4, evidence, 0.0)
-    pair = pd_simulated(cal, transfer_ms=1.0)
+    pair = pd_simulated(cal, transfer_ms_per_token=1.0 / 392)  # 1 ms for the prompt
     assert pair is not None
     half = DECODE_SPLIT_SLOWDOWN  # no profile: every decode-instance step x the measured ratio
     last_block_beside = half * (COST.fixed_ms + COST.per_token_ms * (8 + 3))
     assert pair.itl_p99_ms == pytest.approx(last_block_beside, rel=0.05)
     assert pair.itl_p99_ms < SIM_METRICS["itl_p99_ms"](colocated)  # no 512-token chunk stalls a decode
     assert pair.itl_p50_ms <= half * COST.step_ms(StepShape(decode_rows=4)) + 1e-9
-    # TTFT: the prefill instance's (whole prompts on half the cores), the transfer, then the decode
-    # instance's: more than its own step on an idle instance.
+    # TTFT: the prefill instance's (whole prompts on half the cores), then the decode instance's (the
+    # fetch, the step in flight, its own): more than its own step on an idle instance.
     alone = half * COST.step_ms(StepShape(prefill_tokens=8))
     prefill_alone = PREFILL_SPLIT_SLOWDOWN * COST.step_ms(StepShape(prefill_tokens=392))
     assert pair.ttft_p50_ms > prefill_alone + 1.0 + alone

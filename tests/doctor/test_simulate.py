@@ -15,7 +15,7 @@ from kvflow.config import CacheConfig, SchedulerConfig
 from kvflow.doctor.calibrate import SIM_METRICS, Calibration, sim_groups
 from kvflow.doctor.evidence import RequestSample, calculator_evidence
 from kvflow.doctor.simulate import SimSettings, pooled, simulate
-from kvflow.doctor.step_cost import StepCost, StepShape
+from kvflow.doctor.step_cost import StepCost, StepResiduals, StepShape
 from kvflow.engine.scheduler import Scheduler
 from kvflow.kv_cache.kv_cache_config import KVCacheConfig, build_kv_cache_config
 from kvflow.outputs import ModelRunnerOutput
@@ -236,7 +236,7 @@ def test_a_request_is_scheduled_only_once_the_engine_has_it() -> None:
 
 
 def test_pooled_replays_keep_per_replay_counts() -> None:
-    cost = StepCost(0.5, 0.02, 0.0, residuals=((-0.4, 0.0, 2.0), ()))
+    cost = StepCost(0.5, 0.02, 0.0, residuals=StepResiduals(decode=(-0.4, 0.0, 2.0)))
     samples = [RequestSample(16, 8, 0, 0.0, None, None) for _ in range(4)]
     settings = SimSettings(2, 64, None, 16, False)
     runs = [simulate(samples, settings, cost, concurrency=2, seed=seed) for seed in range(3)]
@@ -270,3 +270,28 @@ def test_a_tail_without_preemption_is_carried_by_the_plain_gaps_ratio() -> None:
     assert cal.carried_by("itl_p99_ms", roomy) == "itl_p50_ms"
     assert cal.carried_by("itl_p99_ms", still) == "itl_p99_ms"
     assert cal.carried_by("ttft_p50_ms", roomy) == "ttft_p50_ms"
+
+
+def test_a_fetched_prompt_waits_for_the_step_boundary_after_its_kv_arrives() -> None:
+    """A decode instance (SimSettings.fetch_ms_per_token, kvflow/kv_transfer/imports.py): the engine
+    starts fetching a request's KV when it takes the request in, at a step boundary, and the
+    scheduler steps over the request until a boundary finds the blocks there. A 1 ms fetch arriving
+    mid-step therefore costs the whole step in flight, and the other request keeps decoding
+    meanwhile; on an idle engine it costs the fetch alone. (Arriving with its KV, as the simulated
+    pair had it, the planted pair's decode-instance TTFT came out 25 ms where 47 were measured.)"""
+    cost = StepCost(10.0, 0.0, 0.0)  # every step 10 ms, whatever it computes
+    fetching = SimSettings(4, 512, None, 16, True, fetch_ms_per_token=1.0 / 64)
+    decoding = RequestSample(16, 50, 0, 0.0, None, None)  # steps at 0, 10, 20, ... ms
+    fetched = RequestSample(72, 2, 72, 0.015, None, None)  # 64 tokens' KV (four blocks) fetched: 1 ms
+
+    def ttft_of_fetched(settings: SimSettings) -> float:
+        run = simulate([decoding, fetched], settings, cost, concurrency=None)
+        assert run.itl_ms[:5] == pytest.approx([10.0] * 5)  # the decodes never wait on the fetch
+        return dict(zip(run.ttft_request, run.ttft_ms, strict=True))[1]
+
+    # Taken in at 20 ms, its KV there at 21, admitted at 30, its first token at 40.
+    assert ttft_of_fetched(fetching) == pytest.approx(40.0 - 15.0)
+    # In the pool: admitted at the boundary that takes it in.
+    assert ttft_of_fetched(replace(fetching, fetch_ms_per_token=0.0)) == pytest.approx(30.0 - 15.0)
+    alone = simulate([fetched], fetching, cost, concurrency=None)
+    assert alone.ttft_ms == pytest.approx([1.0 + 10.0])  # an idle engine admits it when it arrives

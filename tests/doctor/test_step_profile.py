@@ -279,6 +279,38 @@ def test_two_clusters_of_prompt_steps_do_not_make_up_a_constant() -> None:
     assert per_key == pytest.approx((103.906 - factor * 91.502) / 135168, rel=1e-2)
 
 
+def test_prompt_steps_of_many_sizes_are_fitted_in_relative_terms() -> None:
+    """The planted prefill_chunks run's prompt steps span 22 to 512 tokens (session 29, run 4: ms,
+    the scaled profile's shape, keys beyond the probe's). Fitted in absolute terms the big chunks
+    decided the line, 0.82 x the profile + 14.5 ms, which put the 22-token step 21% above its
+    measured time and a disaggregated decode instance's 1-16-token last blocks 6-12 ms above theirs.
+    In relative terms the full fit prices a key at just below zero; of the fits left, the one
+    closest to the steps (a factor and a constant) is kept, not the first listed (the factor held at
+    1, which put the big chunks 8-15% above their measured times)."""
+    steps = [
+        (24.9, 18.2, 11198.0),
+        (71.1, 62.2, 0.0),
+        (77.0, 78.7, 0.0),
+        (83.5, 86.7, 0.0),
+        (104.9, 96.1, 0.0),
+        (113.4, 114.5, 57961.0),
+        (109.0, 118.3, 0.0),
+        (119.5, 127.4, 0.0),
+        (121.9, 133.2, 0.0),
+        (137.4, 149.2, 0.0),
+        (137.4, 147.6, 0.0),
+        (131.0, 147.4, 0.0),
+    ]
+    factor, constant, per_key = _prompt_fit(steps)
+    assert 0.0 < factor < 1.0 and constant > 0.0 and per_key == 0.0
+    errors = [abs(factor * s + constant + per_key * k - d) / d for d, s, k in steps]
+    assert max(errors) < 0.11
+    assert errors[0] < 0.05  # the smallest step, which the absolute fit put 21% high
+    absolute = _least_squares([[s, 1.0, k] for _, s, k in steps], [d for d, _, _ in steps], [1.0] * 12)
+    assert absolute is not None
+    assert (absolute[0] * 18.2 + absolute[1] + absolute[2] * 11198.0) / 24.9 > 1.2
+
+
 def test_one_shape_of_prompt_step_gets_what_the_server_adds_not_a_factor() -> None:
     """A one-slot run's prompt steps are all one shape (32 tokens), so a factor and a constant cannot
     be told apart. What the server adds to a prompt step is about the same whatever its size (the
