@@ -411,8 +411,9 @@ def step_residuals(cost: StepCost, steps: list[tuple[float, StepShape]]) -> Step
     if len(decode) < MIN_STEP_RECORDS:
         return StepResiduals(prompt=_centred(prompt))
     centre = statistics.mean(decode)
-    kept_apart = tuple(r - centre for r in turnover)
-    return StepResiduals(_centred(decode), _centred(prompt), kept_apart)
+    return StepResiduals(
+        tuple(r - centre for r in decode), _centred(prompt), tuple(r - centre for r in turnover)
+    )
 
 
 def _centred(departures: list[float]) -> tuple[float, ...]:

@@ -154,11 +154,12 @@ def disaggregate_what_if(d: Diagnosis) -> WhatIf | None:
     run = d.run
     if run.itl_p50_ms is None or run.itl_p99_ms is None or run.ttft_p50_ms is None:
         return None
-    kv_bytes = run.prompt_p50 * d.model.kv_bytes_per_token(d.roofline.kv_dtype)
-    transfer_ms = 1e3 * kv_bytes / TRANSFER_BYTES_PER_S
+    bytes_per_token = d.model.kv_bytes_per_token(d.roofline.kv_dtype)
+    kv_bytes = run.prompt_p50 * bytes_per_token
+    per_token_ms = 1e3 * bytes_per_token / TRANSFER_BYTES_PER_S
+    transfer_ms = run.prompt_p50 * per_token_ms
     cal = d.calibration
-    per_token = transfer_ms / max(run.prompt_p50, 1)
-    simulated = pd_simulated(cal, per_token) if cal is not None else None
+    simulated = pd_simulated(cal, per_token_ms) if cal is not None else None
     if simulated is not None:
         ttft, itl_p99 = simulated.ttft_p50_ms, simulated.itl_p99_ms
     else:

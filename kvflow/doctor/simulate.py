@@ -254,10 +254,12 @@ class _Scheduler:
         return min((r.fetched for r in self.waiting if r.fetched > now), default=math.inf)
 
     def _admit(self, now: float, budget: int, scheduled: list[tuple[_Request, int]]) -> None:
-        # In arrival order, stepping over requests whose KV is still in flight (kvflow's scheduler).
-        for request in [r for r in self.waiting if r.fetched <= now]:
-            if budget <= 0 or len(self.running) >= self.s.max_num_seqs:
-                break
+        i = 0  # in arrival order, stepping over requests whose KV is still in flight (kvflow's scheduler)
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.s.max_num_seqs:
+            request = self.waiting[i]
+            if request.fetched > now:
+                i += 1
+                continue
             shared = self.shared_blocks(request)
             # Its own blocks a preemption left cached come back as hits (never the last token).
             own = []
@@ -271,10 +273,10 @@ class _Scheduler:
             if self.pool.free_needed(new, own) + others > self.pool.num_free:
                 if self.running:
                     break
-                self.waiting.remove(request)  # even an empty pool cannot hold it
+                del self.waiting[i]  # even an empty pool cannot hold it
                 self.capped.append(request)
                 continue
-            self.waiting.remove(request)
+            del self.waiting[i]
             self.pool.resize_others(request.index, others)
             self.pool.allocate(request.index, new, own)
             request.computed, request.admitted = hit, True

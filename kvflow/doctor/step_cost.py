@@ -50,7 +50,7 @@ the measured run's own variation).
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 from kvflow.doctor.step_profile import StepProfile
 from kvflow.query_rows import is_query_row_chunk
@@ -141,7 +141,7 @@ class StepCost:
     # What the server's recorded steps took beyond this cost (calibrate.step_residuals). Each
     # simulated step draws one, so the simulated steps vary as the recorded ones did. Empty: every
     # step costs its mean.
-    residuals: StepResiduals = field(default_factory=lambda: StepResiduals())
+    residuals: StepResiduals = StepResiduals()
     # Every step's server time x this: the same steps on a share of the cores (a what-if that splits
     # the machine, kvflow/doctor/disaggregation.py). 1: the measured server.
     scale: float = 1.0
