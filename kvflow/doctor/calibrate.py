@@ -394,7 +394,11 @@ def step_residuals(cost: StepCost, steps: list[tuple[float, StepShape]]) -> Step
     follow a drop in decode rows (`steps` in the order they ran) are kept apart (StepResiduals).
     Each kind centred on zero so the draws keep the fitted mean, the steps after a drop on the
     other decode steps' centre (their excess is the point); a kind with fewer than MIN_STEP_RECORDS
-    records gets none (its steps cost their mean), the steps after a drop then joining the others."""
+    records gets none (its steps cost their mean). With too few steps after a drop, the step
+    profile's served turnover probe stands in for them (the same model and machine, its excesses
+    over the decode steps of their rows: StepProfile.served_turnover); without it they join the
+    others. A run whose steps after a finish admit a waiting prompt (a starved KV pool) records
+    none, and the what-if that frees the pool turns its clients around while others decode."""
     decode: list[float] = []
     prompt: list[float] = []
     turnover: list[float] = []
@@ -406,14 +410,16 @@ def step_residuals(cost: StepCost, steps: list[tuple[float, StepShape]]) -> Step
         else:
             (turnover if follows_a_drop(previous_rows, shape) else decode).append(dur - modelled)
         previous_rows = shape.decode_rows
-    if len(turnover) < MIN_STEP_RECORDS:
-        decode, turnover = decode + turnover, []
+    probed = cost.profile.served_turnover if cost.profile is not None else ()
+    if len(turnover) >= MIN_STEP_RECORDS:
+        probed = ()
+    elif len(probed) < MIN_STEP_RECORDS:
+        decode, turnover, probed = decode + turnover, [], ()
     if len(decode) < MIN_STEP_RECORDS:
-        return StepResiduals(prompt=_centred(prompt))
+        return StepResiduals(prompt=_centred(prompt), turnover=probed)
     centre = statistics.mean(decode)
-    return StepResiduals(
-        tuple(r - centre for r in decode), _centred(prompt), tuple(r - centre for r in turnover)
-    )
+    recorded = tuple(r - centre for r in turnover)
+    return StepResiduals(tuple(r - centre for r in decode), _centred(prompt), probed or recorded)
 
 
 def _centred(departures: list[float]) -> tuple[float, ...]:

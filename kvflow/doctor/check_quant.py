@@ -1,6 +1,7 @@
 """Step 5: is there quantization headroom? Per smaller weight format: the weight memory saved, and the
-decode step predicted from measured per-format speed (kvflow/doctor/quant_speed.py) when there is
-one (the step minus the difference of the formats' measured ms/token); from the bytes a step reads
+decode step predicted from the formats' TPOT served on this machine (kvflow/doctor/quant_served.py)
+when measured, else from their speed in kvflow quant-eval (kvflow/doctor/quant_speed.py), each as
+the step minus the difference of the formats' measured ms/token; from the bytes a step reads
 only where decode runs near the bandwidth roofline (there, and only there, fewer bytes make faster
 steps); otherwise the gain is unknown, and said to be."""
 
@@ -27,6 +28,20 @@ def _bandwidth_utilization(d: Diagnosis) -> float | None:
 def _predict(d: Diagnosis, dtype: str, base: float, now_ms: float) -> tuple[float | None, str]:
     """(decode ms/step with `dtype` weights, how it was predicted), None when unknown."""
     now = d.roofline.weight_dtype
+    served = d.quant_served_tpot_ms
+    if served.get(dtype, 0.0) > 0 and served.get(now, 0.0) > 0:
+        # Both formats served as the run was (kvflow/doctor/quant_served.py), stretch and all. A run
+        # of one decode row is the probe's shape: the ratio carries (and a machine slower while the
+        # probe ran slows both formats alike). With more rows the step reads the weights once for
+        # all of them: the saving per step carries, as a difference.
+        saved = served[now] - served[dtype]
+        source = (
+            f"measured served: {served[now]:,.2f} -> {served[dtype]:,.2f} ms/token at one client "
+            f"(kvflow serve --quantization {dtype})"
+        )
+        if d.runnable_batch <= 1:
+            return base * served[dtype] / served[now], f"{source}, x{served[dtype] / served[now]:.2f}"
+        return max(base - saved, 0.0), f"{source}, saves {saved:,.2f} ms/step"
     speeds = d.quant_speeds
     if dtype in speeds and now in speeds and speeds[dtype] > 0 and speeds[now] > 0:
         # The formats differ in the forward's time per token; what a served step adds around it
@@ -62,6 +77,7 @@ def check_quantization(d: Diagnosis) -> Finding:
         "bytes_per_param": m.weight_bytes(now) / m.num_params,
         "bandwidth_utilization": _bandwidth_utilization(d),
         "measured_decode_tokens_per_s": d.quant_speeds or None,
+        "measured_served_tpot_ms": d.quant_served_tpot_ms or None,
         "quality_cost": "unknown here: measure it with `kvflow quant-eval MODEL_DIR --quantization "
         "int8|int4` (KL divergence, top-1 agreement, perplexity on your text)",
     }

@@ -20,7 +20,8 @@ from kvflow.doctor.evidence import RunEvidence, calculator_evidence, evidence_fr
 from kvflow.doctor.findings import Diagnosis, diagnose
 from kvflow.doctor.hardware import NAMED, named_hardware
 from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec, default_kv_dtype
-from kvflow.doctor.quant_speed import load_speeds, measure_speeds
+from kvflow.doctor.quant_served import load_served_tpot, measure_served_tpot
+from kvflow.doctor.quant_speed import QUANT_FORMATS, load_speeds, measure_speeds
 from kvflow.doctor.replicas import replicas_report, replicas_text
 from kvflow.doctor.report import doctor_json, html_report, text_report
 from kvflow.doctor.roofline import Roofline
@@ -150,7 +151,8 @@ def _add_outputs(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--measure-quantization",
         action="store_true",
-        help="measure int8/int4 decode speed with kvflow quant-eval (cached per model and machine)",
+        help="measure int8/int4 decode speed with kvflow quant-eval and served to one client (cached per "
+        "model and machine)",
     )
 
 
@@ -183,6 +185,15 @@ def _quant_speeds(args: argparse.Namespace, weight_dtype: str) -> dict[str, floa
     if args.measure_quantization:
         return measure_speeds(args.model, weight_dtype)
     return load_speeds(args.model, weight_dtype)
+
+
+def _quant_served_tpot(args: argparse.Namespace, weight_dtype: str) -> dict[str, float]:
+    """Served TPOT p50 per weight format (cached), measured now on --measure-quantization."""
+    if not _has_weights(args.model):
+        return {}
+    if args.measure_quantization:
+        return measure_served_tpot(args.model, weight_dtype, QUANT_FORMATS)
+    return load_served_tpot(args.model, weight_dtype)
 
 
 def diagnosis_step_profile(
@@ -235,7 +246,14 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
     speeds = _quant_speeds(args, float_dtype)
     profile = diagnosis_step_profile(args, settings, float_dtype, result) if result is not None else None
     diagnosis = Diagnosis(
-        model, roofline, run, settings, measured=result is not None, quant_speeds=speeds, step_profile=profile
+        model,
+        roofline,
+        run,
+        settings,
+        measured=result is not None,
+        quant_speeds=speeds,
+        quant_served_tpot_ms=_quant_served_tpot(args, float_dtype),
+        step_profile=profile,
     )
     return diagnosis, result
 

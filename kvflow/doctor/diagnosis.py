@@ -33,6 +33,8 @@ class Diagnosis:
     measured: bool  # False in calculator mode (no benchmark)
     # Decode tokens/s per weight format measured on this machine (kvflow quant-eval, cached), if any.
     quant_speeds: dict[str, float] = field(default_factory=dict)
+    # TPOT p50 per weight format served on this machine to one client (kvflow/doctor/quant_served.py).
+    quant_served_tpot_ms: dict[str, float] = field(default_factory=dict)
     # The engine's measured step-time curves for this model and machine (kvflow profile-steps), if any.
     step_profile: StepProfile | None = None
 

@@ -201,6 +201,44 @@ def test_quantization_gain_is_unknown_far_below_the_roofline_unless_measured() -
     assert {w.setting["quantization"] for w in quant.what_ifs if w.setting} == {"int8", "int4"}
 
 
+def test_the_formats_served_tpot_predicts_before_quant_evals_speed() -> None:
+    """Served, the step is the forward stretched by the API thread and client sharing the cores, plus
+    a constant: quant-eval's saving (1.16 ms for int4 on the bundled model) under-predicted the
+    served one (1.88), so the formats' served TPOTs, where measured, decide."""
+    ev = evidence({"decode_step_ms": 20.0}, concurrency=4.0)
+    speeds = {"bfloat16": 100.0, "int8": 80.0, "int4": 125.0}
+    served = {"bfloat16": 24.0, "int8": 21.0, "int4": 17.0}
+    quant = finding(
+        diagnose(diagnosis(ev, kvflow_settings(), quant_speeds=speeds, quant_served_tpot_ms=served)),
+        "quantization",
+    )
+    predicted = {w.change: w.predicted["decode_ms_per_step"] for w in quant.what_ifs}
+    # 4 decode rows: the step reads the weights once for all, its saving carries as a difference.
+    assert predicted == {"int8 weights": pytest.approx(17.0), "int4 weights": pytest.approx(13.0)}
+    assert all("measured served" in w.method for w in quant.what_ifs)
+    one_row = evidence({"decode_step_ms": 20.0}, concurrency=1.0)
+    quant = finding(
+        diagnose(diagnosis(one_row, kvflow_settings(), quant_speeds=speeds, quant_served_tpot_ms=served)),
+        "quantization",
+    )
+    # One row, the probe's own shape: 20 ms x 21/24 and x 17/24.
+    assert {w.change: w.predicted["decode_ms_per_step"] for w in quant.what_ifs} == {
+        "int8 weights": pytest.approx(17.5),
+        "int4 weights": pytest.approx(20.0 * 17.0 / 24.0),
+    }
+    assert quant.evidence["measured_served_tpot_ms"] == served
+    half = finding(  # a format not served: quant-eval's speed for it
+        diagnose(
+            diagnosis(ev, kvflow_settings(), quant_speeds=speeds, quant_served_tpot_ms={"bfloat16": 24.0})
+        ),
+        "quantization",
+    )
+    assert {w.change: w.predicted["decode_ms_per_step"] for w in half.what_ifs} == {
+        "int8 weights": pytest.approx(22.5),
+        "int4 weights": pytest.approx(18.0),
+    }
+
+
 def test_a_verdict_within_the_probe_spread_is_not_drawn() -> None:
     assert PhaseTime(1.0, 1.0, 0.9, uncertainty=0.0).bound == "compute"
     assert PhaseTime(1.0, 1.0, 0.9, uncertainty=0.25).bound == "either"

@@ -13,7 +13,14 @@ import pytest
 from kvflow.bench.runner import BenchConfig
 from kvflow.doctor import served_decode
 from kvflow.doctor.evidence import client_gap_jitter, evidence_from_bench, handoff_delays
-from kvflow.doctor.served_decode import SERVED_KEYS, SERVED_SWEEPS, decode_step_ms, measure_served_decode
+from kvflow.doctor.served_decode import (
+    SERVED_KEYS,
+    SERVED_SWEEPS,
+    TURNOVER_KEY,
+    decode_step_ms,
+    measure_served_decode,
+    turnover_excess_ms,
+)
 
 
 def test_a_decode_step_is_read_from_the_records_of_exactly_that_many_rows() -> None:
@@ -31,11 +38,31 @@ def test_a_decode_step_is_read_from_the_records_of_exactly_that_many_rows() -> N
 def test_the_probe_serves_b_streaming_clients_and_reads_the_servers_steps(server_model_dir: Path) -> None:
     flags = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "2"]
     served = measure_served_decode(str(server_model_dir), flags, [1, 2])
-    assert set(served) == set(SERVED_KEYS)
+    assert set(served) == {*SERVED_KEYS, TURNOVER_KEY}
     for key in SERVED_KEYS:
         assert set(served[key]) == {1, 2} and all(ms > 0 for ms in served[key].values())
     for b in (1, 2):  # the clients' TPOT holds the step and what passes between steps
         assert served["served_tpot_ms"][b] >= 0.5 * served["served_decode_ms"][b]
+    # Two clients of staggered output lengths (the server allows no more): one finishes while the
+    # other decodes, and the step after is read against the other 1-row steps.
+    assert served[TURNOVER_KEY] and all(isinstance(ms, float) for ms in served[TURNOVER_KEY])
+
+
+def test_a_step_after_a_finish_is_read_against_the_other_steps_of_its_rows() -> None:
+    steps = {
+        "fields": ["dur_ms", "prefill_tokens", "decode_tokens", "attention"],
+        "rows": [
+            [1.0, 0, 2, 40],
+            [1.2, 0, 2, 42],
+            [4.5, 0, 1, 21],  # after a finish (2 -> 1 rows): 4.5 against the 1-row steps' 1.0
+            [1.0, 0, 1, 22],
+            [9.0, 16, 1, 150],  # the next request's prompt: not a decode step
+            [1.1, 0, 2, 44],
+            [0.7, 0, 0, 0],  # both gone
+        ],
+    }
+    assert turnover_excess_ms({"server": {"steps": steps}}) == [pytest.approx(3.5)]
+    assert turnover_excess_ms({"server": {}}) == []  # another server: no records
 
 
 def test_the_client_gap_spread_is_matched_by_request_id_and_centred() -> None:
@@ -102,10 +129,14 @@ def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pyte
     sweeps one after another, and the median kept; each sweep sends other prompts (a prompt the
     server saw would be a prefix-cache hit)."""
     seeds: list[tuple[int, int]] = []
-    slow_sweep = {0: 1.0, 1: 1.5, 2: 1.1}  # the second sweep ran on a slow moment
+    turnover: list[tuple[int, int]] = []
+    slow_sweep = {0: 1.0, 1: 1.5, 2: 1.1, 3: 1.6, 4: 0.9}  # the second and fourth on slow moments
 
     def bench(config: BenchConfig) -> dict[str, Any]:
         b, sweep = config.load.concurrency or 0, config.load.seed
+        if config.dataset.range_ratio:  # the turnover probe
+            turnover.append((b, sweep))
+            return {}
         seeds.append((b, sweep))
         step = b * slow_sweep[sweep]
         rows = [[step, 0, b, 10.0 * b]] * 3
@@ -119,5 +150,6 @@ def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pyte
     monkeypatch.setattr(served_decode, "run_benchmark", bench)
     served = measure_served_decode("m", [], [1, 4])
     assert sorted(seeds) == [(b, s) for b in (1, 4) for s in range(SERVED_SWEEPS)]
+    assert turnover == [(b, s) for s in range(SERVED_SWEEPS) for b in (2, 4)]  # after each sweep
     assert served["served_decode_ms"] == {1: pytest.approx(1.1), 4: pytest.approx(4.4)}  # the middle sweep
     assert served["served_tpot_ms"][4] == pytest.approx(4.9) and served["served_ttft_gap_ms"][1] == 3.0

@@ -148,6 +148,29 @@ def test_steps_after_a_request_finished_draw_their_own_stalls() -> None:
     assert len(stalled) <= len(samples) - 1  # at most one gap per finish (the last has no other)
 
 
+def test_a_run_without_steps_after_a_finish_draws_the_profiles_turnover_probe() -> None:
+    """A starved pool's steps after a finish admit a waiting prompt, so the run records too few
+    decode steps after a drop to stand apart; its what-if to a larger pool turns clients around
+    while others decode, and those steps stalled 1.5-6 ms (ITL p99 predicted 22-39% low, session
+    31). The served turnover probe of the same model and machine stands in for them; a run with
+    enough of its own keeps its own."""
+    measured = json.loads((RECORDED / "step_profile.json").read_text())
+    profile = StepProfile.from_json({**measured, "served_turnover_ms": [3.0] * MIN_STEP_RECORDS})
+    assert profile is not None and profile.served_turnover == (3.0,) * MIN_STEP_RECORDS
+    assert profile.scaled(2.0).served_turnover == (6.0,) * MIN_STEP_RECORDS  # a slower moment
+    cost = StepCost(1.0, 0.0, 0.0)
+    probed = replace(cost, profile=profile)
+    few_drops = [(5.0 if n == 1 else 1.0, StepShape(decode_rows=n)) for n in [2, 2, 2, 2, 1] * 3]
+    few_drops += [(1.0, StepShape(decode_rows=2))] * MIN_STEP_RECORDS
+    assert step_residuals(cost, few_drops).turnover == ()  # no probe: they join the others
+    residuals = step_residuals(probed, few_drops)
+    assert residuals.turnover == (3.0,) * MIN_STEP_RECORDS
+    assert residuals.decode == (0.0,) * (len(few_drops) - 3)  # the run's 3 steps after a drop left out
+    own = [(5.0 if n == 1 else 1.0, StepShape(decode_rows=n)) for n in [2, 2, 2, 2, 1] * MIN_STEP_RECORDS]
+    kept = step_residuals(probed, own).turnover  # enough of its own: 4 ms over the others, less the
+    assert len(kept) == MIN_STEP_RECORDS and all(3.0 < r < 5.0 for r in kept)  # profile's 1-2 row gap
+
+
 def test_draws_are_seeded_and_keep_the_mean() -> None:
     samples = [RequestSample(32, 64, 0, 0.0, None, None) for _ in range(8)]
     settings = SimSettings(8, 512, None, 16, False)

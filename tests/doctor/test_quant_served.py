@@ -1,0 +1,55 @@
+"""Served TPOT per weight format (kvflow/doctor/quant_served.py): a real `kvflow serve` of the tiny
+model in each format, one streaming client, cached per model and machine; runs interleave the
+formats and keep medians."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvflow.bench.runner import BenchConfig
+from kvflow.doctor import quant_served
+from kvflow.doctor.quant_served import QUANT_SERVED_RUNS, load_served_tpot, measure_served_tpot
+
+
+def test_each_format_is_served_and_its_tpot_cached(
+    server_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(quant_served, "QUANT_SERVED_RUNS", 1)  # one run's numbers, not their noise
+    assert load_served_tpot(server_model_dir, "float32") == {}
+    served = measure_served_tpot(server_model_dir, "float32", ["int8"])
+    assert set(served) == {"float32", "int8"} and all(ms > 0 for ms in served.values())
+    assert load_served_tpot(server_model_dir, "float32") == served
+    assert load_served_tpot(server_model_dir, "bfloat16") == {}  # another dtype: not measured
+
+
+def test_runs_interleave_the_formats_and_keep_each_formats_median(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A VM slowing for a few seconds slows every format of that run, and the median drops it."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+    served_order: list[tuple[str, int]] = []
+    current: list[str] = []
+    slow_run = {0: 1.0, 1: 1.5, 2: 1.1}
+    tpot = {"none": 4.0, "int8": 2.5, "int4": 2.0}
+
+    def spawn(model: Any, flags: list[str]) -> tuple[None, str]:
+        current[:] = [flags[flags.index("--quantization") + 1]]
+        return None, "http://127.0.0.1:1"
+
+    def bench(config: BenchConfig) -> dict[str, Any]:
+        run = config.load.seed
+        served_order.append((current[0], run))
+        return {"tpot_ms": {"p50": tpot[current[0]] * slow_run[run]}}
+
+    monkeypatch.setattr(quant_served, "spawn_server", spawn)
+    monkeypatch.setattr(quant_served, "stop_server", lambda process: None)
+    monkeypatch.setattr(quant_served, "run_benchmark", bench)
+    served = measure_served_tpot(tmp_path / "m", "bfloat16", ["int8", "int4"])
+    assert served_order == [(q, r) for r in range(QUANT_SERVED_RUNS) for q in ("none", "int8", "int4")]
+    assert served == {"bfloat16": pytest.approx(4.4), "int8": pytest.approx(2.75), "int4": pytest.approx(2.2)}
