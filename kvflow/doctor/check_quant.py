@@ -1,7 +1,8 @@
 """Step 5: is there quantization headroom? Per smaller weight format: the weight memory saved, and the
 decode step predicted from the formats' TPOT served on this machine (kvflow/doctor/quant_served.py)
-when measured, else from their speed in kvflow quant-eval (kvflow/doctor/quant_speed.py), each as
-the step minus the difference of the formats' measured ms/token; from the bytes a step reads
+when measured (their ratio at one decode row, the probe's shape; their difference with more), else
+from their speed in kvflow quant-eval (kvflow/doctor/quant_speed.py: the step minus the difference
+of the formats' ms/token); from the bytes a step reads
 only where decode runs near the bandwidth roofline (there, and only there, fewer bytes make faster
 steps); otherwise the gain is unknown, and said to be."""
 

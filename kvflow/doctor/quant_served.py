@@ -18,18 +18,22 @@ Cached beside quant-eval's speeds, per model, machine and unquantized dtype; mea
 
 from __future__ import annotations
 
-import hashlib
 import json
+import logging
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
 
+import httpx
+
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
-from kvflow.doctor.quant_speed import cache_dir, machine_key, model_key
+from kvflow.doctor.quant_speed import cache_file, load_by_format, machine_key
 from kvflow.doctor.served_decode import MIN_PROBE_REQUESTS, SERVED_OUTPUT_TOKENS, SERVED_PROMPT_TOKENS
 from kvflow.server.spawn import spawn_server, stop_server
+
+logger = logging.getLogger(__name__)
 
 # Runs over every format: one served TPOT moved 2.43 -> 2.86 ms between two runs of the same int8
 # server (session 31), the median of three held within 4% of each other run's.
@@ -37,19 +41,13 @@ QUANT_SERVED_RUNS = 3
 UNQUANTIZED = "none"  # kvflow serve's --quantization for the reference weights
 
 
-def _cache_file(model_dir: str | Path, dtype: str) -> Path:
-    key = hashlib.sha256(f"{model_key(model_dir)}|{machine_key()}|{dtype}|served".encode()).hexdigest()[:20]
-    return cache_dir() / f"{Path(model_dir).name}-served-{key}.json"
+PROBE = "served"  # its cache file's name beside quant-eval's (quant_speed.cache_file)
 
 
 def load_served_tpot(model_dir: str | Path, dtype: str) -> dict[str, float]:
     """{format: served TPOT p50 ms} measured earlier for this model, machine and unquantized dtype
     (the reference weights under `dtype`); empty when never measured."""
-    try:
-        data = json.loads(_cache_file(model_dir, dtype).read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: float(v) for k, v in data.get("served_tpot_ms", {}).items()}
+    return load_by_format(cache_file(model_dir, dtype, PROBE), "served_tpot_ms")
 
 
 def _served_tpot(model_dir: str | Path, flags: Sequence[str], seed: int) -> float | None:
@@ -80,16 +78,22 @@ def _served_tpot(model_dir: str | Path, flags: Sequence[str], seed: int) -> floa
 
 def measure_served_tpot(model_dir: str | Path, dtype: str, formats: Sequence[str]) -> dict[str, float]:
     """Serve the model under `dtype` unquantized and in each of `formats`, one client each, and cache
-    {dtype: its TPOT p50 ms, format: TPOT p50 ms} (formats whose probe produced a TPOT)."""
+    {dtype: its TPOT p50 ms, format: TPOT p50 ms} (formats whose probe produced a TPOT; a format the
+    server cannot load is left out with a warning, and its what-if falls back to quant-eval's)."""
     labels = [(dtype, UNQUANTIZED), *((fmt, fmt) for fmt in formats)]
     seen: dict[str, list[float]] = {}
     for run in range(QUANT_SERVED_RUNS):
         for label, quantization in labels:
-            tpot = _served_tpot(model_dir, ["--dtype", dtype, "--quantization", quantization], seed=run)
+            flags = ["--dtype", dtype, "--quantization", quantization]
+            try:
+                tpot = _served_tpot(model_dir, flags, seed=run)
+            except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:  # the others stand
+                logger.warning("serving %s with %s failed (%s): no served TPOT for it", model_dir, flags, exc)
+                continue
             if tpot is not None:
                 seen.setdefault(label, []).append(tpot)
     result = {label: statistics.median(values) for label, values in seen.items()}
-    target = _cache_file(model_dir, dtype)
+    target = cache_file(model_dir, dtype, PROBE)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps({"served_tpot_ms": result, "machine": machine_key(), "dtype": dtype}))
     return result

@@ -53,19 +53,27 @@ def model_key(model_dir: str | Path) -> str:
     return "\n".join(parts)
 
 
-def _cache_file(model_dir: str | Path, dtype: str) -> Path:
-    key = hashlib.sha256(f"{model_key(model_dir)}|{machine_key()}|{dtype}".encode()).hexdigest()[:20]
-    return cache_dir() / f"{Path(model_dir).name}-{key}.json"
+def cache_file(model_dir: str | Path, dtype: str, probe: str = "") -> Path:
+    """Where a per-format measurement of this model, machine and unquantized dtype is cached:
+    quant-eval's speeds (probe ""), or another probe's (its name in the key and the file's name)."""
+    suffix = f"|{probe}" if probe else ""
+    key = hashlib.sha256(f"{model_key(model_dir)}|{machine_key()}|{dtype}{suffix}".encode()).hexdigest()[:20]
+    return cache_dir() / f"{Path(model_dir).name}-{probe + '-' if probe else ''}{key}.json"
+
+
+def load_by_format(path: Path, field: str) -> dict[str, float]:
+    """{format: value} of the cached measurement's `field`; empty when never measured."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: float(v) for k, v in data.get(field, {}).items()}
 
 
 def load_speeds(model_dir: str | Path, dtype: str) -> dict[str, float]:
     """{format: decode tokens/s} measured earlier for this model, machine and unquantized dtype
     (the unquantized path under `dtype`); empty when never measured."""
-    try:
-        data = json.loads(_cache_file(model_dir, dtype).read_text())
-    except (OSError, ValueError):
-        return {}
-    return {k: float(v) for k, v in data.get("decode_tokens_per_s", {}).items()}
+    return load_by_format(cache_file(model_dir, dtype), "decode_tokens_per_s")
 
 
 def measure_speeds(model_dir: str | Path, dtype: str) -> dict[str, float]:
@@ -94,7 +102,7 @@ def measure_speeds(model_dir: str | Path, dtype: str) -> dict[str, float]:
             speeds.setdefault(label, []).append(float(path["decode_tokens_per_s"]))
     # Medians over the runs (the reference runs once per format run: its median is the steadiest).
     result = {label: sorted(v)[len(v) // 2] for label, v in speeds.items()}
-    target = _cache_file(model_dir, dtype)
+    target = cache_file(model_dir, dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
     target.write_text(json.dumps({"decode_tokens_per_s": result, "machine": machine_key(), "dtype": dtype}))
     return result

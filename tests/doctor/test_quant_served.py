@@ -53,3 +53,19 @@ def test_runs_interleave_the_formats_and_keep_each_formats_median(
     served = measure_served_tpot(tmp_path / "m", "bfloat16", ["int8", "int4"])
     assert served_order == [(q, r) for r in range(QUANT_SERVED_RUNS) for q in ("none", "int8", "int4")]
     assert served == {"bfloat16": pytest.approx(4.4), "int8": pytest.approx(2.75), "int4": pytest.approx(2.2)}
+
+
+def test_a_format_the_server_cannot_load_is_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("{}")
+    monkeypatch.setenv("KVFLOW_CACHE_DIR", str(tmp_path / "cache"))
+
+    def spawn(model: Any, flags: list[str]) -> tuple[None, str]:
+        if "int4" in flags:
+            raise RuntimeError("kvflow serve exited during start-up")
+        return None, "http://127.0.0.1:1"
+
+    monkeypatch.setattr(quant_served, "spawn_server", spawn)
+    monkeypatch.setattr(quant_served, "stop_server", lambda process: None)
+    monkeypatch.setattr(quant_served, "run_benchmark", lambda config: {"tpot_ms": {"p50": 3.0}})
+    assert measure_served_tpot(tmp_path / "m", "bfloat16", ["int8", "int4"]) == {"bfloat16": 3.0, "int8": 3.0}
