@@ -132,6 +132,20 @@ def test_a_positional_after_a_bare_boolean_flag_stays_positional() -> None:
     assert args.model == "MODEL" and args.enable_prefix_caching is True
 
 
+def test_doctor_names_a_bench_file_it_cannot_use(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A missing, non-JSON or non-result --bench file: exit 2 and a message naming it, no traceback."""
+    from kvflow.cli import main
+
+    (tmp_path / "notjson.json").write_text("kvflow bench printed this, not --output")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    cases = [("missing.json", "cannot read it"), ("notjson.json", "not JSON"), ("list.json", "not a kvflow")]
+    for name, why in cases:
+        path = str(tmp_path / name)
+        assert main(["doctor", "--hardware", "cpu", "--bench", path]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"kvflow: error: --bench {path}: {why}") and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("argv", "choices"),
     [

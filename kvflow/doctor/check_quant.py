@@ -64,7 +64,7 @@ def _predict(d: Diagnosis, dtype: str, base: float, now_ms: float) -> tuple[floa
     return None, (
         f"unknown: decode runs at {utilization:.0%} of the bandwidth roofline, so bytes are not what it "
         "waits for; measure with `kvflow doctor MODEL --measure-quantization` (runs kvflow quant-eval "
-        "once per model and machine)"
+        "and serves each format once per model and machine)"
     )
 
 

@@ -27,6 +27,7 @@ from kvflow.doctor.report import doctor_json, html_report, text_report
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import EngineSettings, settings_from_metrics, settings_from_result
 from kvflow.doctor.step_profile import StepProfile, load_profile, measure_profile
+from kvflow.errors import KVFlowError
 
 DEFAULT_CONTEXT = 2048
 DEFAULT_OUTPUT_LEN = 256
@@ -225,11 +226,25 @@ def _runs_here(url: str) -> bool:
     return address.is_loopback or address.is_unspecified  # 0.0.0.0: a client reaches this machine
 
 
+def read_bench_result(path: str) -> dict[str, Any]:
+    """A `kvflow bench --output` file, or a KVFlowError naming what is wrong with it (a missing file
+    or one that is not a bench result gets a message, not a traceback)."""
+    try:
+        result = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise KVFlowError(f"--bench {path}: cannot read it ({exc.strerror or exc})") from exc
+    except ValueError as exc:
+        raise KVFlowError(f"--bench {path}: not JSON ({exc}); give a `kvflow bench --output` file") from exc
+    if not isinstance(result, dict):
+        raise KVFlowError(f"--bench {path}: not a kvflow bench result; give a `kvflow bench --output` file")
+    return result
+
+
 def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:
     if args.model is None:  # as every command: the bundled model when MODEL is omitted
         args.model = str(bundled_model_dir("target"))
     model = ModelSpec.from_dir(args.model)
-    result = json.loads(Path(args.bench).read_text()) if args.bench else None
+    result = read_bench_result(args.bench) if args.bench else None
     settings = _settings(args, result)
     run: RunEvidence
     if result is not None:
@@ -264,7 +279,7 @@ def cmd_request(args: argparse.Namespace) -> int:
     import httpx
 
     if args.bench:
-        told = bench_story(json.loads(Path(args.bench).read_text()), args.request)
+        told = bench_story(read_bench_result(args.bench), args.request)
         print(json.dumps(told, indent=1) if args.json else told["summary"])
         return 0
 
