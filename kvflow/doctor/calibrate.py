@@ -508,6 +508,14 @@ def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, 
     keys = [k for _, _, k in steps]
     varied_keys = max(keys) > 0 and (max(keys) - min(keys)) >= SHAPE_SPREAD * max(keys)
     durations = [d for d, _, _ in steps]
+    # Two shapes of step (a run whose prompts all take two chunks, the second attending the first):
+    # any two terms pass through both, and which wins a tie decided what a short chunk pays. A
+    # constant charges every short prompt for what the attention makes a later chunk cost: the
+    # planted prefix_caching_off run's 512- and 264-token chunks gave factor 1 + 10.8 ms where the
+    # served steps ran 7-12% above the profile, and its cached what-if's 8-row step was priced
+    # 31.2 ms against 23.6-27.6 measured (TTFT 27-31% high, session 31); where they ran below it the
+    # constant came out negative and the factor won. The factor and the attention, whichever way.
+    two_shapes = varied_keys and len(set(zip(shapes, keys, strict=True))) <= 2
     # Relative residuals: a prompt step's departures are fractions of it (step_residuals), and with
     # equal weights a run's few big chunks decided what its small ones cost. On the planted
     # prefill_chunks run (chunks of 22-512 tokens) that fit, 0.82 x the profile + 14.5 ms, priced a
@@ -517,6 +525,8 @@ def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, 
     best: tuple[float, tuple[float, float, float]] | None = None
     for fitted_factor, with_constant, with_keys in PROMPT_FITS:
         if (fitted_factor and with_constant and not varied_shape) or (with_keys and not varied_keys):
+            continue
+        if with_constant and two_shapes:
             continue
         columns = [
             [*([s] if fitted_factor else []), *([1.0] if with_constant else []), *([k] if with_keys else [])]

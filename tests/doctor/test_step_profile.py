@@ -279,6 +279,22 @@ def test_two_clusters_of_prompt_steps_do_not_make_up_a_constant() -> None:
     assert per_key == pytest.approx((103.906 - factor * 91.502) / 135168, rel=1e-2)
 
 
+def test_two_clusters_above_the_profile_do_not_make_up_a_constant_either() -> None:
+    """The same two shapes where the served steps ran above the profile (session 31's run: 512
+    tokens 143.6-157.6 ms against 139.3 profiled): a constant (10.8 ms, factor 1) and the factor
+    both pass through the two clusters, and the constant, first on the tie, priced the cached
+    what-if's 8-row step at 31.2 ms where 23.6-27.6 were measured. Two shapes keep the factor and
+    the attention, whichever side of the profile they fall."""
+    durations = {512: (153.4, 143.6, 145.7, 157.6, 153.5, 146.8), 264: (92.0, 91.4, 93.3, 91.6, 91.4, 93.2)}
+    shape = {512: (139.3, 0.0), 264: (75.65, 135168.0)}
+    steps = [(dur, *shape[tokens]) for tokens, durs in durations.items() for dur in durs]
+    factor, constant, per_key = _prompt_fit(steps)
+    assert constant == 0.0 and factor > 1.0 and per_key > 0.0
+    mean = {tokens: sum(durs) / len(durs) for tokens, durs in durations.items()}
+    assert factor * 139.3 == pytest.approx(mean[512], rel=1e-3)
+    assert factor * 75.65 + per_key * 135168.0 == pytest.approx(mean[264], rel=1e-3)
+
+
 def test_prompt_steps_of_many_sizes_are_fitted_in_relative_terms() -> None:
     """The planted prefill_chunks run's prompt steps span 22 to 512 tokens (session 29, run 4: ms,
     the scaled profile's shape, keys beyond the probe's). Fitted in absolute terms the big chunks
