@@ -179,22 +179,20 @@ def _has_weights(model: str) -> bool:
     return (Path(model) / "config.json").is_file() and any(Path(model).glob("*.safetensors"))
 
 
-def _quant_speeds(args: argparse.Namespace, weight_dtype: str) -> dict[str, float]:
-    """Measured decode tokens/s per weight format (cached), measured now on --measure-quantization."""
-    if not _has_weights(args.model):
-        return {}
-    if args.measure_quantization:
-        return measure_speeds(args.model, weight_dtype)
-    return load_speeds(args.model, weight_dtype)
+ByFormat = dict[str, float]  # a measurement per weight format
 
 
-def _quant_served_tpot(args: argparse.Namespace, weight_dtype: str) -> dict[str, float]:
-    """Served TPOT p50 per weight format (cached), measured now on --measure-quantization."""
+def _quant_measurements(args: argparse.Namespace, weight_dtype: str) -> tuple[ByFormat, ByFormat]:
+    """(decode tokens/s per weight format from kvflow quant-eval, served TPOT p50 per format), cached,
+    measured now on --measure-quantization; empty without the checkpoint's weights."""
     if not _has_weights(args.model):
-        return {}
+        return {}, {}
     if args.measure_quantization:
-        return measure_served_tpot(args.model, weight_dtype, QUANT_FORMATS)
-    return load_served_tpot(args.model, weight_dtype)
+        return (
+            measure_speeds(args.model, weight_dtype),
+            measure_served_tpot(args.model, weight_dtype, QUANT_FORMATS),
+        )
+    return load_speeds(args.model, weight_dtype), load_served_tpot(args.model, weight_dtype)
 
 
 def diagnosis_step_profile(
@@ -258,7 +256,7 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
     float_dtype = settings.dtype if settings.dtype in DTYPE_BYTES else model.dtype
     kv_dtype = args.kv_cache_dtype or settings.kv_cache_dtype or default_kv_dtype(weight_dtype, float_dtype)
     roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
-    speeds = _quant_speeds(args, float_dtype)
+    speeds, served_tpot = _quant_measurements(args, float_dtype)
     profile = diagnosis_step_profile(args, settings, float_dtype, result) if result is not None else None
     diagnosis = Diagnosis(
         model,
@@ -267,7 +265,7 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
         settings,
         measured=result is not None,
         quant_speeds=speeds,
-        quant_served_tpot_ms=_quant_served_tpot(args, float_dtype),
+        quant_served_tpot_ms=served_tpot,
         step_profile=profile,
     )
     return diagnosis, result

@@ -26,11 +26,9 @@ from pathlib import Path
 
 import httpx
 
-from kvflow.bench.arrivals import LoadSpec
-from kvflow.bench.datasets import DatasetSpec
-from kvflow.bench.runner import BenchConfig, run_benchmark
+from kvflow.bench.runner import run_benchmark
 from kvflow.doctor.quant_speed import cache_file, load_by_format, machine_key
-from kvflow.doctor.served_decode import MIN_PROBE_REQUESTS, SERVED_OUTPUT_TOKENS, SERVED_PROMPT_TOKENS
+from kvflow.doctor.served_decode import MIN_PROBE_REQUESTS, probe_config
 from kvflow.server.spawn import spawn_server, stop_server
 
 logger = logging.getLogger(__name__)
@@ -55,21 +53,7 @@ def _served_tpot(model_dir: str | Path, flags: Sequence[str], seed: int) -> floa
     prompts each seed: no prefix-cache hits): the client's TPOT p50, None without one."""
     process, base = spawn_server(model_dir, list(flags))
     try:
-        result = run_benchmark(
-            BenchConfig(
-                base_url=base + "/v1",
-                dataset=DatasetSpec(
-                    "random",
-                    MIN_PROBE_REQUESTS,
-                    input_len=SERVED_PROMPT_TOKENS,
-                    output_len=SERVED_OUTPUT_TOKENS,
-                    seed=seed,
-                ),
-                load=LoadSpec(concurrency=1, seed=seed),
-                warmup=1,
-                progress=False,
-            )
-        )
+        result = run_benchmark(probe_config(base, 1, MIN_PROBE_REQUESTS, seed, seed))
     finally:
         stop_server(process)
     tpot = (result.get("tpot_ms") or {}).get("p50")

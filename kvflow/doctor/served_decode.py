@@ -69,14 +69,37 @@ TURNOVER_KEY = "served_turnover_ms"
 SERVED_PROBE_CONTEXT = SERVED_PROMPT_TOKENS + SERVED_OUTPUT_TOKENS / 2  # keys a probed row reads, on average
 
 
-def decode_step_ms(result: dict[str, Any], rows: int) -> float | None:
-    """The median of the run's recorded decode-only steps of exactly `rows` rows; None without."""
+def probe_config(
+    base: str, clients: int, requests: int, dataset_seed: int, load_seed: int, range_ratio: float = 0.0
+) -> BenchConfig:
+    """A probe's benchmark: `clients` clients streaming `requests` requests of the probe's shape
+    (SERVED_PROMPT_TOKENS in, SERVED_OUTPUT_TOKENS out, lengths x (1 -+ range_ratio)) to `base`."""
+    dataset = DatasetSpec(
+        "random",
+        requests,
+        input_len=SERVED_PROMPT_TOKENS,
+        output_len=SERVED_OUTPUT_TOKENS,
+        range_ratio=range_ratio,
+        seed=dataset_seed,
+    )
+    load = LoadSpec(concurrency=clients, seed=load_seed)
+    return BenchConfig(base_url=base + "/v1", dataset=dataset, load=load, warmup=1, progress=False)
+
+
+def _recorded_steps(result: dict[str, Any]) -> list[tuple[float, bool, int]]:
+    """The server's recorded steps in the order they ran, (dur_ms, had prompt tokens, decode rows);
+    none from a result without them."""
     recorded = (result.get("server") or {}).get("steps") or {}
     fields = list(recorded.get("fields") or [])
     if "dur_ms" not in fields or "prefill_tokens" not in fields or "decode_tokens" not in fields:
-        return None
+        return []
     dur, prompt, decode = (fields.index(k) for k in ("dur_ms", "prefill_tokens", "decode_tokens"))
-    times = [row[dur] for row in recorded.get("rows") or [] if row[prompt] == 0 and row[decode] == rows]
+    return [(row[dur], bool(row[prompt]), int(row[decode])) for row in recorded.get("rows") or []]
+
+
+def decode_step_ms(result: dict[str, Any], rows: int) -> float | None:
+    """The median of the run's recorded decode-only steps of exactly `rows` rows; None without."""
+    times = [dur for dur, prompt, decode in _recorded_steps(result) if not prompt and decode == rows]
     return statistics.median(times) if times else None
 
 
@@ -84,41 +107,23 @@ def turnover_excess_ms(result: dict[str, Any]) -> list[float]:
     """Each recorded decode-only step that follows a drop in decode rows (a request finished at the
     end of the step before: kvflow/doctor/step_cost.py, follows_a_drop), less the median of the
     run's other decode-only steps of as many rows; none without records."""
-    recorded = (result.get("server") or {}).get("steps") or {}
-    fields = list(recorded.get("fields") or [])
-    if "dur_ms" not in fields or "prefill_tokens" not in fields or "decode_tokens" not in fields:
-        return []
-    dur, prompt, decode = (fields.index(k) for k in ("dur_ms", "prefill_tokens", "decode_tokens"))
     clear: dict[int, list[float]] = {}
     after_drop: list[tuple[int, float]] = []
     previous_rows = 0
-    for row in recorded.get("rows") or []:
-        rows = int(row[decode])
-        if not row[prompt]:
+    for dur, prompt, rows in _recorded_steps(result):
+        if not prompt:
             if rows < previous_rows:
-                after_drop.append((rows, row[dur]))
+                after_drop.append((rows, dur))
             else:
-                clear.setdefault(rows, []).append(row[dur])
+                clear.setdefault(rows, []).append(dur)
         previous_rows = rows
     return [ms - statistics.median(clear[rows]) for rows, ms in after_drop if rows in clear]
 
 
 def _turnover_probe(base: str, clients: int, sweep: int) -> list[float]:
     """`clients` clients of staggered output lengths (other prompts each sweep): turnover_excess_ms."""
-    config = BenchConfig(
-        base_url=base + "/v1",
-        dataset=DatasetSpec(
-            "random",
-            TURNOVER_REQUESTS_PER_CLIENT * clients,
-            input_len=SERVED_PROMPT_TOKENS,
-            output_len=SERVED_OUTPUT_TOKENS,
-            range_ratio=TURNOVER_RANGE_RATIO,
-            seed=sweep,
-        ),
-        load=LoadSpec(concurrency=clients, seed=sweep),
-        warmup=1,
-        progress=False,
-    )
+    requests = TURNOVER_REQUESTS_PER_CLIENT * clients
+    config = probe_config(base, clients, requests, sweep, sweep, TURNOVER_RANGE_RATIO)
     return turnover_excess_ms(run_benchmark(config))
 
 
@@ -135,20 +140,8 @@ def measure_served_decode(model_dir: str, serve_flags: Sequence[str], rows: Sequ
     try:
         for sweep in range(SERVED_SWEEPS):
             for b in rows:
-                config = BenchConfig(
-                    base_url=base + "/v1",
-                    dataset=DatasetSpec(
-                        "random",
-                        max(b, MIN_PROBE_REQUESTS),
-                        input_len=SERVED_PROMPT_TOKENS,
-                        output_len=SERVED_OUTPUT_TOKENS,
-                        seed=b,
-                    ),
-                    load=LoadSpec(concurrency=b, seed=sweep),  # other prompts each sweep: no cache hits
-                    warmup=1,
-                    progress=False,
-                )
-                result = run_benchmark(config)
+                # Other prompts each sweep (the load's seed): no prefix-cache hits.
+                result = run_benchmark(probe_config(base, b, max(b, MIN_PROBE_REQUESTS), b, sweep))
                 step = decode_step_ms(result, b)
                 tpot = (result.get("tpot_ms") or {}).get("p50")
                 gap = (result.get("server") or {}).get("client_minus_server_ttft_ms")
