@@ -59,8 +59,13 @@ TIE = 1e-6
 # Predictions pool replays (other seeds of the residual and client-gap draws) up to this many gaps:
 # one client's 90 gaps made the planted long_prompt run's simulated ITL p99 its single largest draw,
 # and a budget what-if moved it 13.7 -> 20.1 ms with nothing but the draws changed (session 26).
-MIN_POOLED_GAPS = 2000
-MAX_REPLICAS = 8
+# A replay's tail is also one draw of which requests' prompts land in one step (clients returning
+# together): with 2,000 gaps (~20 above the p99) the prediction itself moved between blocks of seeds
+# by 0.61-0.85x (prefill_chunks' budget 512 -> 256) and 0.90-1.35x (512 -> 1024: offered as making ITL
+# p99 35% worse where 64 replays say 5%, and 0-10% was measured); with 10,000 (~100 above it),
+# 0.69-0.74x and 1.01-1.11x (session 32). A replay of 12 requests costs ~15 ms.
+MIN_POOLED_GAPS = 10_000
+MAX_REPLICAS = 32
 TOKEN_KINDS = ("full_attention", "mla")  # kinds whose blocks hold every token of a request
 
 

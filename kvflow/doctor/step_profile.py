@@ -57,7 +57,6 @@ import hashlib
 import json
 import logging
 import os
-import statistics
 import subprocess
 import sys
 from bisect import bisect_left
@@ -295,16 +294,28 @@ def _non_decreasing(values: list[float]) -> list[float]:
 
 
 def _row_ms_per_key(data: dict[str, Any], decode: Curve) -> float | None:
-    """The decode steps at a long context against the short-context curve: ms per key per row
-    (median over the probed batch sizes, never negative); None without the probe."""
+    """The decode steps at a long context against the short-context curve: ms per key per row, the
+    least-squares slope through zero of each probe's excess over its keys beyond the short probe's
+    (never negative); None without the probe.
+
+    A step's noise is a stall of some ms, about the same at 1 row as at 8, and the 8-row probe reads
+    8x the keys beyond: it states the slope 8x as precisely, and the fit weights it so. (The median of
+    the two per-probe slopes, this fit's predecessor, was their mean: one profile's 1-row probe ran
+    at a slow moment, 1.56 ms against 1.16 at the short context, and read 3.6e-3 ms per key where
+    its 8-row probe and four other profiles read 0.6-1.3e-4. x 1.9e-3 priced a 4-row step at a
+    112-token context 0.8 ms above a short one's, and the planted kv_pool what-if's 4-row steps
+    3.4 ms where 2.3-2.5 were measured: its ITL p99 52% high, session 32.)"""
     at_context = {int(b): float(ms) for b, ms in (data.get("decode_context_ms") or {}).items()}
     keys = {int(b): float(k) for b, k in (data.get("decode_context_keys") or {}).items()}
-    per_key = [
-        (ms - decode(b)) / (b * (keys[b] - DECODE_PROBE_CONTEXT))
+    # (keys beyond the short probe's over all rows, the step's ms beyond the short curve's)
+    probes = [
+        (b * (keys[b] - DECODE_PROBE_CONTEXT), ms - decode(b))
         for b, ms in at_context.items()
         if b > 0 and keys.get(b, 0.0) > 2 * DECODE_PROBE_CONTEXT  # far enough to measure a slope
     ]
-    return max(statistics.median(per_key), 0.0) if per_key else None
+    if not probes:
+        return None
+    return max(sum(k * ms for k, ms in probes) / sum(k * k for k, _ in probes), 0.0)
 
 
 def profile_file(model_dir: str | Path, dtype: str, quantization: str | None) -> Path:

@@ -94,6 +94,36 @@ def test_a_short_suffix_after_a_cached_prefix_costs_rows_reading_their_context()
     assert older.step_ms(suffix) == pytest.approx(0.74 * 2.0 + 0.5 + 0.001 * keys_beyond)
 
 
+def test_a_stalled_one_row_context_probe_does_not_price_every_key() -> None:
+    """A step's noise is a stall of some ms, about the same at 1 row as at 8; the 8-row probe reads
+    8x the keys beyond the short probe, so it states the price of a key 8x as precisely. A profile
+    whose 1-row context probe ran 0.4 ms slow (session 32: 1.56 ms against 1.16 at the short context)
+    had read 1.9e-3 ms per key (the median of the two probes' slopes) where its 8-row probe said
+    1.3e-4, and priced a 4-row step at a 112-token context 0.8 ms above a short one."""
+    per_key = 1.3e-4
+    keys = 139.0
+    data = {
+        "prefill_ms": {"16": 0.62, "32": 0.63, "64": 0.79},
+        "decode_ms": {"1": 1.16, "8": 1.59},
+        "decode_context_ms": {
+            "1": 1.16 + per_key * (keys - DECODE_PROBE_CONTEXT) + 0.4,  # a stall
+            "8": 1.59 + per_key * 8 * (keys - DECODE_PROBE_CONTEXT),
+        },
+        "decode_context_keys": {"1": keys, "8": keys},
+    }
+    profile = StepProfile.from_json(data)
+    assert profile is not None and profile.row_ms_per_key is not None
+    # The stall spread over all nine rows' keys: within 4e-4 of the true price, not 1.9e-3.
+    assert profile.row_ms_per_key == pytest.approx(per_key, abs=4e-4)
+    # Without a stall the fit is exact, and a context probe below the short curve prices no key.
+    data["decode_context_ms"]["1"] -= 0.4
+    exact = StepProfile.from_json(data)
+    assert exact is not None and exact.row_ms_per_key == pytest.approx(per_key)
+    data["decode_context_ms"] = {"1": 1.0, "8": 1.5}
+    cheaper = StepProfile.from_json(data)
+    assert cheaper is not None and cheaper.row_ms_per_key == 0.0
+
+
 def _server(  # type: ignore[no-untyped-def]
     settings: SimSettings, samples: list[RequestSample], concurrency: int, profile: StepProfile = PROFILE
 ):
