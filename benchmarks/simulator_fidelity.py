@@ -34,6 +34,7 @@ from kvflow.bench.arrivals import LoadSpec  # noqa: E402
 from kvflow.bench.datasets import DatasetSpec  # noqa: E402
 from kvflow.bench.runner import BenchConfig, run_benchmark  # noqa: E402
 from kvflow.cli import build_parser  # noqa: E402
+from kvflow.doctor.arrival_stalls import RECORD_KEYS  # noqa: E402
 from kvflow.doctor.cli import build_diagnosis  # noqa: E402
 from kvflow.doctor.fidelity import fidelity  # noqa: E402
 from kvflow.doctor.step_profile import load_profile, measure_profile, profile_file  # noqa: E402
@@ -48,6 +49,8 @@ METRICS = ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
 MAX_MODEL_LEN = 256
 PROFILE_FILE = "step_profile.json"  # beside the recorded runs (tests/doctor/test_simulator_fidelity.py)
 WINDOW_KEYS = ("x_request_id", "ttft_ms", "arrival", "handed_off")  # of a request row, what the replay reads
+# Of a step row, what the replay reads: its start and its record.
+WINDOW_STEP_KEYS = ("t", *RECORD_KEYS)
 
 
 def run_path(budget: int, blocks: int | None, concurrency: int) -> Path:
@@ -159,11 +162,17 @@ def record(directory: Path, model: Path) -> None:
         # Of the window's request rows, what the replay reads: each request's client gap (its TTFT
         # on the server, matched by x-request-id) and its HTTP handoff (kvflow/doctor/evidence.py),
         # timestamps in seconds kept to the microsecond (a handoff is a few ms).
+        # And the steps' start times beside their records (the same steps as server.steps, in order):
+        # during which a request arrived (kvflow/doctor/arrival_stalls.py).
+        fields = list(window.get("step_fields") or [])
+        keep = [i for i, name in enumerate(fields) if name in WINDOW_STEP_KEYS]
         trimmed["server"]["window"] = {
             "requests": [
                 {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items() if k in WINDOW_KEYS}
                 for row in window.get("requests") or []
-            ]
+            ],
+            "step_fields": [fields[i] for i in keep],
+            "steps": [[round(row[i], 6) for i in keep] for row in window.get("steps") or []],
         }
         text = json.dumps(trimmed, separators=(",", ":"))
         name = run_path(budget, blocks, c).name + ".gz"

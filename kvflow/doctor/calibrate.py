@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 
 from kvflow.bench.metrics import percentile
+from kvflow.doctor.arrival_stalls import RECORD_KEYS, flagged_records
 from kvflow.doctor.evidence import RequestSample, RunEvidence
 from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
@@ -43,7 +44,6 @@ from kvflow.doctor.step_cost import (
     StepCost,
     StepResiduals,
     StepShape,
-    follows_a_drop,
     profiled_step,
 )
 from kvflow.doctor.step_profile import StepProfile
@@ -345,7 +345,7 @@ def calibrate(
             return None
         cost = replace(fitted, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
         run = replay(cost)
-    recorded = _step_records(evidence)
+    recorded, arrivals = _step_records(evidence)
     speed = profile_speed(profile, recorded) if profile is not None else None
     if profile is not None and speed is not None:
         profile = profile.scaled(speed)
@@ -359,8 +359,8 @@ def calibrate(
             run = replay(cost)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
             run = replay(cost)
-    residuals = step_residuals(cost, recorded)
-    if residuals.decode or residuals.prompt:
+    residuals = step_residuals(cost, recorded, arrivals)
+    if residuals.decode or residuals.prompt or residuals.arrival:
         cost = replace(cost, residuals=residuals)
         run = replay(cost)
         cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
@@ -391,39 +391,40 @@ def profile_speed(profile: StepProfile, steps: list[tuple[float, StepShape]]) ->
     return statistics.median(ratios) if len(ratios) >= MIN_STEP_RECORDS else None
 
 
-def step_residuals(cost: StepCost, steps: list[tuple[float, StepShape]]) -> StepResiduals:
+def step_residuals(
+    cost: StepCost, steps: list[tuple[float, StepShape]], arrivals: Sequence[bool] = ()
+) -> StepResiduals:
     """The recorded steps' departures from the fitted cost: decode-only steps' in ms (a stall adds
     the same to any decode step, and decode steps are alike in size), steps with prompt tokens' as a
     fraction of the modelled step (a run's prompt steps span one chunk size to another: a 512-token
-    chunk's +-10 ms added to a what-if's 8-token step would be most of it). Decode-only steps that
-    follow a drop in decode rows (`steps` in the order they ran) are kept apart (StepResiduals).
-    Each kind centred on zero so the draws keep the fitted mean, the steps after a drop on the
-    other decode steps' centre (their excess is the point); a kind with fewer than MIN_STEP_RECORDS
-    records gets none (its steps cost their mean). With too few steps after a drop, the step
-    profile's served turnover probe stands in for them (the same model and machine, its excesses
-    over the decode steps of their rows: StepProfile.served_turnover); without it they join the
-    others. A run whose steps after a finish admit a waiting prompt (a starved KV pool) records
-    none, and the what-if that frees the pool turns its clients around while others decode."""
+    chunk's +-10 ms added to a what-if's 8-token step would be most of it). Decode-only steps during
+    which a request arrived (`arrivals[i]` for steps[i]; none flagged when empty: a window without
+    the steps' times) are kept apart: their excess over the other decode steps' centre is what an
+    arrival stalls the engine (StepResiduals.arrival, kvflow/doctor/arrival_stalls.py). Each kind
+    centred on zero so the draws keep the fitted mean; a kind with fewer than MIN_STEP_RECORDS
+    records gets none (its steps cost their mean). With too few steps that held an arrival, the step
+    profile's served arrival probe stands in for them (the same model and machine, its excesses over
+    the decode steps of their rows: StepProfile.served_arrival_stall); without it they join the
+    others. A run whose next requests arrive while its engine is idle (clients turning around
+    together) or into a starved KV pool records few or none, and a what-if can make its clients
+    come back while others decode."""
     decode: list[float] = []
     prompt: list[float] = []
-    turnover: list[float] = []
-    previous_rows = 0
-    for dur, shape in steps:
+    stalled: list[float] = []
+    flags = list(arrivals) or [False] * len(steps)
+    for (dur, shape), held_an_arrival in zip(steps, flags, strict=True):
         modelled = cost.server_ms(shape)
         if shape.prompt_tokens:
             prompt.append(dur / max(modelled, MIN_STEP_MS) - 1.0)
         else:
-            (turnover if follows_a_drop(previous_rows, shape) else decode).append(dur - modelled)
-        previous_rows = shape.decode_rows
-    probed = cost.profile.served_turnover if cost.profile is not None else ()
-    if len(turnover) >= MIN_STEP_RECORDS:
+            (stalled if held_an_arrival else decode).append(dur - modelled)
+    probed = cost.profile.served_arrival_stall if cost.profile is not None else ()
+    if len(stalled) >= MIN_STEP_RECORDS or len(probed) < MIN_STEP_RECORDS:
         probed = ()
-    elif len(probed) < MIN_STEP_RECORDS:
-        decode, turnover, probed = decode + turnover, [], ()
     if len(decode) < MIN_STEP_RECORDS:
-        return StepResiduals(prompt=_centred(prompt), turnover=probed)
+        return StepResiduals(prompt=_centred(prompt), arrival=probed)
     centre = statistics.mean(decode)
-    recorded = tuple(r - centre for r in turnover)
+    recorded = tuple(max(r - centre, 0.0) for r in stalled)
     return StepResiduals(tuple(r - centre for r in decode), _centred(prompt), probed or recorded)
 
 
@@ -562,16 +563,21 @@ def _prompt_fit(steps: list[tuple[float, float, float]]) -> tuple[float, float, 
     return sum(durations) / max(sum(shapes), 1e-9), 0.0, 0.0
 
 
-def _step_records(evidence: RunEvidence) -> list[tuple[float, StepShape]]:
-    """The server's recorded steps, (dur_ms, what the step computed) (kvflow/bench/server_steps.py);
-    none from a result without the attention column."""
+def _step_records(evidence: RunEvidence) -> tuple[list[tuple[float, StepShape]], list[bool]]:
+    """The server's recorded steps, (dur_ms, what the step computed) (kvflow/bench/server_steps.py),
+    and for each whether a request arrived during it (kvflow/doctor/arrival_stalls.py; empty when
+    the window has not the steps' times); none from a result without the attention
+    column."""
+    flagged = flagged_records(evidence.server)
+    if flagged is not None:
+        return [(row[0], StepShape.from_record(row)) for row, _ in flagged], [f for _, f in flagged]
     steps = evidence.server.get("steps") or {}
     fields = steps.get("fields") or []
-    if fields[:4] != ["dur_ms", "prefill_tokens", "decode_tokens", "attention"]:
-        return []
-    width = 6 if fields[4:6] == ["row_prefill_tokens", "row_attention"] else 4
+    if fields[:4] != list(RECORD_KEYS[:4]):
+        return [], []
+    width = 6 if fields[4:6] == list(RECORD_KEYS[4:6]) else 4
     rows = [[float(v) for v in row[:width]] for row in steps.get("rows") or []]
-    return [(row[0], StepShape.from_record(row)) for row in rows]
+    return [(row[0], StepShape.from_record(row)) for row in rows], []
 
 
 def _overhead_ms(evidence: RunEvidence, run: SimRun, overhead_now: float) -> float:

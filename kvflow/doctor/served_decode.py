@@ -16,19 +16,22 @@ what-if had predicted 69 ms of e2e where 130 were measured (benchmarks/NOTES.md,
                           decode rows (kvflow/doctor/step_profile.py: StepProfile.served_growth)
     served_tpot_ms[b]     the clients' TPOT p50: beyond the step, what passes between steps
     served_ttft_gap_ms[b] the clients' TTFT beyond the server's, b first tokens in one step
-    served_turnover_ms    the turnover probe: b in TURNOVER_CLIENTS clients whose outputs end at
+    served_arrival_stall_ms   the arrival probe: b in ARRIVAL_CLIENTS clients whose outputs end at
                           staggered lengths, so that one finishes, and sends its next request, while
-                          the others decode; each decode-only step after such a finish less the
-                          median of the run's other decode steps of as many rows, pooled over b and
-                          sweeps (the simulator draws them where the diagnosed run recorded too few
-                          steps after a finish: kvflow/doctor/calibrate.py, step_residuals)
+                          the others decode; each decode-only step during which a request arrived
+                          (kvflow/doctor/arrival_stalls.py) less the median of the run's decode
+                          steps of as many rows during which none did, pooled over b and sweeps
+                          (the simulator's stall of an arrival where the diagnosed run recorded too
+                          few of its own: kvflow/doctor/calibrate.py, step_residuals)
 
-Why the turnover probe: the step after a finish runs while the server's HTTP side completes that
-response and the client's next request arrives, is parsed and handed off, all on the cores the
-forward's threads need. On the planted tiny model (2-core Zen 2) those steps took 3-8 ms against
-1.7-2.1 for the others, and they made the ITL p99 of a run whose clients turn around while others
-decode; a run whose steps after a finish admit a waiting prompt (a starved KV pool) records none of
-them, and its what-if to a larger pool had predicted ITL p99 22-39% low (session 31).
+Why the arrival probe: a client sending its next request and the server receiving it take the
+cores the forward's threads use, and the step in flight makes no progress until the request has
+arrived. On the planted tiny model (2-core Zen 2) decode steps during which a request arrived took
+about 3 ms (median) more than the others, up to 8, and they made the ITL p99 of a run whose clients
+come back while others decode; a run whose next requests arrive while its engine is idle (clients
+turning around together) or into a starved KV pool records few or none (session 32; sessions 30-31
+drew a stall for every step after a finish instead, and predicted the kv_pool what-if's ITL p99
+19-67% high where its clients turned around together).
 
 Measured with the profile, once per model, machine, dtype and quantization (the same cache).
 """
@@ -42,6 +45,7 @@ from typing import Any
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
+from kvflow.doctor.arrival_stalls import flagged_records
 from kvflow.server.spawn import spawn_server, stop_server
 
 # Each probe: b clients, each sending requests of this many prompt tokens that stream this many
@@ -58,14 +62,13 @@ MIN_PROBE_REQUESTS = 4
 # profiles before and after it put the kv_pool what-if's ITL p99 67% high (session 31).
 SERVED_SWEEPS = 5
 SERVED_KEYS = ("served_decode_ms", "served_tpot_ms", "served_ttft_gap_ms")  # the profile's keys
-# The turnover probe: this many clients (those the server allows), each sending this many requests
-# whose outputs are uniform in SERVED_OUTPUT_TOKENS x (1 -+ the ratio): 6-7 steps after a finish at 2
-# clients, 14 at 4, per sweep (the stall grows with what else is decoding: a median 1.3-2.8 ms at 4,
-# 1.7-3.9 at 2 on the planted tiny model).
-TURNOVER_CLIENTS = (2, 4)
-TURNOVER_REQUESTS_PER_CLIENT = 4
-TURNOVER_RANGE_RATIO = 0.5
-TURNOVER_KEY = "served_turnover_ms"
+# The arrival probe: this many clients (those the server allows), each sending this many requests
+# whose outputs are uniform in SERVED_OUTPUT_TOKENS x (1 -+ the ratio), so that a client's next request
+# arrives while the others decode.
+ARRIVAL_CLIENTS = (2, 4)
+ARRIVAL_REQUESTS_PER_CLIENT = 4
+ARRIVAL_RANGE_RATIO = 0.5
+ARRIVAL_KEY = "served_arrival_stall_ms"
 SERVED_PROBE_CONTEXT = SERVED_PROMPT_TOKENS + SERVED_OUTPUT_TOKENS / 2  # keys a probed row reads, on average
 
 
@@ -103,40 +106,41 @@ def decode_step_ms(result: dict[str, Any], rows: int) -> float | None:
     return statistics.median(times) if times else None
 
 
-def turnover_excess_ms(result: dict[str, Any]) -> list[float]:
-    """Each recorded decode-only step that follows a drop in decode rows (a request finished at the
-    end of the step before: kvflow/doctor/step_cost.py, follows_a_drop), less the median of the
-    run's other decode-only steps of as many rows; none without records."""
+def arrival_stall_ms(result: dict[str, Any]) -> list[float]:
+    """Each decode-only step of the server's window during which a request arrived
+    (kvflow/doctor/arrival_stalls.py), less the median of the run's decode-only steps of as many
+    rows during which none did; none without a window."""
+    records = flagged_records(result.get("server") or {})
     clear: dict[int, list[float]] = {}
-    after_drop: list[tuple[int, float]] = []
-    previous_rows = 0
-    for dur, prompt, rows in _recorded_steps(result):
-        if not prompt:
-            if rows < previous_rows:
-                after_drop.append((rows, dur))
-            else:
-                clear.setdefault(rows, []).append(dur)
-        previous_rows = rows
-    return [ms - statistics.median(clear[rows]) for rows, ms in after_drop if rows in clear]
+    stalled: list[tuple[int, float]] = []
+    for record, held_an_arrival in records or ():
+        dur, prompt, rows = record[0], record[1], int(record[2])
+        if prompt or not rows:
+            continue
+        if held_an_arrival:
+            stalled.append((rows, dur))
+        else:
+            clear.setdefault(rows, []).append(dur)
+    return [ms - statistics.median(clear[rows]) for rows, ms in stalled if rows in clear]
 
 
-def _turnover_probe(base: str, clients: int, sweep: int) -> list[float]:
-    """`clients` clients of staggered output lengths (other prompts each sweep): turnover_excess_ms."""
-    requests = TURNOVER_REQUESTS_PER_CLIENT * clients
-    config = probe_config(base, clients, requests, sweep, sweep, TURNOVER_RANGE_RATIO)
-    return turnover_excess_ms(run_benchmark(config))
+def _arrival_probe(base: str, clients: int, sweep: int) -> list[float]:
+    """`clients` clients of staggered output lengths (other prompts each sweep): arrival_stall_ms."""
+    requests = ARRIVAL_REQUESTS_PER_CLIENT * clients
+    config = probe_config(base, clients, requests, sweep, sweep, ARRIVAL_RANGE_RATIO)
+    return arrival_stall_ms(run_benchmark(config))
 
 
 def measure_served_decode(model_dir: str, serve_flags: Sequence[str], rows: Sequence[int]) -> dict[str, Any]:
     """{"served_decode_ms": {b: the median recorded b-row decode step}, "served_tpot_ms": {b: the
     clients' TPOT p50 (the step and what passes between steps)}, "served_ttft_gap_ms": {b: the
     clients' TTFT beyond the server's (b first tokens come in one step)}} for each b of `rows` that
-    produced such steps, each the median over SERVED_SWEEPS sweeps, and "served_turnover_ms": [the
-    turnover probe's excesses, ms] (TURNOVER_CLIENTS up to max(rows)), from one `kvflow serve MODEL
+    produced such steps, each the median over SERVED_SWEEPS sweeps, and "served_arrival_stall_ms": [the
+    arrival probe's stalls, ms] (ARRIVAL_CLIENTS up to max(rows)), from one `kvflow serve MODEL
     serve_flags` (which must allow max(rows) running requests)."""
     process, base = spawn_server(model_dir, list(serve_flags))
     seen: dict[str, dict[int, list[float]]] = {key: {} for key in SERVED_KEYS}
-    turnover: list[float] = []
+    stalls: list[float] = []
     try:
         for sweep in range(SERVED_SWEEPS):
             for b in rows:
@@ -150,9 +154,9 @@ def measure_served_decode(model_dir: str, serve_flags: Sequence[str], rows: Sequ
                     seen["served_tpot_ms"].setdefault(b, []).append(float(tpot))
                     if gap is not None:
                         seen["served_ttft_gap_ms"].setdefault(b, []).append(float(gap))
-            for clients in (c for c in TURNOVER_CLIENTS if c <= max(rows, default=0)):
-                turnover += _turnover_probe(base, clients, sweep)
+            for clients in (c for c in ARRIVAL_CLIENTS if c <= max(rows, default=0)):
+                stalls += _arrival_probe(base, clients, sweep)
     finally:
         stop_server(process)
     medians = {key: {b: statistics.median(v) for b, v in by_rows.items()} for key, by_rows in seen.items()}
-    return {**medians, TURNOVER_KEY: turnover}
+    return {**medians, ARRIVAL_KEY: stalls}

@@ -34,9 +34,10 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvflow.doctor.arrival_stalls import paused_ms
 from kvflow.doctor.evidence import RequestSample
 from kvflow.doctor.sim_blocks import SimBlockPool, other_group_blocks
-from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, StepShape, attention_work, follows_a_drop
+from kvflow.doctor.step_cost import MIN_STEP_MS, StepCost, StepShape, attention_work
 from kvflow.kv_cache.specs import KVCacheSpec
 
 KINDS = ("decode_only", "mixed", "prefill_only")
@@ -74,6 +75,8 @@ class _Request:
     # the engine's steps hold meanwhile); no step schedules it before, free slot or not.
     ready: float = 0.0
     fetched: float = 0.0  # when its hit has arrived from another instance (SimSettings.fetch_ms_per_token)
+    # How long before it arrives its sending and receiving stall the engine (StepResiduals.arrival).
+    stall_ms: float = 0.0
     computed: int = 0
     produced: int = 0
     admitted: bool = False
@@ -373,6 +376,7 @@ class _Replay:
         # their clients' returns and handoffs drew.
         self.jitter_rng = random.Random(f"{seed}:client-gaps")
         self.handoff_rng = random.Random(f"{seed}:handoffs")
+        self.stall_rng = random.Random(f"{seed}:arrival-stalls")
         self.rng = random.Random(seed)
         self.closed = concurrency is not None
         self.upcoming: deque[_Request] = deque(requests)
@@ -387,7 +391,6 @@ class _Replay:
         self.kinds = {kind: KindStats() for kind in KINDS}
         self.explained: dict[str, float] = {"preemption": 0.0, "prefill_chunks": 0.0, "recompute": 0.0}
         self.done: list[_Request] = []
-        self.previous_rows = 0  # the last step's decode rows (StepResiduals.turnover)
 
     def advance(self, now: float) -> float | None:
         """Admit arrivals, then run one step (or wait for the next arrival): the new time, or None
@@ -411,6 +414,8 @@ class _Replay:
     def _arrive(self, request: _Request, at: float) -> None:
         request.arrival = at
         request.ready = at + (self.handoff_rng.choice(self.handoff_ms) if self.handoff_ms else 0.0)
+        stalls = self.cost.residuals.arrival
+        request.stall_ms = self.stall_rng.choice(stalls) if stalls else 0.0
 
     def _sent(self) -> list[_Request]:
         """The upcoming requests with a send time: in a closed loop the first few (each client's next,
@@ -448,16 +453,22 @@ class _Replay:
             earliest = min(earliest, request.ready)
         return earliest
 
+    def _stalled_ms(self, start: float, end: float) -> float:
+        """How much longer a decode-only step from `start` to `end` runs for the requests arriving
+        meanwhile: each stalls the engine for its stall_ms before it arrives (arrival_stalls.py)."""
+        sent = self._sent() if self.closed else self.upcoming
+        stalls = [(r.arrival - r.stall_ms, r.arrival) for r in sent if r.stall_ms > 0 and r.arrival > start]
+        return paused_ms(start, end, stalls)
+
     def _step(self, now: float, scheduled: list[tuple[_Request, int]]) -> float:
         """One engine step over `scheduled`: its cost, then each request's progress."""
         shape, work = _step_parts(scheduled)
         between_ms = self.cost.between_ms(shape)
         step_ms = self.cost.server_ms(shape) + between_ms  # StepCost.step_ms, its parts kept
         prompt = shape.prompt_tokens > 0
-        after_drop = follows_a_drop(self.previous_rows, shape)
-        self.previous_rows = shape.decode_rows
-        drawn = self.cost.with_drawn_residual(step_ms, prompt, self.rng, between_ms, after_drop)
-        step_ms = max(drawn, MIN_STEP_MS)
+        step_ms = max(self.cost.with_drawn_residual(step_ms, prompt, self.rng, between_ms), MIN_STEP_MS)
+        if not prompt:  # a prompt step's stalls are in its drawn fraction (calibrate.step_residuals)
+            step_ms += self._stalled_ms(now, now + step_ms - between_ms)
         # The server's kinds: by decodes and prompt tokens, whichever path attended them.
         kind = "mixed" if shape.decode_rows and prompt else ("prefill_only" if prompt else "decode_only")
         self.kinds[kind].add(step_ms, shape)

@@ -113,17 +113,21 @@ class StepShape:
 class StepResiduals:
     """The recorded steps' departures from the fitted cost, by kind (calibrate.step_residuals).
 
-    A decode-only step that follows a drop in decode rows (a request finished) runs while the
-    server's HTTP side completes that response and its client's next request arrives and is
-    parsed, all contending with the engine for the cores: on the planted 2-client runs those steps
-    took 4.2-5.3 ms (median) against 1.6-2.1 for the other decode steps, and they were every one of
-    the runs' longest decode steps (session 30). Drawn from the other steps' departures, a replay
-    had put those stalls on any step, two rows each where the real ones held one (the other
-    client's), and its ITL p99 20-33% above the measured."""
+    A client sending its next request and the server receiving it take the cores from the engine,
+    and the step in flight makes no progress until the request has arrived
+    (kvflow/doctor/arrival_stalls.py): on the planted runs the decode steps during which a request
+    arrived took 3.1 ms (median) more than the others, and they were the runs' longest decode steps.
+    Drawn from the other steps' departures, a replay had put those stalls on any step, and its ITL
+    p99 came out 20-33% above the measured (session 30); drawn for every step after a finish
+    (sessions 30-31), it put them also where the finished clients' next requests arrived after
+    every other request had finished too (clients turning around together: the engine idle), and
+    the kv_pool what-if's ITL p99 came out 19-67% high (session 32)."""
 
     decode: tuple[float, ...] = ()  # ms, centred on zero: decode-only steps
     prompt: tuple[float, ...] = ()  # fractions of the step, centred on zero: steps with prompt tokens
-    turnover: tuple[float, ...] = ()  # ms, on the same centre as `decode`: decode-only after a drop
+    # ms the engine stalls before an arrival (simulate.py: a request draws one): a decode-only step
+    # during which a request arrived, over the other decode steps' centre
+    arrival: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -205,15 +209,13 @@ class StepCost:
         has_prompt: bool,
         rng: random.Random,
         between_ms: float | None = None,
-        after_drop: bool = False,
     ) -> float:
         """`step_ms` (`between_ms` of it after the server's step; default overhead_ms) plus one
         recorded step's departure from its mean, drawn for a step of this kind: ms added to a
-        decode-only step (one of the steps after a drop in decode rows when `after_drop` and the run
-        recorded enough of them: StepResiduals.turnover), a fraction of a step with prompt tokens;
-        unchanged without records."""
+        decode-only step, a fraction of a step with prompt tokens; unchanged without records. (An
+        arrival's stall is the simulator's: StepResiduals.arrival.)"""
         r = self.residuals
-        residuals = r.prompt if has_prompt else (r.turnover if after_drop and r.turnover else r.decode)
+        residuals = r.prompt if has_prompt else r.decode
         if not residuals:
             return step_ms
         drawn = rng.choice(residuals)
@@ -233,12 +235,6 @@ def attention_work(num_tokens: int, context_end: int) -> float:
     """Keys seen by `num_tokens` queries ending at `context_end` (causal: each query sees the keys
     before it): n x (context_end - (n - 1) / 2)."""
     return num_tokens * (context_end - (num_tokens - 1) / 2)
-
-
-def follows_a_drop(previous_rows: int, shape: StepShape) -> bool:
-    """A decode-only step with fewer decode rows than the step before it: a request finished (or was
-    preempted) at the end of that step (StepResiduals.turnover)."""
-    return not shape.prompt_tokens and shape.decode_rows < previous_rows
 
 
 def profiled_step(profile: StepProfile, shape: StepShape) -> tuple[float, float]:

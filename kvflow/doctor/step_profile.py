@@ -30,9 +30,10 @@ measured through a server (kvflow/doctor/served_decode.py):
                           less what the diagnosed run's clients already paid beyond the probe's lone
                           client (StepCost.delivery_ms: b clients arriving together also arrive at
                           a busy server, which the run's own offset holds)
-    served_turnover       the decode steps right after a finish, served, over the other decode
-                          steps of their rows: drawn for such steps where the diagnosed run
-                          recorded too few of its own (kvflow/doctor/calibrate.py, step_residuals)
+    served_arrival_stall  the served decode steps during which a request arrived, over the other
+                          decode steps of their rows: the stalls the simulator draws for arrivals
+                          where the diagnosed run recorded too few of its own
+                          (kvflow/doctor/arrival_stalls.py, kvflow/doctor/calibrate.py)
 Attention beyond the probes' own short contexts is not in the curves: a query row's is
 row_ms_per_key, a prefill chunk's is fitted to the server's steps.
 
@@ -68,7 +69,7 @@ import httpx
 
 from kvflow.doctor.quant_speed import cache_dir as quant_cache_dir
 from kvflow.doctor.quant_speed import machine_key, model_key
-from kvflow.doctor.served_decode import SERVED_PROBE_CONTEXT, TURNOVER_KEY, measure_served_decode
+from kvflow.doctor.served_decode import ARRIVAL_KEY, SERVED_PROBE_CONTEXT, measure_served_decode
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +84,9 @@ DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # What the profile measures (in the cache key, so that a doctor whose profile gained a probe measures
 # again rather than reading an older profile without it): 2 added the decode steps at a long context,
 # 3 the served decode steps, 4 the curves on half the cores, 5 the served probe's medians over sweeps,
-# 6 the served turnover probe and five sweeps.
-PROFILE_FORMAT = 6
+# 6 the served turnover probe and five sweeps, 7 the arrival probe in its place (the steps during
+# which a request arrived, not those after a finish).
+PROFILE_FORMAT = 7
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
 
@@ -142,9 +144,9 @@ class StepProfile:
     # The lone client's TTFT beyond the server's in the served probe (what served_delivery starts
     # from); None without the served probe.
     served_base_gap: float | None = None
-    # The served turnover probe's excesses, ms: a decode step after a finish over the other decode
-    # steps of its rows (kvflow/doctor/served_decode.py); empty without the probe.
-    served_turnover: tuple[float, ...] = ()
+    # The served arrival probe's stalls, ms: a decode step during which a request arrived over the
+    # other decode steps of its rows (kvflow/doctor/served_decode.py); empty without the probe.
+    served_arrival_stall: tuple[float, ...] = ()
 
     def scaled(self, factor: float) -> StepProfile:
         """Every time in the profile x `factor`: the same machine running that much slower (a VM's
@@ -168,7 +170,7 @@ class StepProfile:
             split=halves,
             served_base_excess=ms(self.served_base_excess),
             served_base_gap=ms(self.served_base_gap),
-            served_turnover=tuple(v * factor for v in self.served_turnover),
+            served_arrival_stall=tuple(v * factor for v in self.served_arrival_stall),
         )
 
     def on_half_cores(self) -> StepProfile | None:
@@ -221,9 +223,9 @@ class StepProfile:
         excess, between, delivery, base_excess = _served_curves(data, curves[1], per_key)
         halves = (split[0], split[1]) if split[0] is not None and split[1] is not None else None
         gaps = {int(b): float(ms) for b, ms in (data.get("served_ttft_gap_ms") or {}).items()}
-        turnover = tuple(float(ms) for ms in data.get(TURNOVER_KEY) or ())
+        stalls = tuple(float(ms) for ms in data.get(ARRIVAL_KEY) or ())
         served = (excess, between, delivery, halves, base_excess, gaps.get(1))
-        return cls(curves[0], curves[1], per_key, *served, served_turnover=turnover)
+        return cls(curves[0], curves[1], per_key, *served, served_arrival_stall=stalls)
 
 
 def _curve(points_by_size: dict[str, float] | None) -> Curve | None:

@@ -14,12 +14,12 @@ from kvflow.bench.runner import BenchConfig
 from kvflow.doctor import served_decode
 from kvflow.doctor.evidence import client_gap_jitter, evidence_from_bench, handoff_delays
 from kvflow.doctor.served_decode import (
+    ARRIVAL_KEY,
     SERVED_KEYS,
     SERVED_SWEEPS,
-    TURNOVER_KEY,
+    arrival_stall_ms,
     decode_step_ms,
     measure_served_decode,
-    turnover_excess_ms,
 )
 
 
@@ -38,31 +38,45 @@ def test_a_decode_step_is_read_from_the_records_of_exactly_that_many_rows() -> N
 def test_the_probe_serves_b_streaming_clients_and_reads_the_servers_steps(server_model_dir: Path) -> None:
     flags = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "2"]
     served = measure_served_decode(str(server_model_dir), flags, [1, 2])
-    assert set(served) == {*SERVED_KEYS, TURNOVER_KEY}
+    assert set(served) == {*SERVED_KEYS, ARRIVAL_KEY}
     for key in SERVED_KEYS:
         assert set(served[key]) == {1, 2} and all(ms > 0 for ms in served[key].values())
     for b in (1, 2):  # the clients' TPOT holds the step and what passes between steps
         assert served["served_tpot_ms"][b] >= 0.5 * served["served_decode_ms"][b]
-    # Two clients of staggered output lengths (the server allows no more): one finishes while the
-    # other decodes, and the step after is read against the other 1-row steps.
-    assert served[TURNOVER_KEY] and all(isinstance(ms, float) for ms in served[TURNOVER_KEY])
+    # Two clients of staggered output lengths (the server allows no more): one finishes and sends its
+    # next request while the other decodes, and the decode steps during which it arrived are read
+    # against the other 1-row steps.
+    assert served[ARRIVAL_KEY] and all(isinstance(ms, float) for ms in served[ARRIVAL_KEY])
 
 
-def test_a_step_after_a_finish_is_read_against_the_other_steps_of_its_rows() -> None:
-    steps = {
-        "fields": ["dur_ms", "prefill_tokens", "decode_tokens", "attention"],
-        "rows": [
-            [1.0, 0, 2, 40],
-            [1.2, 0, 2, 42],
-            [4.5, 0, 1, 21],  # after a finish (2 -> 1 rows): 4.5 against the 1-row steps' 1.0
-            [1.0, 0, 1, 22],
-            [9.0, 16, 1, 150],  # the next request's prompt: not a decode step
-            [1.1, 0, 2, 44],
-            [0.7, 0, 0, 0],  # both gone
-        ],
-    }
-    assert turnover_excess_ms({"server": {"steps": steps}}) == [pytest.approx(3.5)]
-    assert turnover_excess_ms({"server": {}}) == []  # another server: no records
+def test_a_step_during_which_a_request_arrived_is_read_against_the_other_steps_of_its_rows() -> None:
+    """The server's window: each step's start and duration, each request's arrival. A decode step
+    during which a request arrived (its client sending it, the server receiving it, on the cores the
+    forward uses) is a stall; a step right after a finish during which none arrived is not (clients
+    that turn around together)."""
+    fields = [
+        "t",
+        "dur_ms",
+        "prefill_tokens",
+        "decode_tokens",
+        "attention",
+        "row_prefill_tokens",
+        "row_attention",
+    ]
+    steps = [
+        [10.000, 1.0, 0, 2, 40, 0, 40],
+        [10.001, 1.2, 0, 2, 42, 0, 42],
+        [10.003, 1.0, 0, 1, 21, 0, 21],  # after a finish (2 -> 1 rows), no arrival: not a stall
+        [10.004, 4.5, 0, 1, 22, 0, 22],  # the finished client's next request arrived meanwhile
+        [10.009, 9.0, 16, 1, 150, 0, 22],  # its prompt: not a decode step
+        [10.018, 1.1, 0, 2, 44, 0, 44],
+    ]
+    requests = [{"arrival": 10.0055, "handed_off": 10.0085}, {"arrival": 9.9, "handed_off": None}]
+    window = {"step_fields": fields, "steps": steps, "requests": requests}
+    assert arrival_stall_ms({"server": {"window": window}}) == [pytest.approx(3.5)]
+    assert arrival_stall_ms({"server": {}}) == []  # another server: no window
+    # A window that kept only its requests (no step times) says nothing either.
+    assert arrival_stall_ms({"server": {"window": {"requests": requests}}}) == []
 
 
 def test_the_client_gap_spread_is_matched_by_request_id_and_centred() -> None:
@@ -129,13 +143,13 @@ def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pyte
     sweeps one after another, and the median kept; each sweep sends other prompts (a prompt the
     server saw would be a prefix-cache hit)."""
     seeds: list[tuple[int, int]] = []
-    turnover: list[tuple[int, int]] = []
+    arrivals: list[tuple[int, int]] = []
     slow_sweep = {0: 1.0, 1: 1.5, 2: 1.1, 3: 1.6, 4: 0.9}  # the second and fourth on slow moments
 
     def bench(config: BenchConfig) -> dict[str, Any]:
         b, sweep = config.load.concurrency or 0, config.load.seed
-        if config.dataset.range_ratio:  # the turnover probe
-            turnover.append((b, sweep))
+        if config.dataset.range_ratio:  # the arrival probe
+            arrivals.append((b, sweep))
             return {}
         seeds.append((b, sweep))
         step = b * slow_sweep[sweep]
@@ -150,6 +164,6 @@ def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pyte
     monkeypatch.setattr(served_decode, "run_benchmark", bench)
     served = measure_served_decode("m", [], [1, 4])
     assert sorted(seeds) == [(b, s) for b in (1, 4) for s in range(SERVED_SWEEPS)]
-    assert turnover == [(b, s) for s in range(SERVED_SWEEPS) for b in (2, 4)]  # after each sweep
+    assert arrivals == [(b, s) for s in range(SERVED_SWEEPS) for b in (2, 4)]  # after each sweep
     assert served["served_decode_ms"] == {1: pytest.approx(1.1), 4: pytest.approx(4.4)}  # the middle sweep
     assert served["served_tpot_ms"][4] == pytest.approx(4.9) and served["served_ttft_gap_ms"][1] == 3.0

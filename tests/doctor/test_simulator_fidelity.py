@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kvflow.doctor.arrival_stalls import paused_ms
 from kvflow.doctor.calibrate import MIN_STEP_RECORDS, step_residuals
 from kvflow.doctor.evidence import RequestSample
 from kvflow.doctor.fidelity import FidelityRow, replay_recorded
@@ -32,17 +33,19 @@ from kvflow.doctor.step_profile import StepProfile
 RECORDED = Path(__file__).parent / "recorded_runs"
 RUNS = sorted(p.name.removesuffix(".json.gz") for p in RECORDED.glob("*.json.gz"))
 # Worst / median error of the replays (8 seeds pooled, kvflow/doctor/fidelity.py) over the 8 runs
-# recorded in session 29 (2-core Zen 2; with each request's client gap and HTTP handoff from the
-# server's window, RunEvidence), the line through the step means, since session 30 (the steps after
-# a request finished draw their own stalls: StepResiduals.turnover): TTFT p50 4% / 2%, TTFT p99 19% /
-# 4%, ITL p50 2% / 1%, ITL p99 20% / 10% (session 29: 8% / 2%, 16% / 9%, 5% / 2%, 30% / 11%).
-WORST = {"ttft_p50_ms": 0.07, "ttft_p99_ms": 0.22, "itl_p50_ms": 0.05, "itl_p99_ms": 0.24}
-MEDIAN = {"ttft_p50_ms": 0.04, "ttft_p99_ms": 0.07, "itl_p50_ms": 0.03, "itl_p99_ms": 0.13}
-# With the step profile recorded beside them (the doctor's default for a server on its machine):
-# TTFT p50 18% / 2%, TTFT p99 12% / 4%, ITL p50 3% / 1%, ITL p99 22% / 7% (session 29: 23% / 2%,
-# 12% / 7%, 5% / 2%, 31% / 18%).
-WORST_PROFILED = {"ttft_p50_ms": 0.21, "ttft_p99_ms": 0.15, "itl_p50_ms": 0.06, "itl_p99_ms": 0.25}
-MEDIAN_PROFILED = {"ttft_p50_ms": 0.05, "ttft_p99_ms": 0.07, "itl_p50_ms": 0.03, "itl_p99_ms": 0.10}
+# recorded in session 29 (2-core Zen 2; with each request's client gap, HTTP handoff and arrival from
+# the server's window, RunEvidence, and the steps' start times), the line through the step means,
+# since session 32 (a request's arrival stalls the step that starts shortly before it:
+# StepResiduals.arrival): TTFT p50 9% / 4%, TTFT p99 21% / 7%, ITL p50 7% / 3%, ITL p99 20% / 7%
+# (session 30, the steps after a finish drawing their own stalls: 4% / 2%, 19% / 4%, 2% / 1%,
+# 20% / 10%).
+WORST = {"ttft_p50_ms": 0.10, "ttft_p99_ms": 0.22, "itl_p50_ms": 0.08, "itl_p99_ms": 0.22}
+MEDIAN = {"ttft_p50_ms": 0.05, "ttft_p99_ms": 0.08, "itl_p50_ms": 0.04, "itl_p99_ms": 0.08}
+# With the step profile recorded beside them (the doctor's default for a server on its machine; the
+# profile measured again in session 32 with its arrival probe): TTFT p50 20% / 2%, TTFT p99 17% / 7%,
+# ITL p50 4% / 1%, ITL p99 24% / 9% (session 30: 18% / 2%, 12% / 4%, 3% / 1%, 22% / 7%).
+WORST_PROFILED = {"ttft_p50_ms": 0.21, "ttft_p99_ms": 0.18, "itl_p50_ms": 0.05, "itl_p99_ms": 0.25}
+MEDIAN_PROFILED = {"ttft_p50_ms": 0.03, "ttft_p99_ms": 0.08, "itl_p50_ms": 0.02, "itl_p99_ms": 0.10}
 
 
 def _replay(name: str, profile: StepProfile | None = None) -> list[FidelityRow]:
@@ -100,6 +103,7 @@ def test_the_tails_come_from_the_recorded_step_variation(replayed: Replays) -> N
     name = "b64-kNone-c8"
     result = json.loads(gzip.decompress((RECORDED / f"{name}.json.gz").read_bytes()))
     result["server"].pop("steps")  # no step records: no residuals to draw
+    result["server"]["window"].pop("steps")
     flat = {r.metric: r for r in replay_recorded(str(RECORDED), result) or []}
     drawn = {r.metric: r for r in replayed["line"][name]}
     assert flat["itl_p99_ms"].simulated < 0.8 * flat["itl_p99_ms"].measured
@@ -124,51 +128,76 @@ def test_residuals_are_centred_per_kind_and_need_enough_records() -> None:
     assert too_few == ()
 
 
-def test_steps_after_a_request_finished_draw_their_own_stalls() -> None:
-    """On the planted 2-client runs the longest decode steps were each the one after a request
-    finished (its response completing and its client's next request arriving beside the step):
-    1 row, 4-5 ms, where the others took 1.6-2.1. Those records are kept apart, on the other decode
-    steps' centre, and a replay draws them only for a step after a drop in decode rows: the stall
-    lengthens the one gap of the client still decoding, not two gaps of any step."""
+def test_steps_during_which_a_request_arrived_draw_its_stall() -> None:
+    """On the planted runs the longest decode steps were those during which a request arrived (its
+    client sending it and the server receiving it beside the forward on two cores): ~3 ms over the
+    others, the step's own work after the arrival, where the steps that ended before an arrival
+    took no more than the others (session 32). Those records are kept apart, on the other decode
+    steps' centre: each simulated request draws one, and the step that starts within that long
+    before it arrives does its work only once it has arrived. Where clients come back while others
+    decode, their gaps stall; where they all turn around together, the engine is idle and none do."""
     cost = StepCost(1.0, 0.0, 0.0)  # every step 1 ms
-    rows = [2, 2, 2, 2, 1] * MIN_STEP_RECORDS  # a request finishes every fifth step
-    records = [(5.0 if n == 1 else 1.0, StepShape(decode_rows=n)) for n in rows]
-    residuals = step_residuals(cost, records)
+    flags = [False, False, False, False, True] * MIN_STEP_RECORDS  # a request arrived every fifth step
+    records = [(5.0 if arrived else 1.0, StepShape(decode_rows=2)) for arrived in flags]
+    residuals = step_residuals(cost, records, flags)
     assert residuals.decode == (0.0,) * (4 * MIN_STEP_RECORDS)
-    assert residuals.turnover == (4.0,) * MIN_STEP_RECORDS
-    # Too few such steps to stand apart: they join the others, as before.
-    few = step_residuals(cost, records[: 5 * (MIN_STEP_RECORDS - 1)])
-    assert few.turnover == () and max(few.decode) == pytest.approx(4.0 - 4.0 * (1 / 5))
-    # Two clients, requests of 8 and 12 outputs: each finish is followed by a step of one row.
-    samples = [RequestSample(16, n, 0, 0.0, None, None) for n in (8, 12, 8, 12)]
+    assert residuals.arrival == (4.0,) * MIN_STEP_RECORDS
+    # Fewer such steps, and no probe to stand in: still the run's own; unflagged steps (a window
+    # without the steps' times) all are decode steps.
+    cut = 5 * (MIN_STEP_RECORDS - 1)
+    assert step_residuals(cost, records[:cut], flags[:cut]).arrival == (4.0,) * (MIN_STEP_RECORDS - 1)
+    unflagged = step_residuals(cost, records)
+    assert unflagged.arrival == () and max(unflagged.decode) == pytest.approx(4.0 - 4.0 * (1 / 5))
     settings = SimSettings(4, 512, None, 16, False)
-    run = simulate(samples, settings, replace(cost, residuals=residuals), concurrency=2)
-    stalled = [g for g in run.itl_ms if g > 1.0 + 1e-9]
-    assert stalled and set(stalled) == {5.0}
-    assert len(stalled) <= len(samples) - 1  # at most one gap per finish (the last has no other)
+    stalling = replace(cost, residuals=StepResiduals(decode=(0.0,), arrival=(2.5,)))
+
+    def stalled_gaps(outputs: tuple[int, ...]) -> list[float]:
+        samples = [RequestSample(16, n, 0, 0.0, None, None) for n in outputs]
+        run = simulate(samples, settings, stalling, concurrency=2, client_gap_ms=2.0)
+        return [g for g in run.itl_ms if g > 1.0 + 1e-9]
+
+    # Two clients of 8 and 12 outputs: a finished client's next request arrives 2 ms later, while the
+    # other decodes; the step that starts right after the finish (within 2.5 ms before the arrival)
+    # does its 1 ms after it: a 3 ms gap for the other client.
+    stalled = stalled_gaps((8, 12, 8, 12))
+    assert stalled and all(g == pytest.approx(3.0) for g in stalled)
+    # Two clients in step (8 outputs each): both finish in one step, and their next requests arrive
+    # while the engine has nothing to run: no decode step stalls.
+    assert stalled_gaps((8, 8, 8, 8)) == []
 
 
-def test_a_run_without_steps_after_a_finish_draws_the_profiles_turnover_probe() -> None:
-    """A starved pool's steps after a finish admit a waiting prompt, so the run records too few
-    decode steps after a drop to stand apart; its what-if to a larger pool turns clients around
-    while others decode, and those steps stalled 1.5-6 ms (ITL p99 predicted 22-39% low, session
-    31). The served turnover probe of the same model and machine stands in for them; a run with
-    enough of its own keeps its own."""
+def test_a_step_waits_once_for_stalls_that_overlap_and_not_for_one_before_it_started() -> None:
+    """kvflow/doctor/arrival_stalls.paused_ms: a step that starts during a stall (the span before a
+    request's arrival) does its work from the arrival; two requests arriving together stall it once
+    to the later arrival; a stall that ended before the step, or begins after it started, leaves it
+    as it is (steps that ended before an arrival took no more than the others)."""
+    assert paused_ms(10.0, 12.0, [(9.0, 13.0)]) == pytest.approx(3.0)  # ends at 13 + 2
+    assert paused_ms(10.0, 12.0, [(9.0, 13.0), (9.5, 13.5)]) == pytest.approx(3.5)
+    assert paused_ms(10.0, 12.0, [(7.0, 9.0)]) == 0.0  # over before the step
+    assert paused_ms(10.0, 12.0, [(11.0, 14.0)]) == 0.0  # the step was already running
+    assert paused_ms(10.0, 12.0, []) == 0.0
+
+
+def test_a_run_without_steps_that_held_an_arrival_draws_the_profiles_arrival_probe() -> None:
+    """A starved pool's next requests arrive into a waiting queue, and clients in step turn around
+    while the engine is idle, so such a run records too few decode steps during which a request
+    arrived; its what-if can make clients come back while others decode. The served arrival probe
+    of the same model and machine stands in for them; a run with enough of its own keeps its own."""
     measured = json.loads((RECORDED / "step_profile.json").read_text())
-    profile = StepProfile.from_json({**measured, "served_turnover_ms": [3.0] * MIN_STEP_RECORDS})
-    assert profile is not None and profile.served_turnover == (3.0,) * MIN_STEP_RECORDS
-    assert profile.scaled(2.0).served_turnover == (6.0,) * MIN_STEP_RECORDS  # a slower moment
+    profile = StepProfile.from_json({**measured, "served_arrival_stall_ms": [3.0] * MIN_STEP_RECORDS})
+    assert profile is not None and profile.served_arrival_stall == (3.0,) * MIN_STEP_RECORDS
+    assert profile.scaled(2.0).served_arrival_stall == (6.0,) * MIN_STEP_RECORDS  # a slower moment
     cost = StepCost(1.0, 0.0, 0.0)
     probed = replace(cost, profile=profile)
-    few_drops = [(5.0 if n == 1 else 1.0, StepShape(decode_rows=n)) for n in [2, 2, 2, 2, 1] * 3]
-    few_drops += [(1.0, StepShape(decode_rows=2))] * MIN_STEP_RECORDS
-    assert step_residuals(cost, few_drops).turnover == ()  # no probe: they join the others
-    residuals = step_residuals(probed, few_drops)
-    assert residuals.turnover == (3.0,) * MIN_STEP_RECORDS
-    assert residuals.decode == (0.0,) * (len(few_drops) - 3)  # the run's 3 steps after a drop left out
-    own = [(5.0 if n == 1 else 1.0, StepShape(decode_rows=n)) for n in [2, 2, 2, 2, 1] * MIN_STEP_RECORDS]
-    kept = step_residuals(probed, own).turnover  # enough of its own: 4 ms over the others, less the
-    assert len(kept) == MIN_STEP_RECORDS and all(3.0 < r < 5.0 for r in kept)  # profile's 1-2 row gap
+    few_flags = [False, False, False, False, True] * 3 + [False] * MIN_STEP_RECORDS
+    few = [(5.0 if arrived else 1.0, StepShape(decode_rows=1)) for arrived in few_flags]
+    residuals = step_residuals(probed, few, few_flags)
+    assert residuals.arrival == (3.0,) * MIN_STEP_RECORDS
+    assert residuals.decode == (0.0,) * (len(few) - 3)  # the run's 3 such steps left out
+    own_flags = [False, False, False, False, True] * MIN_STEP_RECORDS
+    own = [(5.0 if arrived else 1.0, StepShape(decode_rows=1)) for arrived in own_flags]
+    kept = step_residuals(probed, own, own_flags).arrival  # enough of its own: 4 ms over the others,
+    assert len(kept) == MIN_STEP_RECORDS and all(3.0 < r < 5.0 for r in kept)  # less the profile's gap
 
 
 def test_draws_are_seeded_and_keep_the_mean() -> None:
