@@ -24,15 +24,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
+
 # The recorded step's columns the doctor reads, in the order of the bench's step records.
-RECORD_KEYS = (
-    "dur_ms",
-    "prefill_tokens",
-    "decode_tokens",
-    "attention",
-    "row_prefill_tokens",
-    "row_attention",
-)
+RECORD_KEYS = (*STEP_KEYS, *ROW_STEP_KEYS)
 
 
 def arrival_times(window: dict[str, Any]) -> list[float]:

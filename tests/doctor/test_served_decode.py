@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvflow.bench.runner import BenchConfig
+from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
 from kvflow.doctor import served_decode
 from kvflow.doctor.evidence import client_gap_jitter, evidence_from_bench, handoff_delays
 from kvflow.doctor.served_decode import (
@@ -54,15 +55,7 @@ def test_a_step_during_which_a_request_arrived_is_read_against_the_other_steps_o
     during which a request arrived (its client sending it, the server receiving it, on the cores the
     forward uses) is a stall; a step right after a finish during which none arrived is not (clients
     that turn around together)."""
-    fields = [
-        "t",
-        "dur_ms",
-        "prefill_tokens",
-        "decode_tokens",
-        "attention",
-        "row_prefill_tokens",
-        "row_attention",
-    ]
+    fields = ["t", *STEP_KEYS, *ROW_STEP_KEYS]  # the window's step rows (kvflow/bench/server_steps.py)
     steps = [
         [10.000, 1.0, 0, 2, 40, 0, 40],
         [10.001, 1.2, 0, 2, 42, 0, 42],
