@@ -14,14 +14,15 @@ stall: the kv_pool what-if's 36-block server had none in 563 decode steps, and i
 1.6-1.9x its p50, where a stall drawn for every step after a finish (sessions 30-31) predicted 2.1x.
 
     the simulator (kvflow/doctor/simulate.py): each request draws a stall s from the measured ones
-    (StepResiduals.arrival); a decode-only step still running s before the request arrives pauses
-    from then (or from its start) until the arrival, and ends that much later.
+    (StepResiduals.arrival); a decode-only step that starts within s before the request arrives
+    does its work from the arrival (paused_ms), and a step that started earlier runs as it would.
 
 Pure Python: the window's rows in, flags out (kvflow/bench/server_steps.py writes them).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
 from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
@@ -37,9 +38,9 @@ def arrival_times(window: dict[str, Any]) -> list[float]:
 
 
 def holds_an_arrival(start_s: float, dur_ms: float, arrivals: list[float]) -> bool:
-    """Whether a request arrived during a step from `start_s` lasting `dur_ms`."""
-    end_s = start_s + dur_ms / 1e3
-    return any(start_s <= arrival <= end_s for arrival in arrivals)
+    """Whether a request arrived during a step from `start_s` lasting `dur_ms` (`arrivals` sorted)."""
+    first = bisect_left(arrivals, start_s)
+    return first < len(arrivals) and arrivals[first] <= start_s + dur_ms / 1e3
 
 
 def flagged_records(server: dict[str, Any]) -> list[tuple[list[float], bool]] | None:

@@ -402,12 +402,12 @@ def step_residuals(
     the steps' times) are kept apart: their excess over the other decode steps' centre is what an
     arrival stalls the engine (StepResiduals.arrival, kvflow/doctor/arrival_stalls.py). Each kind
     centred on zero so the draws keep the fitted mean; a kind with fewer than MIN_STEP_RECORDS
-    records gets none (its steps cost their mean). With too few steps that held an arrival, the step
-    profile's served arrival probe stands in for them (the same model and machine, its excesses over
-    the decode steps of their rows: StepProfile.served_arrival_stall); without it they join the
-    others. A run whose next requests arrive while its engine is idle (clients turning around
-    together) or into a starved KV pool records few or none, and a what-if can make its clients
-    come back while others decode."""
+    records gets none (its steps cost their mean). With fewer than MIN_STEP_RECORDS steps that held
+    an arrival, the step profile's served arrival probe stands in for them where it has more (the
+    same model and machine, its excesses over the decode steps of their rows:
+    StepProfile.served_arrival_stall); else the run's own, however few. A run whose next requests
+    arrive while its engine is idle (clients turning around together) or into a starved KV pool
+    records few or none, and a what-if can make its clients come back while others decode."""
     decode: list[float] = []
     prompt: list[float] = []
     stalled: list[float] = []

@@ -456,8 +456,19 @@ class _Replay:
     def _stalled_ms(self, start: float, end: float) -> float:
         """How much longer a decode-only step from `start` to `end` runs for the requests arriving
         meanwhile: each stalls the engine for its stall_ms before it arrives (arrival_stalls.py)."""
-        sent = self._sent() if self.closed else self.upcoming
-        stalls = [(r.arrival - r.stall_ms, r.arrival) for r in sent if r.stall_ms > 0 and r.arrival > start]
+        longest = max(self.cost.residuals.arrival, default=0.0)
+        if longest <= 0:
+            return 0.0
+        # In an open loop every upcoming request has its time: only those whose stall can begin by
+        # the step's end, or by the arrival of one that stalls it, matter (arrival order).
+        reach = end
+        stalls = []
+        for r in self._sent() if self.closed else self.upcoming:
+            if not self.closed and r.arrival - longest > reach:
+                break
+            if r.stall_ms > 0 and r.arrival > start:
+                stalls.append((r.arrival - r.stall_ms, r.arrival))
+                reach = max(reach, r.arrival)
         return paused_ms(start, end, stalls)
 
     def _step(self, now: float, scheduled: list[tuple[_Request, int]]) -> float:
