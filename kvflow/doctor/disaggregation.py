@@ -10,8 +10,7 @@ them every step x PREFILL_SPLIT_SLOWDOWN or DECODE_SPLIT_SLOWDOWN):
     the prefill instance   the same requests replayed with one output token each, each client
                            sending its next request after that request's decode (its outputs at
                            the run's ITL p50 x the split decode ratio; clients fall out of step as
-                           on the pair): its queueing and prefill, carried onto the measured TTFT as
-                           every simulated change is
+                           on the pair): its queueing and prefill
     the decode instance    the same requests, each client's next one after a trip through the
                            prefill instance (its simulated TTFTs): each prompt's full blocks fetched
                            from the prefill instance at TRANSFER_BYTES_PER_S from when the engine
@@ -19,11 +18,24 @@ them every step x PREFILL_SPLIT_SLOWDOWN or DECODE_SPLIT_SLOWDOWN):
                            first step boundary after (kvflow/kv_transfer/imports.py), then the
                            tokens after the last full block computed (one token always is) beside
                            the others' decodes: its TTFT there, and its gaps (ITL p50 and p99: the
-                           steps that take in a last block are the tail), carried by the run's
-                           plain decode gaps' ratio (its tail was its prompt chunks)
+                           steps that take in a last block are the tail)
     the router             HOP_LEGS more HTTP legs, each what the run's client added to the
                            server's TTFT
-    TTFT p50 = the prefill instance's + the decode instance's + the router's.
+    TTFT p50 = the prefill instance's + the decode instance's + the client's gap + the router's.
+Both instances' simulated times are carried onto the measurement by the step speed, the run's plain
+decode gaps' ratio (measured ITL p50 / simulated), and `--verify` carries the prediction to its
+fresh baseline by the same (WhatIf.carried_by): not by the colocated run's ITL p99 or TTFT p50, as
+a colocated what-if is. The pair shares neither: the colocated tail was the prompt chunks the
+decode instance does not have, and the colocated TTFT p50 is where 12 requests happened to queue
+behind each other, which the pair's prefill instance reorders. That p50 is noisy: on four diagnoses
+of the planted prefill_chunks settings its measured-over-simulated ratio was 1.07-1.33 where the
+step speed's was 1.02 on all four. Carried by it (and under `--verify` by the fresh baseline's TTFT
+p50 again) the pair's TTFT came out 14-44% from the measured (session 32). Carried by the step
+speed, on a profile measured in passes (kvflow/engine/step_profile.py), it came out 20% and 11% low
+in two runs (session 33): the pair's prefill instance ran its steps 17-22% slower than their price
+(the split curve plus the run's fitted prompt constant), which a busy neighbour alone does not
+explain (a forward loop on the other core moved the split probes by 0-9%), and its prompts queue
+behind those steps.
 The fetch's wait for a step boundary is most of the decode instance's TTFT: on the planted
 prefill_chunks pair (session 30) requests waited 14.3 ms (median) between the engine taking them in
 and their admission, about one decode step, for a 1 ms fetch; arriving with their KV, as the
@@ -131,12 +143,12 @@ def pd_simulated(cal: Calibration, transfer_ms_per_token: float) -> PairPredicti
     )
     if not on_decode.itl_ms or not on_decode.ttft_ms:
         return None
-    # Carried onto the measurement by the plain decode gaps' ratio (the colocated run's tail is its
-    # prompt chunks, which the pair's decode instance does not have: Calibration.carried_by).
+    # Both instances carried onto the measurement by the step speed, the plain decode gaps' ratio
+    # (module docstring).
     p50 = SIM_METRICS["itl_p50_ms"]
     ratio = run.itl_p50_ms / max(p50(cal.pooled_baseline), MIN_STEP_MS)
-    decode_ttft = statistics.median(on_decode.ttft_ms) * ratio
-    ttft = cal.predict("ttft_p50_ms", run.ttft_p50_ms, prefill) + decode_ttft + hop_ms
+    server_ttft = (statistics.median(prefill.ttft_ms) + statistics.median(on_decode.ttft_ms)) * ratio
+    ttft = server_ttft + cal.client_gap_ms + hop_ms
     return PairPrediction(ttft, p50(on_decode) * ratio, SIM_METRICS["itl_p99_ms"](on_decode) * ratio)
 
 
@@ -181,8 +193,11 @@ def disaggregate_what_if(d: Diagnosis) -> WhatIf | None:
     verifiable = d.settings.server == "kvflow" and d.settings.enable_prefix_caching is not False
     setting = {"kv_role": DISAGGREGATE} if verifiable else None
     method = SIMULATED_METHOD if simulated is not None else METHOD
-    # The simulated tail moves with the plain decode gaps (it was carried by their ratio); the
-    # constants' with the run's ITL p50 they multiply.
+    # The simulated pair moves with the plain decode gaps (it was carried by their ratio: module
+    # docstring); the constants' tail with the run's ITL p50 it multiplies, their TTFT with the
+    # run's TTFT p50.
     carried = {"itl_p99_ms": "itl_p50_ms"}
+    if simulated is not None:
+        carried["ttft_p50_ms"] = "itl_p50_ms"
     predicted = {"itl_p99_ms": itl_p99, "ttft_p50_ms": ttft}
     return WhatIf(change, effect, predicted, setting, method=method, carried_by=carried)

@@ -85,8 +85,8 @@ DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # again rather than reading an older profile without it): 2 added the decode steps at a long context,
 # 3 the served decode steps, 4 the curves on half the cores, 5 the served probe's medians over sweeps,
 # 6 the served turnover probe and five sweeps, 7 the arrival probe in its place (the steps during
-# which a request arrived, not those after a finish).
-PROFILE_FORMAT = 7
+# which a request arrived, not those after a finish), 8 the decode curves' medians over passes.
+PROFILE_FORMAT = 8
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
 

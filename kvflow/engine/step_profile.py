@@ -6,7 +6,9 @@ simulates.
     prefill curve   one request's prompt of n tokens in one step (n = 8 .. the token budget,
                     doubling): the step's duration, median of `repeats`
     decode curve    b requests decoding together (b = 1 .. max_num_seqs, doubling), short contexts:
-                    the median duration of the steps that decode exactly b rows
+                    the median duration of the steps that decode exactly b rows, median of
+                    `repeats`
+Each repeat is one pass over every size of both curves.
     decode at a     b = 1 and CONTEXT_PROBE_ROWS requests decoding after long prompts: a query row
     long context    re-reads its context (kvflow/query_rows.py), and these against the short ones
                     price a key (the cost of a short prompt suffix after a cached prefix)
@@ -81,22 +83,31 @@ def profile_steps(engine: LLMEngine, repeats: int = 3) -> dict[str, Any]:
     engine.add_request("warmup", prompts(WARMUP_TOKENS), SamplingParams(max_tokens=4, ignore_eos=True))
     _run(engine)
     budget = min(sched.max_num_batched_tokens, max_len - 1)
-    prefill: dict[int, float] = {}
-    for n in _doubling(MIN_PREFILL_TOKENS, budget):
-        times = []
-        for r in range(repeats):
-            engine.add_request(f"prefill-{n}-{r}", prompts(n), once)
-            times += [ms for tokens, rows, ms, _ in _run(engine) if tokens == n and rows == 0]
-        if times:
-            prefill[n] = statistics.median(times)
-    decode: dict[int, float] = {}
+    # Each repeat is a pass over every size, so a slow stretch of the machine (a VM's, lasting a
+    # probe or two) lands in one pass of a few sizes, where back-to-back repeats of one size all
+    # fell in it. One profile's 4-row decode probe (one run of 12 steps) ran at 15.6 ms beside 13.5
+    # at 8 rows (11.9-12.1 when measured again): the run's fit then put its servers' excess over a
+    # 4-row step at 1 ms where ~4 were its own, and a disaggregated decode instance priced from the
+    # split curve plus that excess came out 20-30% fast (ITL p50 12.0-13.8 ms predicted on four
+    # diagnoses, 16.3-17.9 measured on the pair; 14.9-17.2 from a profile measured in passes,
+    # session 33).
+    prefill_times: dict[int, list[float]] = {}
+    decode_times: dict[int, list[float]] = {}
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_OUTPUT_TOKENS, ignore_eos=True)
-    for b in _doubling(1, sched.max_num_seqs):
-        for i in range(b):
-            engine.add_request(f"decode-{b}-{i}", prompts(DECODE_PROMPT_TOKENS), params)
-        times = [ms for tokens, rows, ms, _ in _run(engine) if tokens == 0 and rows == b]
-        if times:
-            decode[b] = statistics.median(times)
+    for r in range(repeats):
+        for n in _doubling(MIN_PREFILL_TOKENS, budget):
+            engine.add_request(f"prefill-{n}-{r}", prompts(n), once)
+            ms = [ms for tokens, rows, ms, _ in _run(engine) if tokens == n and rows == 0]
+            prefill_times.setdefault(n, []).extend(ms)
+        for b in _doubling(1, sched.max_num_seqs):
+            for i in range(b):
+                engine.add_request(f"decode-{b}-{r}-{i}", prompts(DECODE_PROMPT_TOKENS), params)
+            # A pass's b-row steps: their median (a few of its steps take in the prompts).
+            steps = [ms for tokens, rows, ms, _ in _run(engine) if tokens == 0 and rows == b]
+            if steps:
+                decode_times.setdefault(b, []).append(statistics.median(steps))
+    prefill = {n: statistics.median(times) for n, times in prefill_times.items() if times}
+    decode = {b: statistics.median(times) for b, times in decode_times.items()}
     return {"prefill_ms": prefill, "decode_ms": decode, **_decode_at_context(engine, prompts, max_len)}
 
 

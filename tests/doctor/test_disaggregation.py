@@ -48,3 +48,31 @@ def test_the_decode_instances_tail_is_the_steps_that_take_in_a_last_block() -> N
     alone = half * COST.step_ms(StepShape(prefill_tokens=8))
     prefill_alone = PREFILL_SPLIT_SLOWDOWN * COST.step_ms(StepShape(prefill_tokens=392))
     assert pair.ttft_p50_ms > prefill_alone + 1.0 + alone
+
+
+def test_the_pair_is_carried_by_the_step_speed_not_the_colocated_ttft() -> None:
+    """The colocated run's TTFT p50 is where its few requests happened to queue behind each other,
+    which the pair's prefill instance reorders: two runs of the same step speed whose TTFT p50 differ
+    by a third predict the same pair; a run whose steps are all 20% slower predicts a slower pair."""
+    samples = [RequestSample(392, 48, 0, 0.0, None, None) for _ in range(16)]
+    settings = SimSettings(4, 512, None, 16, True)
+    colocated = simulate(samples, settings, COST, 4)
+    p50 = SIM_METRICS["itl_p50_ms"]
+
+    def pair(ttft_p50_ms: float, itl_p50_ms: float) -> float:
+        evidence = replace(
+            calculator_evidence(392, 4, 48),
+            requests=samples,
+            concurrency=4.0,
+            itl_p50_ms=itl_p50_ms,
+            ttft_p50_ms=ttft_p50_ms,
+        )
+        predicted = pd_simulated(Calibration(COST, settings, colocated, 4, evidence, 0.0), 1.0 / 392)
+        assert predicted is not None
+        return predicted.ttft_p50_ms
+
+    ttft, itl = SIM_METRICS["ttft_p50_ms"](colocated), p50(colocated)
+    assert pair(ttft * 1.33, itl) == pytest.approx(pair(ttft, itl))
+    # Slower steps: each instance's steps 20% slower, less queueing at the prefill instance (each
+    # client's decode phase is longer too, so fewer prompts arrive together).
+    assert pair(ttft, itl) < pair(ttft, itl * 1.2) <= pair(ttft, itl) * 1.2
