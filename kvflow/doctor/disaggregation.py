@@ -31,8 +31,8 @@ behind each other, which the pair's prefill instance reorders. That p50 is noisy
 of the planted prefill_chunks settings its measured-over-simulated ratio was 1.07-1.33 where the
 step speed's was 1.02 on all four. Carried by it (and under `--verify` by the fresh baseline's TTFT
 p50 again) the pair's TTFT came out 14-44% from the measured (session 32). Carried by the step
-speed, on a profile measured in passes (kvflow/engine/step_profile.py), it came out 20% and 11% low
-in two runs (session 33): the pair's prefill instance ran its steps 17-22% slower than their price
+speed, on a profile measured in passes (kvflow/engine/step_profile.py), it came out 20%, 11%, 19% and
+6% low in four runs (session 33): the pair's prefill instance ran its steps 17-22% slower than their price
 (the split curve plus the run's fitted prompt constant), which a busy neighbour alone does not
 explain (a forward loop on the other core moved the split probes by 0-9%), and its prompts queue
 behind those steps.
