@@ -8,7 +8,9 @@ import json
 import subprocess
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from kvflow.doctor.step_profile import StepProfile
 from kvflow.engine.engine import LLMEngine
@@ -83,3 +85,43 @@ def test_the_command_prints_what_the_doctor_reads(tiny_checkpoint_factory: Calla
     assert profile is not None
     assert profile.prefill.sizes == (16, 32) and profile.decode.sizes == (1, 2, 4)
     assert profile.row_ms_per_key is None  # a 64-token context leaves no room for the long probe
+
+
+def test_a_slow_stretch_during_one_probe_does_not_set_its_size(
+    tiny_checkpoint_factory: Callable[..., Path],
+) -> None:
+    """Each repeat is a pass over every size, and each size the median over the passes: a slow
+    stretch of the machine that takes one probe (here every 4-row step of the first 4-row probe, 5x
+    as long) moves one pass of that size, not the curve. Back to back, one probe per size, one
+    profile's 4-row step read 15.6 ms beside 13.5 at 8 rows (11.9-12.1 measured again, session 33)."""
+    engine = LLMEngine.from_kwargs(
+        model=str(tiny_checkpoint_factory("llama")),
+        dtype="float32",
+        max_model_len=128,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+    )
+    add_request, step = engine.add_request, engine.step
+    stretch = {"on": False, "over": False}
+
+    def add(request_id: str, *args: Any, **kwargs: Any) -> Any:
+        probe_of_4 = request_id.startswith("decode-4-")
+        if probe_of_4 and not stretch["over"]:
+            stretch["on"] = True
+        elif stretch["on"] and not probe_of_4:
+            stretch["on"], stretch["over"] = False, True
+        return add_request(request_id, *args, **kwargs)
+
+    def slow_step() -> Any:
+        out = step()
+        stats = engine.last_step_stats
+        decoding_4 = stats is not None and stats.num_decode_tokens == 4 and not stats.num_prefill_tokens
+        if stretch["on"] and stats is not None and decoding_4:
+            engine.last_step_stats = replace(stats, duration=5 * stats.duration)
+        return out
+
+    engine.add_request, engine.step = add, slow_step  # type: ignore[method-assign]
+    profile = profile_steps(engine, repeats=3)
+    assert stretch["over"]  # the stretch took the first 4-row probe and ended
+    decode = profile["decode_ms"]
+    assert decode[4] < 2 * decode[8], decode  # 5x in one pass of three: not the median
