@@ -8,10 +8,11 @@ simulates.
     decode curve    b requests decoding together (b = 1 .. max_num_seqs, doubling), short contexts:
                     the median duration of the steps that decode exactly b rows, median of
                     `repeats`
-Each repeat is one pass over every size of both curves.
     decode at a     b = 1 and CONTEXT_PROBE_ROWS requests decoding after long prompts: a query row
     long context    re-reads its context (kvflow/query_rows.py), and these against the short ones
                     price a key (the cost of a short prompt suffix after a cached prefix)
+
+Each repeat of the prefill and decode curves is one pass over every size of both (profile_steps).
 
 Durations are the engine's own (StepStats.duration: schedule, forward, sampling, outputs). Prompts
 are random token ids, distinct per probe, so no prefix-cache hit shortens one.

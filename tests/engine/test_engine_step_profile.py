@@ -20,14 +20,20 @@ from kvflow.sampling_params import SamplingParams
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_every_shape_is_measured(tiny_checkpoint_factory: Callable[..., Path]) -> None:
-    engine = LLMEngine.from_kwargs(
+def _profiled_engine(tiny_checkpoint_factory: Callable[..., Path]) -> LLMEngine:
+    """The tiny Llama with a 64-token budget and 8 slots: prefill probes of 16-64 tokens, decode
+    probes of 1-8 rows."""
+    return LLMEngine.from_kwargs(
         model=str(tiny_checkpoint_factory("llama")),
         dtype="float32",
         max_model_len=128,
         max_num_batched_tokens=64,
         max_num_seqs=8,
     )
+
+
+def test_every_shape_is_measured(tiny_checkpoint_factory: Callable[..., Path]) -> None:
+    engine = _profiled_engine(tiny_checkpoint_factory)
     profile = profile_steps(engine, repeats=1)
     # The prefill curve starts above the chunks attended as query rows (kvflow/query_rows.py).
     assert sorted(profile["prefill_ms"]) == [16, 32, 64]
@@ -94,13 +100,7 @@ def test_a_slow_stretch_during_one_probe_does_not_set_its_size(
     stretch of the machine that takes one probe (here every 4-row step of the first 4-row probe, 5x
     as long) moves one pass of that size, not the curve. Back to back, one probe per size, one
     profile's 4-row step read 15.6 ms beside 13.5 at 8 rows (11.9-12.1 measured again, session 33)."""
-    engine = LLMEngine.from_kwargs(
-        model=str(tiny_checkpoint_factory("llama")),
-        dtype="float32",
-        max_model_len=128,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-    )
+    engine = _profiled_engine(tiny_checkpoint_factory)
     add_request, step = engine.add_request, engine.step
     stretch = {"on": False, "over": False}
 
