@@ -10,6 +10,7 @@ model and machine in ~/.cache/kvflow/doctor/quant-speed/, or says the gain is un
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -31,18 +32,47 @@ def cache_dir() -> Path:
     )
 
 
-def _cpu_name() -> str:
+# The /proc/cpuinfo fields that tell one CPU from another: under a hypervisor the model name is
+# often just the vendor's ("AMD EPYC" on a Zen 2 and on a Zen 4 VM alike), and family, model and
+# the instruction set (flags: AVX-512, VNNI, AMX pick different kernels) are what set the speeds.
+CPU_ID_FIELDS = ("model name", "cpu family", "model", "stepping", "flags")
+
+
+def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The first processor's CPU_ID_FIELDS from `cpuinfo` (flags as a short digest), or the
+    platform's processor string where there is no cpuinfo."""
+    fields: dict[str, str] = {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        for line in cpuinfo.read_text().splitlines():
+            if not line.strip():
+                break  # the first processor's block ends: every processor of a VM is alike
+            key, _, value = line.partition(":")
+            if key.strip() in CPU_ID_FIELDS:
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
-    return platform.processor()
+    if not fields:
+        return platform.processor()
+    if "flags" in fields:
+        fields["flags"] = hashlib.sha256(fields["flags"].encode()).hexdigest()[:12]
+    return "/".join(fields.get(name, "") for name in CPU_ID_FIELDS)
 
 
-def machine_key() -> str:
-    return f"{_cpu_name()}|{os.cpu_count()}|{platform.machine()}"
+def _torch_version() -> str:
+    """The installed torch's version, read without importing it (the doctor imports no torch):
+    its CPU kernels set the step times as much as the machine does."""
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return "no torch"
+
+
+def machine_key(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """What a measured speed belongs to besides the model: the CPU (cpu_identity), its core count,
+    the architecture and torch. A cache measured on another CPU with the same name must not be
+    read here: this project's VMs were a Zen 2 and a Zen 4 under the one name "AMD EPYC", whose
+    tiny-model steps and int8/int4 speeds differ (benchmarks/NOTES.md, session 34)."""
+    return f"{cpu_identity(cpuinfo)}|{os.cpu_count()}|{platform.machine()}|torch {_torch_version()}"
 
 
 def model_key(model_dir: str | Path) -> str:

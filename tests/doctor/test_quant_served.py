@@ -12,6 +12,7 @@ import pytest
 from kvflow.bench.runner import BenchConfig
 from kvflow.doctor import quant_served
 from kvflow.doctor.quant_served import QUANT_SERVED_RUNS, load_served_tpot, measure_served_tpot
+from kvflow.doctor.quant_speed import machine_key
 
 
 def test_each_format_is_served_and_its_tpot_cached(
@@ -69,3 +70,22 @@ def test_a_format_the_server_cannot_load_is_left_out(tmp_path: Path, monkeypatch
     monkeypatch.setattr(quant_served, "stop_server", lambda process: None)
     monkeypatch.setattr(quant_served, "run_benchmark", lambda config: {"tpot_ms": {"p50": 3.0}})
     assert measure_served_tpot(tmp_path / "m", "bfloat16", ["int8", "int4"]) == {"bfloat16": 3.0, "int8": 3.0}
+
+
+def test_two_cpus_under_one_model_name_get_their_own_caches(tmp_path: Path) -> None:
+    """A hypervisor shows "AMD EPYC" for a Zen 2 and a Zen 4 alike: the cache key must tell them
+    apart by family, model and instruction set, or one machine's speeds are read on the other."""
+
+    def cpuinfo(name: str, family: str, model: str, flags: str) -> Path:
+        block = f"processor\t: 0\nmodel name\t: {name}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+        path = tmp_path / f"cpuinfo-{family}-{model}-{len(flags)}"
+        path.write_text(block + f"stepping\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nmodel name\t: other\n")
+        return path
+
+    zen2 = machine_key(cpuinfo("AMD EPYC", "23", "49", "fpu sse avx2"))
+    zen4 = machine_key(cpuinfo("AMD EPYC", "25", "17", "fpu sse avx2 avx512f avx512_vnni"))
+    same_family_other_isa = machine_key(cpuinfo("AMD EPYC", "23", "49", "fpu sse avx2 avx512f"))
+    assert len({zen2, zen4, same_family_other_isa}) == 3
+    # Stable: the same CPU finds its cache again.
+    assert machine_key(cpuinfo("AMD EPYC", "23", "49", "fpu sse avx2")) == zen2
+    assert "other" not in zen2  # the first processor's block only
