@@ -128,6 +128,8 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
         "covered": check.covered,
         "verdict": check.verdict,
         "baseline_spread": check.noise,
+        "measured_range": list(check.measured_range) if check.measured_range is not None else None,
+        "inside_measured_range": check.inside_measured_range,
     }
 
 
@@ -135,9 +137,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "| scenario | change | metric | baseline | predicted | measured | gain pred. | gain meas. "
         f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | value error | pair by pair | baseline spread "
-        "| predicted interval |"
+        "| predicted interval | changed runs' range |"
     )
-    print("|" + " --- |" * 14)
+    print("|" + " --- |" * 15)
     for r in rows:
         ratio = "-" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.2f}"
         print(
@@ -145,7 +147,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['predicted']:,.1f} | {r['measured']:,.1f} | {r['predicted_gain']:,.1f} | "
             f"{r['measured_gain']:,.1f} | {ratio} | "
             f"{VERDICT_MARK[r['verdict']]} | {r['value_error']:.0%} | {percent(r['paired_value_error'])} | "
-            f"{r['baseline_spread']:.0%} | {interval(r)} |"
+            f"{r['baseline_spread']:.0%} | {interval(r)} | {measured_range(r)} |"
         )
 
 
@@ -155,6 +157,14 @@ def interval(r: dict[str, Any]) -> str:
         return "-"
     lo, hi = r["interval"]
     return f"{lo:,.1f}-{hi:,.1f} ({'yes' if r['covered'] else 'no'})"
+
+
+def measured_range(r: dict[str, Any]) -> str:
+    """The changed runs' lowest-highest over the repeats, and whether the prediction fell inside."""
+    if r["measured_range"] is None:
+        return "-"
+    lo, hi = r["measured_range"]
+    return f"{lo:,.1f}-{hi:,.1f} ({'yes' if r['inside_measured_range'] else 'no'})"
 
 
 def percent(value: float | None) -> str:
@@ -220,6 +230,14 @@ def main() -> None:
         print(
             f"measured inside the predicted interval (the diagnosed run's {NOISE_COVERAGE:.0%} bootstrap "
             f"interval, carried): {sum(r['covered'] for r in stated)} of {len(stated)}"
+        )
+    ranged = [r for r in shown if r["inside_measured_range"] is not None]
+    if ranged:
+        outside = sorted(r["value_error"] for r in ranged if not r["inside_measured_range"])
+        worst = f", worst error among those outside {outside[-1]:.0%}" if outside else ""
+        print(
+            f"predicted inside the changed runs' own range over the repeats (an error there is within "
+            f"what the machine moves between runs): {len(ranged) - len(outside)} of {len(ranged)}{worst}"
         )
     if args.output:
         Path(args.output).write_text(json.dumps(rows, indent=1))

@@ -342,6 +342,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 "paired_value_error": c.paired_value_error,
                 "interval": list(c.interval) if c.interval is not None else None,
                 "covered": c.covered,
+                "measured_range": list(c.measured_range) if c.measured_range is not None else None,
+                "inside_measured_range": c.inside_measured_range,
                 "noise": c.noise,
                 "verdict": c.verdict,
                 "explanation": c.explain(),

@@ -60,6 +60,20 @@ class Verification:
     # bootstrap over its requests), carried to the fresh baseline as the prediction is; None: the
     # run could not state one.
     interval: tuple[float, float] | None = None
+    # The changed runs' own (lowest, highest) over the repeats: how far the value a user reads moves
+    # between two runs of the same change (a bursty 16-request TTFT p50 moved 13-21 ms on one VM
+    # over four runs, benchmarks/NOTES.md session 34), which a value error cannot be told apart
+    # from. None with one repeat.
+    measured_range: tuple[float, float] | None = None
+
+    @property
+    def inside_measured_range(self) -> bool | None:
+        """The prediction between the lowest and highest changed run; None with one repeat. A value
+        error outside it is the model's; inside, the repeats cannot tell it from the machine's."""
+        if self.measured_range is None:
+            return None
+        lo, hi = self.measured_range
+        return lo <= self.predicted <= hi
 
     @property
     def covered(self) -> bool | None:
@@ -136,6 +150,9 @@ class Verification:
         if self.interval is not None:
             (lo, hi), where = self.interval, "inside" if self.covered else "outside"
             line += f" [measured {where} the predicted interval {lo:,.1f}-{hi:,.1f}]"
+        if self.measured_range is not None:
+            (lo, hi), where = self.measured_range, "inside" if self.inside_measured_range else "outside"
+            line += f" [predicted {where} the changed runs' range {lo:,.1f}-{hi:,.1f}]"
         if self.within_noise:
             return line + ": predicted and measured gains are both within the baseline's spread"
         if self.agrees:
@@ -290,7 +307,10 @@ def compare(
         # prediction was carried by (not the baseline's own value where that is a noisy tail).
         ratios = [read(c) / carry(b) for b, c in pairs if read(c) is not None and carry(b)]
         paired = now * statistics.median(ratios) if ratios else None
-        checks.append(Verification(what_if.change, metric, base, scaled, after, noise, paired, interval))
+        spread = (min(afters), max(afters)) if len(afters) > 1 else None
+        checks.append(
+            Verification(what_if.change, metric, base, scaled, after, noise, paired, interval, spread)
+        )
     return checks
 
 

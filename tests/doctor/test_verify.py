@@ -38,6 +38,11 @@ def test_the_prediction_is_carried_to_the_fresh_baseline_and_compared_on_medians
     assert check.agrees and check.verdict == "agrees"  # gain 160 against 165 predicted
     # Pair by pair: 60 / 220, 70 / 230, 50 / 210 -> the median ratio 60 / 220, at the median baseline.
     assert check.paired_measured == pytest.approx(220.0 * 60.0 / 220.0)
+    # The changed runs moved 50-70 ms between repeats: the prediction (55) lies inside that range.
+    assert check.measured_range == (50.0, 70.0) and check.inside_measured_range
+    assert "inside the changed runs' range 50.0-70.0" in check.explain()
+    assert not Verification("c", "m", 100.0, 40.0, 60.0, measured_range=(55.0, 65.0)).inside_measured_range
+    assert Verification("c", "m", 100.0, 40.0, 60.0).inside_measured_range is None  # one repeat: unknown
 
 
 def test_the_predicted_interval_is_carried_with_the_prediction_and_covers_or_not() -> None:
