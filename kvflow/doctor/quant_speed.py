@@ -35,7 +35,19 @@ def cache_dir() -> Path:
 # The /proc/cpuinfo fields that tell one CPU from another: under a hypervisor the model name is
 # often just the vendor's ("AMD EPYC" on a Zen 2 and on a Zen 4 VM alike), and family, model and
 # the instruction set (flags: AVX-512, VNNI, AMX pick different kernels) are what set the speeds.
-CPU_ID_FIELDS = ("model name", "cpu family", "model", "stepping", "flags")
+# An Arm kernel names them CPU implementer / CPU part / Features instead.
+CPU_ID_FIELDS = (
+    "model name",
+    "cpu family",
+    "model",
+    "stepping",
+    "flags",
+    "CPU implementer",
+    "CPU part",
+    "Features",
+)
+# Long fields kept as a short digest in the key.
+DIGESTED_FIELDS = ("flags", "Features")
 
 
 def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
@@ -53,9 +65,10 @@ def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
         pass
     if not fields:
         return platform.processor()
-    if "flags" in fields:
-        fields["flags"] = hashlib.sha256(fields["flags"].encode()).hexdigest()[:12]
-    return "/".join(fields.get(name, "") for name in CPU_ID_FIELDS)
+    for name in DIGESTED_FIELDS:
+        if name in fields:
+            fields[name] = hashlib.sha256(fields[name].encode()).hexdigest()[:12]
+    return "/".join(fields[name] for name in CPU_ID_FIELDS if name in fields)
 
 
 def _torch_version() -> str:

@@ -89,3 +89,9 @@ def test_two_cpus_under_one_model_name_get_their_own_caches(tmp_path: Path) -> N
     # Stable: the same CPU finds its cache again.
     assert machine_key(cpuinfo("AMD EPYC", "23", "49", "fpu sse avx2")) == zen2
     assert "other" not in zen2  # the first processor's block only
+    # An Arm kernel's fields: implementer, part and features tell its CPUs apart.
+    arm = tmp_path / "cpuinfo-arm"
+    arm.write_text("processor\t: 0\nFeatures\t: fp asimd sve\nCPU implementer\t: 0x41\nCPU part\t: 0xd40\n")
+    other_arm = tmp_path / "cpuinfo-arm2"
+    other_arm.write_text("processor\t: 0\nFeatures\t: fp asimd\nCPU implementer\t: 0x41\nCPU part\t: 0xd0c\n")
+    assert machine_key(arm) != machine_key(other_arm)
