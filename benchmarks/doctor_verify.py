@@ -147,24 +147,19 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['predicted']:,.1f} | {r['measured']:,.1f} | {r['predicted_gain']:,.1f} | "
             f"{r['measured_gain']:,.1f} | {ratio} | "
             f"{VERDICT_MARK[r['verdict']]} | {r['value_error']:.0%} | {percent(r['paired_value_error'])} | "
-            f"{r['baseline_spread']:.0%} | {interval(r)} | {measured_range(r)} |"
+            f"{r['baseline_spread']:.0%} | {bounds_cell(r['interval'], r['covered'])} | "
+            f"{bounds_cell(r['measured_range'], r['inside_measured_range'])} |"
         )
 
 
-def interval(r: dict[str, Any]) -> str:
-    """The predicted interval, and whether the measured value fell inside (yes) or not (no)."""
-    if r["interval"] is None:
+def bounds_cell(bounds: list[float] | None, inside: bool | None) -> str:
+    """A (lowest, highest) pair and whether the value it is checked against fell inside (yes) or not
+    (no): the predicted interval against the measured value, the changed runs' range against the
+    prediction."""
+    if bounds is None:
         return "-"
-    lo, hi = r["interval"]
-    return f"{lo:,.1f}-{hi:,.1f} ({'yes' if r['covered'] else 'no'})"
-
-
-def measured_range(r: dict[str, Any]) -> str:
-    """The changed runs' lowest-highest over the repeats, and whether the prediction fell inside."""
-    if r["measured_range"] is None:
-        return "-"
-    lo, hi = r["measured_range"]
-    return f"{lo:,.1f}-{hi:,.1f} ({'yes' if r['inside_measured_range'] else 'no'})"
+    lo, hi = bounds
+    return f"{lo:,.1f}-{hi:,.1f} ({'yes' if inside else 'no'})"
 
 
 def percent(value: float | None) -> str:

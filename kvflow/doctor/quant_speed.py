@@ -51,16 +51,17 @@ DIGESTED_FIELDS = ("flags", "Features")
 
 
 def cpu_identity(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
-    """The first processor's CPU_ID_FIELDS from `cpuinfo` (flags as a short digest), or the
-    platform's processor string where there is no cpuinfo."""
+    """The first processor's CPU_ID_FIELDS from `cpuinfo` (DIGESTED_FIELDS as short digests), or
+    the platform's processor string where there is none of them."""
     fields: dict[str, str] = {}
     try:
         for line in cpuinfo.read_text().splitlines():
             if not line.strip():
                 break  # the first processor's block ends: every processor of a VM is alike
             key, _, value = line.partition(":")
-            if key.strip() in CPU_ID_FIELDS:
-                fields[key.strip()] = value.strip()
+            key = key.strip()
+            if key in CPU_ID_FIELDS:
+                fields[key] = value.strip()
     except OSError:
         pass
     if not fields:
