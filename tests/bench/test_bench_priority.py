@@ -2,12 +2,15 @@
 exact proportions, the result reports TTFT per priority class, and the doctor reads the classes.
 
 Against a priority server with one running slot (max_num_seqs=1) and eight requests in flight, the
-requests of priority 0 go ahead of the queued priority-5 ones whenever the slot frees: the order of
-service, not a timing bound, makes their TTFT the smaller."""
+requests of priority 0 go ahead of the queued priority-5 ones whenever the slot frees. The test reads
+that order of service from the bench's records (how many other requests got their first token while
+each one waited), not from TTFT medians: a stall of the shared CI machine during the first wave (three
+of the four priority-0 requests are in it) once made the priority-0 median the larger."""
 
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +41,21 @@ def test_the_mix_is_parsed_and_assigned_exactly() -> None:
     assert assign_priorities(3, {}, seed=0) == [None, None, None]
 
 
+def served_ahead(records: list[dict]) -> dict[int, int]:
+    """Per request index: how many other requests got their first token between its send and its
+    own first token (its place in the order of service; a machine-wide stall moves every time, not
+    this count)."""
+    first_token_s = {r["index"]: r["send_s"] + r["ttft_ms"] / 1000 for r in records}
+    return {
+        r["index"]: sum(
+            r["send_s"] < t < first_token_s[r["index"]]
+            for index, t in first_token_s.items()
+            if index != r["index"]
+        )
+        for r in records
+    }
+
+
 def test_bench_sends_priorities_and_reports_each_class(
     start_server: Callable[..., LiveServer],
     server_model_dir: Path,
@@ -57,8 +75,15 @@ def test_bench_sends_priorities_and_reports_each_class(
     assert Counter(r["priority"] for r in result["requests"]) == {0: 4, 5: 12}
     classes = result["per_priority"]
     assert (classes["0"]["completed"], classes["5"]["completed"]) == (4, 12)
-    # Served first whenever the one slot frees: the priority-0 class's median wait is the shorter.
-    assert classes["0"]["ttft_ms"]["p50"] < classes["5"]["ttft_ms"]["p50"]
+    # Served first whenever the one slot frees: while a priority-0 request waits, at most the running
+    # request and earlier priority-0 ones get a first token; a priority-5 one waits behind the queue.
+    ahead = served_ahead(result["requests"])
+    ahead_0 = [ahead[r["index"]] for r in result["requests"] if r["priority"] == 0]
+    ahead_5 = [ahead[r["index"]] for r in result["requests"] if r["priority"] == 5]
+    assert statistics.median(ahead_0) < statistics.median(ahead_5), (ahead_0, ahead_5)
+    assert classes["0"]["ttft_ms"]["p50"] == pytest.approx(
+        statistics.median(r["ttft_ms"] for r in result["requests"] if r["priority"] == 0)
+    )
     run = evidence_from_bench(result)
     assert list(run.ttft_by_priority) == [0, 5]
     assert run.ttft_by_priority[0][0] == classes["0"]["ttft_ms"]["p50"]
