@@ -90,10 +90,13 @@ def test_the_planted_cause_is_named_first(
         return
     assert causes, "no cause named"
     assert causes[0][1] == scenario.planted, causes
-    # The finding behind the first cause offers a change `--verify` can apply.
+    # The finding behind the first cause offers a change `--verify` can apply, or holds it back as
+    # within the run's noise: the long prompt's cut (a quarter of 960 tokens, TTFT -8% on this
+    # model's two 512-token chunks) is, on a run whose six TTFTs a loaded machine spread (CI).
     finding = next(f for f in doc["findings"] if f["id"] == doc["causes"][0]["finding"])
     applicable = [w for w in finding["what_ifs"] if w["setting"] or w["workload"]]
-    assert applicable, finding["what_ifs"]
+    within_noise = finding["evidence"].get("what_ifs_within_noise") or []
+    assert applicable or within_noise, (causes, finding["what_ifs"])
     if scenario.planted == "max_num_batched_tokens":  # the chunk is tried at three budgets
         chunks = [w for w in applicable if w["setting"] and "max_num_batched_tokens" in w["setting"]]
         # Budgets whose predicted change is inside the run's noise are held back, not offered.
