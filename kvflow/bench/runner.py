@@ -15,10 +15,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 
 from kvflow.bench.arrivals import LoadSpec, run_load
-from kvflow.bench.client import ClientConfig, Endpoint, Prompt, send_request
+from kvflow.bench.client import ClientConfig, Endpoint, Prompt, send_request, stream_session
 from kvflow.bench.datasets import BenchTokenizer, Conversation, DatasetSpec, Workload, build_workload
 from kvflow.bench.events import RequestRecord
 from kvflow.bench.gauges import GaugeSamples, records_gauges, sample_gauges, window_gauges
@@ -275,7 +276,7 @@ class Runner:
 
     async def run_conversation(
         self,
-        http: httpx.AsyncClient,
+        session: aiohttp.ClientSession,
         conversation: Conversation,
         index: int,
         warmup: bool,
@@ -294,7 +295,7 @@ class Runner:
                 record.conversation, record.turn = index, t
             self.records.append(record)
             record.shared_prefix_tokens = self.shared_prefix_tokens(prompt)
-            await send_request(http, self.client_config, prompt, record, self.count_tokens())
+            await send_request(session, self.client_config, prompt, record, self.count_tokens())
             if progress is not None:
                 progress.update()
             if record.error is not None:
@@ -304,13 +305,18 @@ class Runner:
     async def run(self, workload: Workload) -> float:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
         headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else None
-        async with httpx.AsyncClient(
-            base_url=self.config.base_url, timeout=HTTP_TIMEOUT_S, limits=limits, headers=headers
-        ) as http:
+        # The requests stream through aiohttp (kvflow/bench/client.py: a third of httpx's cost per
+        # chunk); the gauge samplers, a few requests a second, through httpx.
+        async with (
+            httpx.AsyncClient(
+                base_url=self.config.base_url, timeout=HTTP_TIMEOUT_S, limits=limits, headers=headers
+            ) as http,
+            stream_session(HTTP_TIMEOUT_S) as session,
+        ):
             # Warm-up prompts share no prefix with the measured ones (kvflow/bench/datasets.py): a
             # prefix cache must not serve measured requests from what the warm-up left behind.
             for i, conversation in enumerate(workload.warmup):
-                await self.run_conversation(http, conversation, i, True, None)
+                await self.run_conversation(session, conversation, i, True, None)
             metrics_url = self.config.server_root + "/metrics"
             self.before = scrape(metrics_url, headers)
             steps_hello = dashboard_hello(self.config.server_root, headers)
@@ -331,7 +337,7 @@ class Runner:
                 duration = await run_load(
                     len(workload.conversations),
                     self.config.load,
-                    lambda i: self.run_conversation(http, workload.conversations[i], i, False, progress),
+                    lambda i: self.run_conversation(session, workload.conversations[i], i, False, progress),
                 )
             finally:
                 progress.close()
