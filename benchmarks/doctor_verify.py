@@ -130,6 +130,8 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
         "baseline_spread": check.noise,
         "measured_range": list(check.measured_range) if check.measured_range is not None else None,
         "inside_measured_range": check.inside_measured_range,
+        "carry": check.carry,
+        "uncarried_value_error": check.uncarried_value_error,
     }
 
 
@@ -219,6 +221,12 @@ def main() -> None:
         print(
             f"the same, measured pair by pair (each changed run against its own baseline): median "
             f"{statistics.median(paired):.0%}, worst {paired[-1]:.0%}"
+        )
+    uncarried = sorted(r["uncarried_value_error"] for r in shown)
+    if uncarried:
+        print(
+            f"the same, the prediction as diagnosed (not carried by the fresh baselines' ratio): median "
+            f"{statistics.median(uncarried):.0%}, worst {uncarried[-1]:.0%}"
         )
     stated = [r for r in shown if r["covered"] is not None]
     if stated:

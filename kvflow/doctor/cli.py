@@ -344,6 +344,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 "covered": c.covered,
                 "measured_range": list(c.measured_range) if c.measured_range is not None else None,
                 "inside_measured_range": c.inside_measured_range,
+                "carry": c.carry,
+                "uncarried_value_error": c.uncarried_value_error,
                 "noise": c.noise,
                 "verdict": c.verdict,
                 "explanation": c.explain(),

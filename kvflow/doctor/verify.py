@@ -65,6 +65,17 @@ class Verification:
     # over four runs, benchmarks/NOTES.md session 34), which a value error cannot be told apart
     # from. None with one repeat.
     measured_range: tuple[float, float] | None = None
+    # The ratio the diagnosis's prediction was carried by to get `predicted` (the fresh baselines'
+    # carrying metric, median, over the diagnosed run's): 1.0 uncarried. A ratio taken from one
+    # diagnosed run and a few baselines holds their noise too (a tail's: ITL p99 moved 94-135 ms
+    # over five baselines of one server, benchmarks/NOTES.md session 35).
+    carry: float = 1.0
+
+    @property
+    def uncarried_value_error(self) -> float:
+        """The value error of the prediction as the diagnosis made it (not carried)."""
+        made = self.predicted / self.carry if self.carry else self.predicted
+        return abs(made - self.measured) / self.measured if self.measured else math.inf
 
     @property
     def inside_measured_range(self) -> bool | None:
@@ -153,6 +164,11 @@ class Verification:
         if self.measured_range is not None:
             (lo, hi), where = self.measured_range, "inside" if self.inside_measured_range else "outside"
             line += f" [predicted {where} the changed runs' range {lo:,.1f}-{hi:,.1f}]"
+        if self.carry != 1.0:
+            line += (
+                f" [carried x{self.carry:.2f} from the diagnosed run; as diagnosed "
+                f"{self.predicted / self.carry:,.1f}, off by {self.uncarried_value_error:.0%}]"
+            )
         if self.within_noise:
             return line + ": predicted and measured gains are both within the baseline's spread"
         if self.agrees:
@@ -309,7 +325,7 @@ def compare(
         paired = now * statistics.median(ratios) if ratios else None
         spread = (min(afters), max(afters)) if len(afters) > 1 else None
         checks.append(
-            Verification(what_if.change, metric, base, scaled, after, noise, paired, interval, spread)
+            Verification(what_if.change, metric, base, scaled, after, noise, paired, interval, spread, scale)
         )
     return checks
 

@@ -41,6 +41,11 @@ def test_the_prediction_is_carried_to_the_fresh_baseline_and_compared_on_medians
     # The changed runs moved 50-70 ms between repeats: the prediction (55) lies inside that range.
     assert check.measured_range == (50.0, 70.0) and check.inside_measured_range
     assert "inside the changed runs' range 50.0-70.0" in check.explain()
+    # Carried x1.1 (220 / 200): as diagnosed, 50 against 60 measured.
+    assert check.carry == pytest.approx(1.1)
+    assert check.uncarried_value_error == pytest.approx(10.0 / 60.0)
+    assert "carried x1.10 from the diagnosed run; as diagnosed 50.0, off by 17%" in check.explain()
+    assert "carried" not in Verification("c", "m", 100.0, 40.0, 60.0).explain()  # 1.0: not said
     assert not Verification("c", "m", 100.0, 40.0, 60.0, measured_range=(55.0, 65.0)).inside_measured_range
     assert Verification("c", "m", 100.0, 40.0, 60.0).inside_measured_range is None  # one repeat: unknown
 
