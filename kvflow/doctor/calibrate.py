@@ -65,6 +65,10 @@ TIE = 1e-6
 # p99 35% worse where 64 replays say 5%, and 0-10% was measured); with 10,000 (~100 above it),
 # 0.69-0.74x and 1.01-1.11x (session 32). A replay of 12 requests costs ~15 ms.
 MIN_POOLED_GAPS = 10_000
+# A replay range (Calibration.replay_range) is stated over at least this many replays: the central
+# 90% of fewer is their extremes.
+MIN_REPLAYS_FOR_RANGE = 5
+REPLAY_COVERAGE = 0.9  # the central 90%, as the run's own noise (kvflow/doctor/noise.py)
 MAX_REPLICAS = 32
 TOKEN_KINDS = ("full_attention", "mla")  # kinds whose blocks hold every token of a request
 
@@ -251,6 +255,21 @@ class Calibration:
             for seed in range(self.replicas if replicas is None else replicas)
         ]
         return pooled(runs)
+
+    def replay_range(self, metric: str, changed: SimRun) -> tuple[float, float] | None:
+        """How far one run of the change lands around the pooled prediction, as factors of it: the
+        central REPLAY_COVERAGE of `metric` over the pooled replays, each the run's own size (its
+        clients' order, the residuals drawn); None with fewer than MIN_REPLAYS_FOR_RANGE replays
+        or no value. A tail on the edge of a step kind moves most: the planted kv_pool change's
+        ITL p99 read 3.1-5.4 ms over 14 replays around a pooled 3.8 (session 35), where its five
+        measured runs read 3.7-6.3."""
+        read = SIM_METRICS[metric]
+        center = read(changed)
+        if len(changed.per_replay) < MIN_REPLAYS_FOR_RANGE or center <= 0:
+            return None
+        values = sorted(read(r) for r in changed.per_replay)
+        tail = 100 * (1.0 - REPLAY_COVERAGE) / 2
+        return percentile(values, tail) / center, percentile(values, 100 - tail) / center
 
     def carried_by(self, metric: str, changed: SimRun) -> str:
         """The measured metric whose simulated-to-measured ratio carries `metric` to the change:

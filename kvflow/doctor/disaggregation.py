@@ -92,6 +92,8 @@ class PairPrediction:
     ttft_p50_ms: float
     itl_p50_ms: float
     itl_p99_ms: float
+    # The decode instance's ITL p99 over its replays, as factors (Calibration.replay_range).
+    itl_p99_range: tuple[float, float] | None = None
 
 
 def pd_simulated(cal: Calibration, transfer_ms_per_token: float) -> PairPrediction | None:
@@ -149,7 +151,12 @@ def pd_simulated(cal: Calibration, transfer_ms_per_token: float) -> PairPredicti
     ratio = run.itl_p50_ms / max(p50(cal.pooled_baseline), MIN_STEP_MS)
     server_ttft = (statistics.median(prefill.ttft_ms) + statistics.median(on_decode.ttft_ms)) * ratio
     ttft = server_ttft + cal.client_gap_ms + hop_ms
-    return PairPrediction(ttft, p50(on_decode) * ratio, SIM_METRICS["itl_p99_ms"](on_decode) * ratio)
+    return PairPrediction(
+        ttft,
+        p50(on_decode) * ratio,
+        SIM_METRICS["itl_p99_ms"](on_decode) * ratio,
+        cal.replay_range("itl_p99_ms", on_decode),
+    )
 
 
 def decode_split_ratio(cal: Calibration) -> float:
@@ -200,4 +207,9 @@ def disaggregate_what_if(d: Diagnosis) -> WhatIf | None:
     if simulated is not None:
         carried["ttft_p50_ms"] = "itl_p50_ms"
     predicted = {"itl_p99_ms": itl_p99, "ttft_p50_ms": ttft}
-    return WhatIf(change, effect, predicted, setting, method=method, carried_by=carried)
+    ranges = {}
+    if simulated is not None and simulated.itl_p99_range is not None:
+        ranges["itl_p99_ms"] = list(simulated.itl_p99_range)
+    return WhatIf(
+        change, effect, predicted, setting, method=method, carried_by=carried, sampling_range=ranges
+    )

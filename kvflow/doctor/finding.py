@@ -29,6 +29,9 @@ class WhatIf:
     # without the baseline's preemption stalls moves with the plain gaps: Calibration.carried_by);
     # `--verify` carries the prediction to its fresh baseline by that metric's ratio.
     carried_by: dict[str, str] = field(default_factory=dict)
+    # metric -> [low, high] factors of the prediction: where one run of the change lands, from the
+    # simulator's replays (Calibration.replay_range); the interval holds it (kvflow/doctor/noise.py).
+    sampling_range: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -12,7 +12,10 @@ noisier than a median: fewer samples decide it).
     interval of a prediction   predicted x (1 - h), predicted x (1 + h) (never below 0), h the run's
                                relative noise on the metric the prediction was carried by
                                (WhatIf.carried_by: the metric itself unless it says otherwise): the
-                               noise that entered it, carried to the value after the change
+                               noise that entered it, carried to the value after the change;
+                               widened to where one run of the change lands, when the simulator
+                               says (WhatIf.sampling_range: the central 90% of its replays, each
+                               the run's size), the noise of the run that will measure it
     within noise               |predicted - baseline| <= h x baseline for every latency metric the
                                what-if predicts: a rerun of the same load could show as much change
                                as the prediction. Such what-ifs are not offered as fixes: the
@@ -138,8 +141,13 @@ def _within_noise(run: RunEvidence, what_if: WhatIf, noise: _Noise) -> bool:
         # gaps' ratio (the kv_pool what-if's ITL p99, once its preemption stalls are gone) had taken
         # the baseline tail's own h, 4.2 there: -15 to 25 ms around 4.7 (session 29).
         carrier = noise[what_if.carried_by.get(metric, metric)]
-        if carrier is not None:
-            what_if.interval[metric] = [max(predicted * (1 - carrier), 0.0), predicted * (1 + carrier)]
+        low, high = (1.0 - carrier, 1.0 + carrier) if carrier is not None else (None, None)
+        if (spread := what_if.sampling_range.get(metric)) is not None:
+            # Where one run of the change lands (the simulator's replays): as wide at least.
+            low = spread[0] if low is None else min(low, spread[0])
+            high = spread[1] if high is None else max(high, spread[1])
+        if low is not None and high is not None:
+            what_if.interval[metric] = [max(predicted * low, 0.0), predicted * high]
         h, base = noise[metric], run.metric(metric)
         if h is None or base is None:
             continue

@@ -125,6 +125,9 @@ class SimRun:
     num_capped: int  # requests the pool could not hold at all
     replicas: int = 1  # replays pooled into these lists (pooled): the counts above are per replay
     ttft_request: list[int] = field(default_factory=list)  # each TTFT's request (its sample's index)
+    # The replays a pooled run was made of, each the run's own size (empty for a single replay):
+    # their spread is how far one real run of the change can land (Calibration.replay_range).
+    per_replay: list[SimRun] = field(default_factory=list)
 
     @property
     def num_requests(self) -> int:
@@ -159,6 +162,7 @@ def pooled(runs: Sequence[SimRun]) -> SimRun:
         explained_ms={k: sum(r.explained_ms.get(k, 0.0) for r in runs) / n for k in runs[0].explained_ms},
         num_capped=max(r.num_capped for r in runs),
         replicas=n * runs[0].replicas,
+        per_replay=[one for r in runs for one in (r.per_replay or [r])],
     )
 
 

@@ -26,6 +26,7 @@ class Simulated:
 
     values: dict[str, float]
     carried_by: dict[str, str]
+    sampling_range: dict[str, list[float]]
 
     def __getitem__(self, metric: str) -> float:
         return self.values[metric]
@@ -38,7 +39,14 @@ class Simulated:
         workload: dict[str, Any] | None = None,
     ) -> WhatIf:
         return WhatIf(
-            change, effect, dict(self.values), setting, workload, SIMULATED, carried_by=dict(self.carried_by)
+            change,
+            effect,
+            dict(self.values),
+            setting,
+            workload,
+            SIMULATED,
+            carried_by=dict(self.carried_by),
+            sampling_range={m: list(r) for m, r in self.sampling_range.items()},
         )
 
 
@@ -51,14 +59,16 @@ def simulated(d: Diagnosis, metrics: tuple[str, ...], **change: Any) -> Simulate
     changed = cal.run(**change)
     if changed.num_requests < d.run.num_requests:  # the change would cap requests: no like-for-like
         return None
-    values, carried_by = {}, {}
+    values, carried_by, ranges = {}, {}, {}
     for metric in metrics:
         value = d.run.metric(metric)
         if value is not None:
             values[metric] = cal.predict(metric, value, changed)
             if (by := cal.carried_by(metric, changed)) != metric:
                 carried_by[metric] = by
-    return Simulated(values, carried_by)
+            if (spread := cal.replay_range(metric, changed)) is not None:
+                ranges[metric] = list(spread)
+    return Simulated(values, carried_by, ranges)
 
 
 def _kvflow(d: Diagnosis, setting: dict[str, Any]) -> dict[str, Any] | None:

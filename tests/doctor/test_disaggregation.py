@@ -43,6 +43,8 @@ def test_the_decode_instances_tail_is_the_steps_that_take_in_a_last_block() -> N
     assert pair.itl_p99_ms == pytest.approx(last_block_beside, rel=0.05)
     assert pair.itl_p99_ms < SIM_METRICS["itl_p99_ms"](colocated)  # no 512-token chunk stalls a decode
     assert pair.itl_p50_ms <= half * COST.step_ms(StepShape(decode_rows=4)) + 1e-9
+    # Where one run of the pair's decode instance lands, from its replays (the interval's width).
+    assert pair.itl_p99_range is not None and pair.itl_p99_range[0] <= 1.0 <= pair.itl_p99_range[1]
     # TTFT: the prefill instance's (whole prompts on half the cores), then the decode instance's (the
     # fetch, the step in flight, its own): more than its own step on an idle instance.
     alone = half * COST.step_ms(StepShape(prefill_tokens=8))

@@ -73,3 +73,30 @@ def test_a_prediction_carried_by_another_metric_takes_that_metrics_noise_and_sta
     hold_back_noise(run, [TTFT.answer("warning", "s", "c", {}, [carried, itself])])
     assert carried.interval["itl_p99_ms"] == pytest.approx([12.0 * (1 - plain), 12.0 * (1 + plain)])
     assert itself.interval["itl_p99_ms"] == pytest.approx([0.0, 12.0 * (1 + tail)])
+
+
+def test_the_interval_holds_where_one_run_of_the_change_lands() -> None:
+    """A simulated prediction states where one run of the change lands (WhatIf.sampling_range, the
+    central 90% of the simulator's replays): the interval is at least that wide, on each side, so a
+    tail on the edge of a step kind (kv_pool's ITL p99: 3.1-5.4 ms over its replays around 3.8) is
+    not stated as 3.5-3.6 from the plain gaps' noise alone."""
+    run = run_of(12)
+    plain = relative_noise(run, "itl_p50_ms")
+    assert plain is not None and plain < 0.2
+    edge = WhatIf(
+        "num_kv_blocks 12 -> 36",
+        "...",
+        {"itl_p99_ms": 3.6},
+        carried_by={"itl_p99_ms": "itl_p50_ms"},
+        sampling_range={"itl_p99_ms": [0.8, 1.4]},
+    )
+    inside = WhatIf(  # a replay range narrower than the carried noise changes nothing
+        "num_kv_blocks 12 -> 24",
+        "...",
+        {"itl_p99_ms": 3.6},
+        carried_by={"itl_p99_ms": "itl_p50_ms"},
+        sampling_range={"itl_p99_ms": [1 - plain / 2, 1 + plain / 2]},
+    )
+    hold_back_noise(run, [TTFT.answer("warning", "s", "c", {}, [edge, inside])])
+    assert edge.interval["itl_p99_ms"] == pytest.approx([3.6 * 0.8, 3.6 * 1.4])
+    assert inside.interval["itl_p99_ms"] == pytest.approx([3.6 * (1 - plain), 3.6 * (1 + plain)])

@@ -245,6 +245,30 @@ def test_pooled_replays_keep_per_replay_counts() -> None:
     assert sorted(pool.itl_ms) == sorted(g for r in runs for g in r.itl_ms)
     assert pool.kinds["decode_only"].count == sum(r.kinds["decode_only"].count for r in runs)
     assert pool.num_preemptions == 0
+    # Each replay is kept, the run's own size (and a pool of pools keeps the replays, not the pools).
+    assert pool.per_replay == runs and all(r.num_requests == 4 for r in pool.per_replay)
+    assert pooled([pool, pooled(runs[:1])]).per_replay == [*runs, runs[0]]
+
+
+def test_a_prediction_states_where_one_run_of_the_change_lands() -> None:
+    """Calibration.replay_range: the central 90% of a metric over the pooled replays, as factors of
+    the pooled value; None with too few replays to state one."""
+    rng = random.Random(2)
+    samples = [RequestSample(48, 64, 0, 0.0, None, None) for _ in range(12)]
+    stalls = tuple(rng.gauss(0.0, 0.3) + (4.0 if rng.random() < 0.02 else 0.0) for _ in range(64))
+    cost = StepCost(2.0, 0.05, 0.0, residuals=StepResiduals(decode=stalls))
+    settings = SimSettings(4, 512, 36, 16, False)
+    baseline = simulate(samples, settings, cost, concurrency=4)
+    cal = Calibration(
+        cost, settings, baseline, 4, replace(calculator_evidence(48, 4, 64), requests=samples), 0.0
+    )
+    assert cal.replicas > 10  # 12 requests of 63 gaps: many replays for MIN_POOLED_GAPS
+    changed = cal.run()
+    p99 = SIM_METRICS["itl_p99_ms"]
+    low, high = cal.replay_range("itl_p99_ms", changed) or (0.0, 0.0)
+    per_replay = sorted(p99(r) / p99(changed) for r in changed.per_replay)
+    assert per_replay[0] <= low < 1.0 < high <= per_replay[-1]  # a tail over 756 gaps moves
+    assert cal.replay_range("itl_p99_ms", pooled(changed.per_replay[:4])) is None  # too few
 
 
 def test_a_prediction_pooled_over_the_calibrations_replicas_does_not_hang_on_its_seeds() -> None:
