@@ -159,11 +159,22 @@ def test_x_api_key_authenticates(start_server: Callable[..., LiveServer]) -> Non
 
 
 def test_output_config_format_holds_the_text_to_the_schema(server: LiveServer) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    # No other properties, a bounded integer, and greedy: an open object let the random model
+    # (sampled at Anthropic's default temperature 1) start a second property's string, which
+    # max_tokens cut mid-way (a full-suite run, session 35). The grammar holds every prefix; only a
+    # text that ends within max_tokens parses.
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     message = client(server).messages.create(
         model=server.model,
         max_tokens=30,
         messages=MESSAGES,
         output_config={"format": {"type": "json_schema", "schema": schema}},
+        extra_body=GREEDY,
     )
+    assert message.stop_reason == "end_turn", message.content[0].text
     assert isinstance(json.loads(message.content[0].text)["n"], int)
