@@ -139,14 +139,17 @@ def test_a_json_schema_format_holds_the_output(long_context: LiveServer) -> None
     server = long_context
     schema = {
         "type": "object",
-        "properties": {"n": {"type": "integer"}},
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
         "required": ["n"],
         "additionalProperties": False,
     }
+    # Bounded and greedy, so the text ends within max_output_tokens (sampled at temperature 1 an
+    # unbounded integer can run past it: tests/server/test_anthropic_messages.py, session 35).
     response = client(server).responses.create(
         model=server.model,
         input="A number, please.",
         max_output_tokens=30,
+        temperature=0,
         text={"format": {"type": "json_schema", "name": "number", "schema": schema, "strict": True}},
     )
     assert isinstance(json.loads(response.output_text)["n"], int)
