@@ -88,7 +88,14 @@ def test_thinking_off_without_markers_is_all_content(server: LiveServer) -> None
 
 
 def test_a_schema_holds_the_content_after_the_reasoning_not_the_reasoning(server: LiveServer) -> None:
-    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    # Closed and bounded, so the answer ends within max_tokens whatever the greedy path on this CPU
+    # (an open object let a sampled model open a second property past it: session 35).
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 999}},
+        "required": ["n"],
+        "additionalProperties": False,
+    }
     fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
     # The reasoning never ends (</think> banned): nothing constrains it, so no "{" is forced first.
     free = chat(server, response_format=fmt, logit_bias={"513": -100}, max_tokens=8, temperature=0)
