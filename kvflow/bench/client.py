@@ -12,10 +12,11 @@ multi-byte character), else counted as one token. The request's output count: th
 first, then the server's `/tokenize`, then the local tokenizer (kvflow/bench/runner.py fills in the
 last two and warns on disagreement).
 
-Transport: aiohttp, as vLLM's benchmark_serving. A streamed chunk costs the client about a third of
-what it costs through httpx (34 us against 100 per chunk, 8 streams of 3 ms gaps,
-benchmarks/client_overhead.py): at 8 streams of a 3 ms step that is a quarter of a core the
-server under test, when it shares the machine, no longer loses to its load generator.
+Transport: aiohttp, as vLLM's benchmark_serving. A streamed chunk costs the client 43 us of CPU
+against 95 through httpx (8 streams of 3 ms gaps, benchmarks/client_overhead.py): 11% of a core
+against 25%, which a server sharing the machine with its load generator loses from its steps. A
+pooled keep-alive connection the server closed meanwhile (llama-server does: 1-3 of 48 requests per
+run failed "Can not write request body") is tried again, as httpx's pool does.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ MAX_ERROR_CHARS = 500
 # aiohttp's read buffer; a stream line (one SSE event) may be twice this long (its reader's limit):
 # 2 MiB holds a chunk with top-20 logprobs of long tokens many times over.
 STREAM_READ_BUFSIZE = 2**20
+# Tries of one request on pooled connections the server may have closed (_post): llama-server's
+# closed ones failed 1-3 of 48 requests per run with one retry, none in three runs with three tries.
+STALE_CONNECTION_TRIES = 3
 
 
 @dataclass(frozen=True)
@@ -247,7 +251,8 @@ async def send_request(
     url = config.base_url.rstrip("/") + path
     record.send_time = time.perf_counter()
     try:
-        async with session.post(url, json=request_body(config, prompt), headers=headers) as response:
+        response = await _post(session, url, request_body(config, prompt), headers)
+        async with response:
             if response.status != 200:
                 body = (await response.read()).decode("utf-8", "replace")
                 record.error = f"HTTP {response.status}: {_error_message(body)}"[:MAX_ERROR_CHARS]
@@ -267,6 +272,21 @@ async def send_request(
     except (aiohttp.ClientError, HttpProcessingError, asyncio.TimeoutError, ValueError, OSError) as exc:
         record.error = f"{type(exc).__name__}: {exc}"[:MAX_ERROR_CHARS]
     return record
+
+
+async def _post(
+    session: aiohttp.ClientSession, url: str, body: dict[str, Any], headers: dict[str, str]
+) -> aiohttp.ClientResponse:
+    """POST, again when the pooled connection it took fails before any response (the server closed
+    it while it sat idle in the pool: writing the request fails, or the server hangs up without a
+    status line); the failed connection leaves the pool, so the next try takes another or a new
+    one. Past STALE_CONNECTION_TRIES, the failure is the request's."""
+    for _ in range(STALE_CONNECTION_TRIES - 1):
+        try:
+            return await session.post(url, json=body, headers=headers)
+        except (aiohttp.ClientOSError, aiohttp.ServerDisconnectedError):
+            continue
+    return await session.post(url, json=body, headers=headers)
 
 
 def _error_message(body: str) -> str:

@@ -103,3 +103,49 @@ def test_http_errors_carry_the_servers_message() -> None:
     with serve_app(app) as url:
         [record] = send_all(url, ["ok"])
     assert record.error == "HTTP 400: prompt too long"
+
+
+def test_a_pooled_connection_the_server_closed_is_retried_once() -> None:
+    """A keep-alive connection the server drops when its next request comes (as llama-server's
+    closes idle ones): the request goes again on another connection, and succeeds; a server that
+    drops every request still fails it, once retried."""
+    drops: list[int] = []
+
+    async def serve(drop_all: bool) -> tuple[asyncio.AbstractServer, int]:
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            served = 0
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length")
+                )
+                await reader.readexactly(length)
+                if drop_all or served:
+                    drops.append(1)  # the reused connection: hang up without a status line
+                    writer.close()
+                    return
+                body = (chunk("x", 1) + "data: [DONE]\n\n").encode()
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+                writer.write(b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                await writer.drain()
+                served += 1
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        return server, server.sockets[0].getsockname()[1]
+
+    async def two_in_a_row(drop_all: bool) -> list[RequestRecord]:
+        server, port = await serve(drop_all)
+        config = ClientConfig(base_url=f"http://127.0.0.1:{port}/v1", model="m")
+        records = [RequestRecord(i, 0.0, 0) for i in range(2)]
+        async with server, stream_session(timeout_s=30) as session:
+            for record in records:  # one after the other: the second takes the first's connection
+                await send_request(session, config, Prompt(max_tokens=1, prompt="ok"), record, None)
+        return records
+
+    first, second = asyncio.run(two_in_a_row(drop_all=False))
+    assert first.error is None and second.error is None, (first.error, second.error)
+    assert len(drops) == 1  # the second request did meet the dropped connection
+    failed, _ = asyncio.run(two_in_a_row(drop_all=True))
+    assert failed.error is not None and "ServerDisconnectedError" in failed.error
