@@ -37,6 +37,7 @@ from kvflow.doctor.arrival_stalls import RECORD_KEYS, flagged_records
 from kvflow.doctor.evidence import RequestSample, RunEvidence
 from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
+from kvflow.doctor.noise import NOISE_COVERAGE
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, pooled, simulate
 from kvflow.doctor.step_cost import (
@@ -68,7 +69,6 @@ MIN_POOLED_GAPS = 10_000
 # A replay range (Calibration.replay_range) is stated over at least this many replays: the central
 # 90% of fewer is their extremes.
 MIN_REPLAYS_FOR_RANGE = 5
-REPLAY_COVERAGE = 0.9  # the central 90%, as the run's own noise (kvflow/doctor/noise.py)
 MAX_REPLICAS = 32
 TOKEN_KINDS = ("full_attention", "mla")  # kinds whose blocks hold every token of a request
 
@@ -258,17 +258,17 @@ class Calibration:
 
     def replay_range(self, metric: str, changed: SimRun) -> tuple[float, float] | None:
         """How far one run of the change lands around the pooled prediction, as factors of it: the
-        central REPLAY_COVERAGE of `metric` over the pooled replays, each the run's own size (its
-        clients' order, the residuals drawn); None with fewer than MIN_REPLAYS_FOR_RANGE replays
-        or no value. A tail on the edge of a step kind moves most: the planted kv_pool change's
-        ITL p99 read 3.1-5.4 ms over 14 replays around a pooled 3.8 (session 35), where its five
-        measured runs read 3.7-6.3."""
+        central NOISE_COVERAGE (as the run's own noise, kvflow/doctor/noise.py) of `metric` over
+        the pooled replays, each the run's own size (its clients' order, the residuals drawn); None
+        with fewer than MIN_REPLAYS_FOR_RANGE replays or no value. A tail on the edge of a step
+        kind moves most: the planted kv_pool change's ITL p99 read 3.1-5.4 ms over 14 replays
+        around a pooled 3.8 (session 35), where its five measured runs read 3.7-6.3."""
         read = SIM_METRICS[metric]
         center = read(changed)
         if len(changed.per_replay) < MIN_REPLAYS_FOR_RANGE or center <= 0:
             return None
         values = sorted(read(r) for r in changed.per_replay)
-        tail = 100 * (1.0 - REPLAY_COVERAGE) / 2
+        tail = 100 * (1.0 - NOISE_COVERAGE) / 2
         return percentile(values, tail) / center, percentile(values, 100 - tail) / center
 
     def carried_by(self, metric: str, changed: SimRun) -> str:

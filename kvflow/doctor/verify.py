@@ -72,10 +72,13 @@ class Verification:
     carry: float = 1.0
 
     @property
+    def as_diagnosed(self) -> float:
+        """The prediction as the diagnosis made it (not carried)."""
+        return self.predicted / self.carry if self.carry else self.predicted
+
+    @property
     def uncarried_value_error(self) -> float:
-        """The value error of the prediction as the diagnosis made it (not carried)."""
-        made = self.predicted / self.carry if self.carry else self.predicted
-        return abs(made - self.measured) / self.measured if self.measured else math.inf
+        return _relative_error(self.as_diagnosed, self.measured)
 
     @property
     def inside_measured_range(self) -> bool | None:
@@ -100,7 +103,7 @@ class Verification:
     def value_error(self) -> float:
         """|predicted - measured| / measured: the miss on the value a user reads after the change
         (a gain's error hides it: 606 -> 57 ms predicted as 72 is 3% of the gain, 26% of the value)."""
-        return abs(self.predicted - self.measured) / self.measured if self.measured else math.inf
+        return _relative_error(self.predicted, self.measured)
 
     @property
     def paired_value_error(self) -> float | None:
@@ -108,11 +111,7 @@ class Verification:
         taken out; None without the paired value."""
         if self.paired_measured is None:
             return None
-        return (
-            abs(self.predicted - self.paired_measured) / self.paired_measured
-            if self.paired_measured
-            else math.inf
-        )
+        return _relative_error(self.predicted, self.paired_measured)
 
     @property
     def predicted_gain(self) -> float:
@@ -167,7 +166,7 @@ class Verification:
         if self.carry != 1.0:
             line += (
                 f" [carried x{self.carry:.2f} from the diagnosed run; as diagnosed "
-                f"{self.predicted / self.carry:,.1f}, off by {self.uncarried_value_error:.0%}]"
+                f"{self.as_diagnosed:,.1f}, off by {self.uncarried_value_error:.0%}]"
             )
         if self.within_noise:
             return line + ": predicted and measured gains are both within the baseline's spread"
@@ -178,6 +177,11 @@ class Verification:
         ratio = self.measured_gain / self.predicted_gain
         way = "smaller" if ratio < 1 else "larger"
         return line + f": missed, the measured gain is {ratio:.2f}x the predicted one ({way})"
+
+
+def _relative_error(value: float, measured: float) -> float:
+    """|value - measured| / measured (inf when nothing was measured)."""
+    return abs(value - measured) / measured if measured else math.inf
 
 
 def engine_args(settings: EngineSettings, change: dict[str, Any]) -> list[str]:
