@@ -16,6 +16,8 @@ stall: the kv_pool what-if's 36-block server had none in 563 decode steps, and i
     the simulator (kvflow/doctor/simulate.py): each request draws a stall s from the measured ones
     (StepResiduals.arrival); a decode-only step that starts within s before the request arrives
     does its work from the arrival (paused_ms), and a step that started earlier runs as it would.
+    A step with prompt tokens that holds an arrival takes the stall its recorded twins were fitted
+    without (kvflow/doctor/prompt_stalls.py).
 
 Pure Python: the window's rows in, flags out (kvflow/bench/server_steps.py writes them).
 """

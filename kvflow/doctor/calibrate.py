@@ -38,6 +38,7 @@ from kvflow.doctor.evidence import RequestSample, RunEvidence
 from kvflow.doctor.kv_kinds import DEFAULT_BLOCK_SIZE, prefix_hit_granularity
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.noise import NOISE_COVERAGE
+from kvflow.doctor.prompt_stalls import destalled_ms, prompt_arrival_stall
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, pooled, simulate
 from kvflow.doctor.step_cost import (
@@ -368,8 +369,9 @@ def calibrate(
     speed = profile_speed(profile, recorded) if profile is not None else None
     if profile is not None and speed is not None:
         profile = profile.scaled(speed)
+    stall = prompt_arrival_stall(recorded, arrivals, profile)
     if profile is not None:
-        records = _record_fit(profile, recorded)
+        records = _record_fit(profile, recorded, arrivals, stall)
         for _ in range(FIT_ROUNDS):
             extras, per_key = _kind_extras(measured, run, profile, records)
             cost = replace(
@@ -378,8 +380,8 @@ def calibrate(
             run = replay(cost)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
             run = replay(cost)
-    residuals = step_residuals(cost, recorded, arrivals)
-    if residuals.decode or residuals.prompt or residuals.arrival:
+    residuals = step_residuals(cost, recorded, arrivals, stall)
+    if residuals.decode or residuals.prompt or residuals.arrival or residuals.prompt_arrival:
         cost = replace(cost, residuals=residuals)
         run = replay(cost)
         cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))
@@ -411,7 +413,10 @@ def profile_speed(profile: StepProfile, steps: list[tuple[float, StepShape]]) ->
 
 
 def step_residuals(
-    cost: StepCost, steps: list[tuple[float, StepShape]], arrivals: Sequence[bool] = ()
+    cost: StepCost,
+    steps: list[tuple[float, StepShape]],
+    arrivals: Sequence[bool] = (),
+    prompt_stall_ms: float = 0.0,
 ) -> StepResiduals:
     """The recorded steps' departures from the fitted cost: decode-only steps' in ms (a stall adds
     the same to any decode step, and decode steps are alike in size), steps with prompt tokens' as a
@@ -426,7 +431,11 @@ def step_residuals(
     same model and machine, its excesses over the decode steps of their rows:
     StepProfile.served_arrival_stall); else the run's own, however few. A run whose next requests
     arrive while its engine is idle (clients turning around together) or into a starved KV pool
-    records few or none, and a what-if can make its clients come back while others decode."""
+    records few or none, and a what-if can make its clients come back while others decode.
+    A step with prompt tokens that held an arrival departs by what it took less `prompt_stall_ms`
+    (kvflow/doctor/prompt_stalls.py), which the residuals carry (StepResiduals.prompt_arrival): the
+    simulator adds it to a prompt step that holds an arrival, and a drawn fraction must not add it
+    a second time."""
     decode: list[float] = []
     prompt: list[float] = []
     stalled: list[float] = []
@@ -434,17 +443,20 @@ def step_residuals(
     for (dur, shape), held_an_arrival in zip(steps, flags, strict=True):
         modelled = cost.server_ms(shape)
         if shape.prompt_tokens:
-            prompt.append(dur / max(modelled, MIN_STEP_MS) - 1.0)
+            floor = profiled_step(cost.profile, shape)[0] if cost.profile is not None else 0.0
+            own = destalled_ms(dur, prompt_stall_ms if held_an_arrival else 0.0, floor)
+            prompt.append(own / max(modelled, MIN_STEP_MS) - 1.0)
         else:
             (stalled if held_an_arrival else decode).append(dur - modelled)
     probed = cost.profile.served_arrival_stall if cost.profile is not None else ()
     if len(stalled) >= MIN_STEP_RECORDS or len(probed) < MIN_STEP_RECORDS:
         probed = ()
     if len(decode) < MIN_STEP_RECORDS:
-        return StepResiduals(prompt=_centred(prompt), arrival=probed)
+        return StepResiduals(prompt=_centred(prompt), arrival=probed, prompt_arrival=prompt_stall_ms)
     centre = statistics.mean(decode)
     recorded = tuple(max(r - centre, 0.0) for r in stalled)
-    return StepResiduals(tuple(r - centre for r in decode), _centred(prompt), probed or recorded)
+    decode_departures = tuple(r - centre for r in decode)
+    return StepResiduals(decode_departures, _centred(prompt), probed or recorded, prompt_stall_ms)
 
 
 def _centred(departures: list[float]) -> tuple[float, ...]:
@@ -458,16 +470,26 @@ def _centred(departures: list[float]) -> tuple[float, ...]:
 RecordFit = tuple[float | None, tuple[float, float, float] | None]
 
 
-def _record_fit(profile: StepProfile, steps: list[tuple[float, StepShape]]) -> RecordFit:
+def _record_fit(
+    profile: StepProfile,
+    steps: list[tuple[float, StepShape]],
+    arrivals: Sequence[bool] = (),
+    prompt_stall_ms: float = 0.0,
+) -> RecordFit:
     """From the server's step records, once (they do not change between fit rounds): (added to
     decode-only steps, (factor, constant, ms per prefill key beyond the probe) of prompt steps); None
-    for a kind with fewer than MIN_STEP_RECORDS records."""
+    for a kind with fewer than MIN_STEP_RECORDS records. A prompt step during which a request
+    arrived (`arrivals`) is fitted less `prompt_stall_ms` (kvflow/doctor/prompt_stalls.py: fitted as
+    they were, the planted kv_pool run's prompt steps priced its what-if's at twice what they took)."""
     # (duration, the profiled step, the keys its prefill chunks attended beyond the probe's)
     prompt: list[tuple[float, float, float]] = []
     decode: list[tuple[float, float, float]] = []
-    for dur, shape in steps:
+    flags = list(arrivals) or [False] * len(steps)
+    for (dur, shape), held_an_arrival in zip(steps, flags, strict=True):
         base, beyond = profiled_step(profile, shape)
         served = dur - profile.served_growth(shape.decode_rows)  # what serving more rows added: measured
+        if shape.prompt_tokens and held_an_arrival:
+            served = destalled_ms(served, prompt_stall_ms, base)
         (prompt if shape.prompt_tokens else decode).append((served, base, beyond))
     prompt_fit = _prompt_fit(prompt) if len(prompt) >= MIN_STEP_RECORDS else None
     per_key = prompt_fit[2] if prompt_fit else 0.0

@@ -457,6 +457,19 @@ class _Replay:
             earliest = min(earliest, request.ready)
         return earliest
 
+    def _prompt_stall_ms(self, start: float, end: float) -> float:
+        """StepResiduals.prompt_arrival when a request's stall (that long before its arrival) falls
+        in the step from `start` to `end` (not stalled yet), else 0. The stall before the arrival
+        counts, not the arrival alone: the records flag the step the arrival lands in once stalled,
+        and a starved run's admitting step, 2.6-3.4 ms unstalled, ends about when the finished
+        client's next request (3.1 ms after the last token) arrives; checked on the step unstalled,
+        the replay of the kv_pool run stalled few of the prompt steps its records flagged."""
+        stall = self.cost.residuals.prompt_arrival
+        if stall <= 0:
+            return 0.0
+        pending = self._sent() if self.closed else self.upcoming
+        return stall if any(start < r.arrival and r.arrival - stall < end for r in pending) else 0.0
+
     def _stalled_ms(self, start: float, end: float) -> float:
         """How much longer a decode-only step from `start` to `end` runs for the requests arriving
         meanwhile: each stalls the engine for its stall_ms before it arrives (arrival_stalls.py)."""
@@ -482,7 +495,12 @@ class _Replay:
         step_ms = self.cost.server_ms(shape) + between_ms  # StepCost.step_ms, its parts kept
         prompt = shape.prompt_tokens > 0
         step_ms = max(self.cost.with_drawn_residual(step_ms, prompt, self.rng, between_ms), MIN_STEP_MS)
-        if not prompt:  # a prompt step's stalls are in its drawn fraction (calibrate.step_residuals)
+        if prompt:
+            # A prompt step that holds an arrival takes the stall its recorded twins were fitted
+            # without (kvflow/doctor/prompt_stalls.py): held as the records flag it, an arrival
+            # anywhere in the step, so that the replay of the run puts back what the fit took off.
+            step_ms += self._prompt_stall_ms(now, now + step_ms - between_ms)
+        else:
             step_ms += self._stalled_ms(now, now + step_ms - between_ms)
         # The server's kinds: by decodes and prompt tokens, whichever path attended them.
         kind = "mixed" if shape.decode_rows and prompt else ("prefill_only" if prompt else "decode_only")

@@ -128,6 +128,9 @@ class StepResiduals:
     # ms the engine stalls before an arrival (simulate.py: a request draws one): a decode-only step
     # during which a request arrived, over the other decode steps' centre
     arrival: tuple[float, ...] = ()
+    # ms a step with prompt tokens takes longer when a request arrives during it (its drawn
+    # fraction was measured without it: kvflow/doctor/prompt_stalls.py)
+    prompt_arrival: float = 0.0
 
 
 @dataclass(frozen=True)
