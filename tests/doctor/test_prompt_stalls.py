@@ -4,13 +4,17 @@ hold one. Torch-free."""
 
 from __future__ import annotations
 
+import gzip
 import json
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from kvflow.doctor.evidence import RequestSample
+from kvflow.doctor.calibrate import _step_records, calibrate
+from kvflow.doctor.evidence import RequestSample, evidence_from_bench
+from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.prompt_stalls import (
     MIN_DECODE_STALLS,
     MIN_PROMPT_STEPS_EACH,
@@ -18,6 +22,7 @@ from kvflow.doctor.prompt_stalls import (
     prompt_arrival_stall,
     typical_arrival_stall,
 )
+from kvflow.doctor.server_settings import settings_from_result
 from kvflow.doctor.simulate import SimSettings, simulate
 from kvflow.doctor.step_cost import StepCost, StepResiduals, StepShape, profiled_step
 from kvflow.doctor.step_profile import StepProfile
@@ -110,3 +115,31 @@ def test_decode_steps_keep_their_own_stalls() -> None:
     plain = simulate(samples, settings, cost, concurrency=2, client_gap_ms=2.0)
     stalled = simulate(samples, settings, with_prompt_stall, concurrency=2, client_gap_ms=2.0)
     assert stalled.kinds["decode_only"].time_ms == pytest.approx(plain.kinds["decode_only"].time_ms)
+
+
+def test_the_recorded_runs_prompt_steps_are_priced_at_what_they_took() -> None:
+    """Calibrated on each recorded run (the step profile recorded beside them), a prompt step that held
+    no arrival is priced at what such steps took, and one that held an arrival at that plus the stall
+    (medians of measured / priced over each group of MIN_PROMPT_STEPS_EACH or more). Fitted with the
+    stalls in (session 35's code), the 8-client runs on 20 blocks, whose admitting prompt steps mostly
+    held an arrival (47 of 59, 53 of 130), priced their clear prompt steps at 1.5-1.7x what they took."""
+    profile = StepProfile.from_json(json.loads((RECORDED / "step_profile.json").read_text()))
+    for path in sorted(RECORDED.glob("*.json.gz")):
+        result = json.loads(gzip.decompress(path.read_bytes()))
+        settings = settings_from_result(result)
+        evidence = evidence_from_bench(result)
+        calibration = calibrate(
+            evidence, settings, ModelSpec.from_dir(str(RECORDED)), settings.kv_cache_dtype, profile
+        )
+        assert calibration is not None
+        cost = calibration.cost
+        steps, flags = _step_records(evidence)
+        for held in (False, True):
+            stall = cost.residuals.prompt_arrival if held else 0.0
+            ratios = [
+                dur / (cost.server_ms(shape) + stall)
+                for (dur, shape), flagged in zip(steps, flags, strict=True)
+                if shape.prompt_tokens and flagged == held
+            ]
+            if len(ratios) >= MIN_PROMPT_STEPS_EACH:
+                assert statistics.median(ratios) == pytest.approx(1.0, abs=0.05), (path.name, held)
