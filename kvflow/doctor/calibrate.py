@@ -43,6 +43,7 @@ from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.simulate import KINDS, SimRun, SimSettings, pooled, simulate
 from kvflow.doctor.step_cost import (
     MIN_STEP_MS,
+    MIN_STEP_RECORDS,
     StepCost,
     StepResiduals,
     StepShape,
@@ -53,7 +54,6 @@ from kvflow.kv_cache.kv_cache_config import KVCacheConfig
 from kvflow.kv_cache.specs import KVCacheSpec
 
 FIT_ROUNDS = 4
-MIN_STEP_RECORDS = 8  # fewer recorded steps of a kind: fit it from the per-kind mean instead
 SHAPE_SPREAD = 0.2  # prompt steps whose profiled times span less than this share: a factor only
 # Prompt fits whose weighted errors differ by less than this share are a tie: the earlier in
 # PROMPT_FITS is kept (two fits that both pass through the steps' means).
@@ -443,9 +443,10 @@ def step_residuals(
     for (dur, shape), held_an_arrival in zip(steps, flags, strict=True):
         modelled = cost.server_ms(shape)
         if shape.prompt_tokens:
-            floor = profiled_step(cost.profile, shape)[0] if cost.profile is not None else 0.0
-            own = destalled_ms(dur, prompt_stall_ms if held_an_arrival else 0.0, floor)
-            prompt.append(own / max(modelled, MIN_STEP_MS) - 1.0)
+            if held_an_arrival:
+                floor = profiled_step(cost.profile, shape)[0] if cost.profile is not None else 0.0
+                dur = destalled_ms(dur, prompt_stall_ms, floor)
+            prompt.append(dur / max(modelled, MIN_STEP_MS) - 1.0)
         else:
             (stalled if held_an_arrival else decode).append(dur - modelled)
     probed = cost.profile.served_arrival_stall if cost.profile is not None else ()
@@ -473,8 +474,8 @@ RecordFit = tuple[float | None, tuple[float, float, float] | None]
 def _record_fit(
     profile: StepProfile,
     steps: list[tuple[float, StepShape]],
-    arrivals: Sequence[bool] = (),
-    prompt_stall_ms: float = 0.0,
+    arrivals: Sequence[bool],
+    prompt_stall_ms: float,
 ) -> RecordFit:
     """From the server's step records, once (they do not change between fit rounds): (added to
     decode-only steps, (factor, constant, ms per prefill key beyond the probe) of prompt steps); None

@@ -8,8 +8,9 @@ held an arrival and took 4.7-7.6 ms, the other 3 of the same shapes 2.6-3.4. Fit
 the prompt price came out at 5.5x the profile: the kv_pool what-if's 36-block server (prompts
 joining while others decode, no arrival in its prompt steps) had its prompt steps priced at 4.7-6.5
 ms where they took 2.7-3.7, and its TTFT p50 predicted 13.7 ms against 9.6 measured (sessions
-33-35). So a flagged prompt step is fitted less the stall, and the simulator pauses prompt steps
-for the arrivals it replays as it does decode ones (kvflow/doctor/simulate.py).
+33-35). So a flagged prompt step is fitted less the stall, and the simulator adds the stall to a
+replayed prompt step that a request's arrival, or the stall before it, falls in
+(kvflow/doctor/simulate.py).
 
 How much to take off: the run's own prompt steps say it where they have both kinds (the median
 excess over the profile of those that held an arrival less that of those that did not); else the
@@ -26,14 +27,12 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from kvflow.doctor.step_cost import StepShape, profiled_step
+from kvflow.doctor.step_cost import MIN_STEP_RECORDS, StepShape, profiled_step
 from kvflow.doctor.step_profile import StepProfile
 
 # The fewest steps of each kind (held an arrival, held none) from which the run's prompt steps
 # state their own stall: a run has few prompt steps (the kv_pool run 12, 3 of them clear).
 MIN_PROMPT_STEPS_EACH = 3
-# As calibrate.MIN_STEP_RECORDS: fewer flagged decode steps, and the profile's arrival probe speaks.
-MIN_DECODE_STALLS = 8
 
 
 def typical_arrival_stall(
@@ -41,7 +40,7 @@ def typical_arrival_stall(
 ) -> float:
     """What an arrival typically stalls a decode step in flight (ms): the median excess of the run's
     decode-only steps that held one over the median of the other decode-only steps of their rows,
-    with MIN_DECODE_STALLS of them; else the median of the profile's served arrival probe (the same
+    with MIN_STEP_RECORDS of them; else the median of the profile's served arrival probe (the same
     model and machine); else 0 (nothing flagged, nothing taken off)."""
     clean: dict[int, list[float]] = {}
     for (dur, shape), flagged in zip(steps, arrivals, strict=False):
@@ -53,10 +52,10 @@ def typical_arrival_stall(
         for (dur, shape), flagged in zip(steps, arrivals, strict=False)
         if flagged and not shape.prompt_tokens and shape.decode_rows in centre
     ]
-    if len(own) >= MIN_DECODE_STALLS:
+    if len(own) >= MIN_STEP_RECORDS:
         return max(statistics.median(own), 0.0)
     probed = profile.served_arrival_stall if profile is not None else ()
-    return max(statistics.median(probed), 0.0) if len(probed) >= MIN_DECODE_STALLS else 0.0
+    return max(statistics.median(probed), 0.0) if len(probed) >= MIN_STEP_RECORDS else 0.0
 
 
 def prompt_arrival_stall(

@@ -467,8 +467,14 @@ class _Replay:
         stall = self.cost.residuals.prompt_arrival
         if stall <= 0:
             return 0.0
-        pending = self._sent() if self.closed else self.upcoming
-        return stall if any(start < r.arrival and r.arrival - stall < end for r in pending) else 0.0
+        for r in self._sent() if self.closed else self.upcoming:
+            if r.arrival - stall >= end:
+                if self.closed:
+                    continue
+                break  # an open loop's upcoming requests are in arrival order: none later stalls it
+            if r.arrival > start:
+                return stall
+        return 0.0
 
     def _stalled_ms(self, start: float, end: float) -> float:
         """How much longer a decode-only step from `start` to `end` runs for the requests arriving
@@ -497,8 +503,8 @@ class _Replay:
         step_ms = max(self.cost.with_drawn_residual(step_ms, prompt, self.rng, between_ms), MIN_STEP_MS)
         if prompt:
             # A prompt step that holds an arrival takes the stall its recorded twins were fitted
-            # without (kvflow/doctor/prompt_stalls.py): held as the records flag it, an arrival
-            # anywhere in the step, so that the replay of the run puts back what the fit took off.
+            # without (kvflow/doctor/prompt_stalls.py), so that the replay of the run puts back
+            # what the fit took off.
             step_ms += self._prompt_stall_ms(now, now + step_ms - between_ms)
         else:
             step_ms += self._stalled_ms(now, now + step_ms - between_ms)

@@ -56,6 +56,9 @@ from kvflow.doctor.step_profile import StepProfile
 from kvflow.query_rows import is_query_row_chunk
 
 MIN_STEP_MS = 0.01  # a fitted constant never makes a step free
+# Fewer recorded steps of a kind: fit it from the per-kind mean instead, draw no residuals for it, and
+# take the profile's arrival probe for the stalls (kvflow/doctor/calibrate.py, prompt_stalls.py).
+MIN_STEP_RECORDS = 8
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from kvflow.doctor.calibrate import _step_records, calibrate
+from kvflow.doctor.calibrate import MIN_STEP_RECORDS, _step_records, calibrate
 from kvflow.doctor.evidence import RequestSample, evidence_from_bench
 from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.prompt_stalls import (
-    MIN_DECODE_STALLS,
     MIN_PROMPT_STEPS_EACH,
     destalled_ms,
     prompt_arrival_stall,
@@ -49,7 +48,7 @@ def test_the_prompt_steps_state_their_own_stall_where_they_have_both_kinds() -> 
     """The planted kv_pool run of session 36: its prompt steps that held an arrival took ~2.9 ms more
     than those that did not, the decode steps' (the arrival probe's) stall was 3.4; taking 3.4 off
     priced the what-if's TTFT 14-16% low. The prompt steps' own difference is what comes off."""
-    profile = _profile(arrival_probe=(3.4,) * MIN_DECODE_STALLS)
+    profile = _profile(arrival_probe=(3.4,) * MIN_STEP_RECORDS)
     each = MIN_PROMPT_STEPS_EACH
     steps = _prompt_steps(profile, 2.0, each) + _prompt_steps(profile, 4.9, each + 2)
     flags = [False] * each + [True] * (each + 2)
@@ -65,11 +64,11 @@ def test_the_prompt_steps_state_their_own_stall_where_they_have_both_kinds() -> 
 
 
 def test_the_decode_steps_stall_is_the_runs_own_else_the_probes() -> None:
-    decode = [(1.0, StepShape(decode_rows=2))] * 4 + [(4.0, StepShape(decode_rows=2))] * MIN_DECODE_STALLS
-    flags = [False] * 4 + [True] * MIN_DECODE_STALLS
+    decode = [(1.0, StepShape(decode_rows=2))] * 4 + [(4.0, StepShape(decode_rows=2))] * MIN_STEP_RECORDS
+    flags = [False] * 4 + [True] * MIN_STEP_RECORDS
     assert typical_arrival_stall(decode, flags, None) == pytest.approx(3.0)
-    few = decode[: 4 + MIN_DECODE_STALLS - 1], flags[: 4 + MIN_DECODE_STALLS - 1]
-    assert typical_arrival_stall(*few, _profile((2.5,) * MIN_DECODE_STALLS)) == pytest.approx(2.5)
+    few = decode[: 4 + MIN_STEP_RECORDS - 1], flags[: 4 + MIN_STEP_RECORDS - 1]
+    assert typical_arrival_stall(*few, _profile((2.5,) * MIN_STEP_RECORDS)) == pytest.approx(2.5)
     assert typical_arrival_stall(*few, None) == 0.0
 
 
