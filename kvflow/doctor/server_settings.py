@@ -59,12 +59,18 @@ class EngineSettings:
             return int(value) if value not in (None, "", "None") else None
 
         caching = labels.get("enable_prefix_caching")
+        # Usable blocks: kvflow's num_kv_blocks counts them (its null block comes on top); vLLM's
+        # num_gpu_blocks counts the null block its pool takes out first (vllm/v1/core/block_pool.py).
+        gpu_blocks = num("num_gpu_blocks")
+        num_kv_blocks = num("num_kv_blocks")
+        if num_kv_blocks is None and gpu_blocks is not None:
+            num_kv_blocks = max(gpu_blocks - 1, 0)
         return cls(
             server=server,
             enable_prefix_caching=None if caching is None else caching.lower() == "true",
             max_num_batched_tokens=num("max_num_batched_tokens"),
             max_num_seqs=num("max_num_seqs"),
-            num_kv_blocks=num("num_kv_blocks") or num("num_gpu_blocks"),
+            num_kv_blocks=num_kv_blocks,
             block_size=num("block_size"),
             kv_cache_dtype=labels.get("kv_cache_dtype") or labels.get("cache_dtype"),
             dtype=labels.get("dtype"),

@@ -43,15 +43,18 @@ class SimBlockPool:
     def __init__(self, num_blocks: int | None, block_size: int, caching: bool) -> None:
         self.block_size, self.caching = block_size, caching
         self.unlimited = num_blocks is None
-        # Block 0 is kvflow's null block: never handed out.
+        # `num_blocks` usable blocks, as kvflow's num_kv_blocks counts them; block 0 is the null
+        # block the engine adds on top (kvflow/engine/engine.py), never handed out. (Counted in
+        # them, the planted 12-block kv_pool run held 11 in the replay: 16 preemptions where the
+        # server had 8, session 37.)
         self.free_queue: OrderedDict[int, BlockKey | None] = OrderedDict(
-            (i, None) for i in range(1, 0 if num_blocks is None else num_blocks)
+            (i, None) for i in range(1, 1 if num_blocks is None else num_blocks + 1)
         )
         self.cached: dict[BlockKey, int] = {}  # key -> block holding it (in use or free)
         self.keys: dict[int, BlockKey] = {}  # block -> its key
         self.tables: dict[int, list[int]] = {}  # request index -> its blocks, in order
         self.others: dict[int, list[int]] = {}  # request index -> its blocks in the other groups
-        self._next_id = 0 if num_blocks is None else num_blocks  # unlimited pools mint new ids
+        self._next_id = 0 if num_blocks is None else num_blocks + 1  # unlimited pools mint new ids
 
     @property
     def num_free(self) -> float:

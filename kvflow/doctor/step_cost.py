@@ -5,7 +5,8 @@
 
 A decode row and a prompt token each pass once through every matmul: one per-token cost for both.
 `overhead` is what passes between steps (the engine loop, handing tokens to the HTTP side): not in
-the server's step times, but in the cadence its clients see, so it is fitted to the client's TPOT.
+the server's step times, but in the cadence its clients see, so it is fitted to the client's
+median gap (ITL p50: calibrate._overhead_ms).
 `attention_ratio` is the model's attention FLOPs per (query token x key) over its linear FLOPs per
 token, (4 x layers x q_heads x head_dim) / (2 x layer params), so a long context costs what its
 QK^T and PV cost next to the matmuls. `fixed` and `per_token` are fitted to the server's measured

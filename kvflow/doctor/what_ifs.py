@@ -162,10 +162,11 @@ def budget_what_ifs(d: Diagnosis, factors: tuple[float, ...]) -> list[WhatIf]:
 
 
 def blocks_for(d: Diagnosis, num_requests: int) -> int:
-    """KV blocks for `num_requests` requests of p95 length, with slack, plus kvflow's null block: a
-    request's blocks in every cache group (a sliding window's and a state's flat in its length)."""
+    """KV blocks for `num_requests` requests of p95 length, with slack: a request's blocks in every
+    cache group (a sliding window's and a state's flat in its length). Usable blocks, as kvflow's
+    num_kv_blocks counts them (the engine adds its null block on top)."""
     per_request = d.kv_config.num_blocks_held(max(1, math.ceil(d.run.request_len_p95)))
-    return math.ceil(KV_HEADROOM * num_requests * per_request) + 1
+    return math.ceil(KV_HEADROOM * num_requests * per_request)
 
 
 def max_num_seqs_what_if(d: Diagnosis) -> WhatIf | None:

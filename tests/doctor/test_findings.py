@@ -172,6 +172,15 @@ def test_llama_server_numbers_are_read_as_llama_server_means_them() -> None:
     assert finding(findings, "serving_features").summary != "the server's settings are unknown"
 
 
+def test_pools_are_read_in_usable_blocks() -> None:
+    """kvflow's num_kv_blocks counts the usable blocks (its null block on top); vLLM's num_gpu_blocks
+    counts the null block its pool takes out first (vllm/v1/core/block_pool.py)."""
+    kvflow = EngineSettings.from_labels({"num_kv_blocks": "12", "block_size": "16"}, "kvflow")
+    vllm = EngineSettings.from_labels({"num_gpu_blocks": "12", "block_size": "16"}, "vllm")
+    assert (kvflow.num_kv_blocks, kvflow.kv_pool_tokens) == (12, 192)
+    assert (vllm.num_kv_blocks, vllm.kv_pool_tokens) == (11, 176)
+
+
 def test_calculator_says_what_does_not_fit() -> None:
     # Llama-2-13B (4,096 positions) asked for 4,096 + 256 tokens at concurrency 32 on an 80 GB card.
     findings = diagnose(diagnosis(calculator_evidence(4096, 32, 256), EngineSettings(), "llama-2-13b"))

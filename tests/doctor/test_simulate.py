@@ -36,9 +36,11 @@ def run_real_scheduler(
     scheduler = Scheduler(
         SchedulerConfig(settings.max_num_seqs, settings.max_num_batched_tokens),
         CacheConfig(block_size=settings.block_size, enable_prefix_caching=settings.enable_prefix_caching),
-        # "Unlimited": blocks for every token of the workload at once.
-        settings.num_kv_blocks
-        or sum(s.prompt_tokens + s.output_tokens for s in samples) // settings.block_size + 64,
+        # num_kv_blocks usable blocks and the null block on top, as kvflow/engine/engine.py builds
+        # it; "unlimited": blocks for every token of the workload at once.
+        settings.num_kv_blocks + 1
+        if settings.num_kv_blocks
+        else sum(s.prompt_tokens + s.output_tokens for s in samples) // settings.block_size + 64,
         max_model_len=1_000_000,
         kv_cache_config=kv_cache_config,
     )
