@@ -81,19 +81,23 @@ def serve_flags(scenario: Scenario, dtype: str | None = None) -> list[str]:
     return flags
 
 
+def planted_bench(scenario: Scenario, base: str) -> BenchConfig:
+    """The scenario's benchmark against the server at `base`."""
+    return BenchConfig(
+        base_url=base + "/v1",
+        dataset=scenario.dataset,
+        load=LoadSpec(concurrency=scenario.concurrency),
+        warmup=1,
+        metrics_interval=METRICS_INTERVAL_S,
+        progress=False,
+    )
+
+
 def diagnose_and_verify(scenario: Scenario, repeats: int, dtype: str | None) -> dict[str, Any]:
     model = checkpoint(scenario)
     server, base = spawn_server(model, serve_flags(scenario, dtype), cwd=REPO)
     try:
-        config = BenchConfig(
-            base_url=base + "/v1",
-            dataset=scenario.dataset,
-            load=LoadSpec(concurrency=scenario.concurrency),
-            warmup=1,
-            metrics_interval=METRICS_INTERVAL_S,
-            progress=False,
-        )
-        result = run_benchmark(config)
+        result = run_benchmark(planted_bench(scenario, base))
         bench_json = CACHE / f"{scenario.name}-bench.json"
         bench_json.write_text(json.dumps(result))
         argv = ["doctor", str(model), "--hardware", "cpu", "--bench", str(bench_json)]
