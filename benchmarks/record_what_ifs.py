@@ -34,9 +34,8 @@ from planted import SCENARIOS  # noqa: E402
 
 from kvflow.bench.runner import run_benchmark  # noqa: E402
 from kvflow.cli import build_parser  # noqa: E402
-from kvflow.doctor.cli import build_diagnosis  # noqa: E402
+from kvflow.doctor.cli import build_diagnosis, served_dtypes  # noqa: E402
 from kvflow.doctor.findings import diagnose  # noqa: E402
-from kvflow.doctor.model_spec import DTYPE_BYTES  # noqa: E402
 from kvflow.doctor.step_profile import profile_file  # noqa: E402
 from kvflow.doctor.verify import FreshServer, engine_args, reseeded, verifiable  # noqa: E402
 from kvflow.doctor.verify_pd import DISAGGREGATE  # noqa: E402
@@ -65,7 +64,7 @@ def record(name: str, repeats: int, out: Path) -> None:
     diagnosed.unlink()
     shutil.copy(model / "config.json", out / "config.json")
     settings = diagnosis.settings
-    dtype = settings.dtype if settings.dtype in DTYPE_BYTES else diagnosis.model.dtype
+    _, dtype, _ = served_dtypes(diagnosis.model, settings)
     shutil.copy(profile_file(model, dtype, settings.quantization), out / "step_profile.json")
     changes: list[dict[str, Any]] = []
     seed = bench.load.seed + 1

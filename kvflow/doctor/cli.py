@@ -238,6 +238,21 @@ def read_bench_result(path: str) -> dict[str, Any]:
     return result
 
 
+def served_dtypes(
+    model: ModelSpec,
+    settings: EngineSettings,
+    weight_dtype: str | None = None,
+    kv_cache_dtype: str | None = None,
+) -> tuple[str, str, str]:
+    """(the weights' storage, the unquantized float dtype, the KV cache's dtype) of the diagnosed
+    server: what was asked, else what the server reports, else the checkpoint's. Weight-only
+    quantization leaves the KV cache in the float dtype."""
+    weights = weight_dtype or settings.weight_dtype or model.weight_dtype
+    float_dtype = settings.dtype if settings.dtype in DTYPE_BYTES else model.dtype
+    kv = kv_cache_dtype or settings.kv_cache_dtype or default_kv_dtype(weights, float_dtype)
+    return weights, float_dtype, kv
+
+
 def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any] | None]:
     if args.model is None:  # as every command: the bundled model when MODEL is omitted
         args.model = str(bundled_model_dir("target"))
@@ -251,10 +266,9 @@ def build_diagnosis(args: argparse.Namespace) -> tuple[Diagnosis, dict[str, Any]
         run = calculator_evidence(
             args.context or DEFAULT_CONTEXT, args.concurrency or 1, args.output_len or DEFAULT_OUTPUT_LEN
         )
-    weight_dtype = args.weight_dtype or settings.weight_dtype or model.weight_dtype
-    # Weight-only quantization leaves the KV cache in the model's dtype.
-    float_dtype = settings.dtype if settings.dtype in DTYPE_BYTES else model.dtype
-    kv_dtype = args.kv_cache_dtype or settings.kv_cache_dtype or default_kv_dtype(weight_dtype, float_dtype)
+    weight_dtype, float_dtype, kv_dtype = served_dtypes(
+        model, settings, args.weight_dtype, args.kv_cache_dtype
+    )
     roofline = Roofline(model, named_hardware(args.hardware), weight_dtype, kv_dtype)
     speeds, served_tpot = _quant_measurements(args, float_dtype)
     profile = diagnosis_step_profile(args, settings, float_dtype, result) if result is not None else None

@@ -22,15 +22,17 @@ from typing import Any
 
 import pytest
 
+from kvflow.doctor.cli import served_dtypes
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.evidence import evidence_from_bench
 from kvflow.doctor.finding import WhatIf
 from kvflow.doctor.findings import diagnose
 from kvflow.doctor.hardware import named_hardware
-from kvflow.doctor.model_spec import ModelSpec, default_kv_dtype
+from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import settings_from_result
 from kvflow.doctor.step_profile import StepProfile
+from kvflow.doctor.verify import MEASURED
 from kvflow.doctor.what_ifs import SIMULATED
 
 RECORDED = Path(__file__).parent / "recorded_what_ifs"
@@ -58,9 +60,8 @@ def _diagnosis(scenario: str) -> Diagnosis:
     settings = settings_from_result(result)
     profile = StepProfile.from_json(json.loads((folder / "step_profile.json").read_text()))
     assert profile is not None
-    dtype = settings.dtype or model.dtype
-    kv_dtype = settings.kv_cache_dtype or default_kv_dtype(model.weight_dtype, dtype)
-    roofline = Roofline(model, named_hardware("cpu"), model.weight_dtype, kv_dtype)
+    weight_dtype, _, kv_dtype = served_dtypes(model, settings)  # as `kvflow doctor` reads them
+    roofline = Roofline(model, named_hardware("cpu"), weight_dtype, kv_dtype)
     run = evidence_from_bench(result)
     return Diagnosis(model, roofline, run, settings, measured=True, step_profile=profile)
 
@@ -80,8 +81,8 @@ def _recorded(scenario: str) -> list[dict[str, Any]]:
 
 
 def _measured(runs: list[dict[str, Any]], metric: str) -> float:
-    section, q = metric.rsplit("_", 2)[0] + "_ms", metric.split("_")[-2]
-    return statistics.median(float(run[section][q]) for run in runs)
+    """The changed runs' median of `metric`, read as --verify reads a run."""
+    return statistics.median(float(MEASURED[metric](run)) for run in runs)
 
 
 def test_the_recordings() -> None:
