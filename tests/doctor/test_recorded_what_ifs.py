@@ -17,11 +17,13 @@ from __future__ import annotations
 import gzip
 import json
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from kvflow.doctor.calibrate import SIM_METRICS
 from kvflow.doctor.cli import served_dtypes
 from kvflow.doctor.diagnosis import Diagnosis
 from kvflow.doctor.evidence import evidence_from_bench
@@ -43,8 +45,10 @@ SCENARIOS = sorted(p.name for p in RECORDED.iterdir() if p.is_dir())
 # three, prefill_chunks' budget 256 TTFT p50 122-154 ms).
 BOUNDS: dict[tuple[str, str, str], float] = {
     ("kv_pool", '{"num_kv_blocks": 35}', "itl_p99_ms"): 0.20,  # -16% (-21% before session 37)
-    ("kv_pool", '{"num_kv_blocks": 35}', "ttft_p50_ms"): 0.22,  # +18%
-    ("max_num_seqs", '{"max_num_seqs": 8, "num_kv_blocks": 40}', "ttft_p50_ms"): 0.19,  # -15%
+    # +27% (+18% before session 38 put each client's first request's extra on it, Calibration.first_wave_ms:
+    # 2.2 ms here; the three changed runs read 9.3-11.5 ms)
+    ("kv_pool", '{"num_kv_blocks": 35}', "ttft_p50_ms"): 0.31,
+    ("max_num_seqs", '{"max_num_seqs": 8, "num_kv_blocks": 40}', "ttft_p50_ms"): 0.11,  # +7% (-15% before)
     ("max_num_seqs", '{"max_num_seqs": 8, "num_kv_blocks": 40}', "e2e_p50_ms"): 0.18,  # -14%
     ("prefill_chunks", '{"max_num_batched_tokens": 128}', "itl_p99_ms"): 0.07,  # +3%
     ("prefill_chunks", '{"max_num_batched_tokens": 128}', "ttft_p50_ms"): 0.18,  # -14%
@@ -118,3 +122,28 @@ def test_the_starved_pool_replays_the_servers_preemptions() -> None:
     # The median gap is a plain step's: fitted to it, the replay's is the client's.
     simulated = statistics.median(cal.pooled_baseline.itl_ms)
     assert simulated == pytest.approx(d.run.itl_p50_ms, rel=0.03)
+
+
+def test_each_clients_first_request_carries_the_first_waves_own_extra() -> None:
+    """The planted max_num_seqs run's clients paid 12.4 ms beyond the server's TTFT on their first
+    requests and 2.8 on the later ones; of the difference, what the served probe measured 8 clients
+    arriving together pay is the replays' own (they add it where 8 first tokens come in one step).
+    The rest lands on each client's first request's TTFT, in the baseline and the change alike, and
+    on nothing else (session 37 put the whole difference on it: the change came out 19% high)."""
+    cal = _diagnosis("max_num_seqs").calibration
+    assert cal is not None and cal.cost.profile is not None and cal.concurrency == 8
+    ev = cal.evidence
+    assert ev.client_first_gap_ms is not None and ev.client_return_gap_ms is not None
+    whole = ev.client_first_gap_ms - ev.client_return_gap_ms
+    assert cal.first_wave_ms == pytest.approx(whole - cal.cost.profile.delivery_growth(8))
+    assert 0 < cal.first_wave_ms < whole
+    changed = cal.run(max_num_seqs=8, num_kv_blocks=40)
+    first = [t for t, i in zip(changed.ttft_ms, changed.ttft_request, strict=True) if i < 8]
+    later = [t for t, i in zip(changed.ttft_ms, changed.ttft_request, strict=True) if i >= 8]
+    shifted = [t + cal.first_wave_ms for t in first] + later
+    assert cal.read("ttft_p50_ms", changed) == pytest.approx(statistics.median(shifted))
+    assert cal.read("ttft_p50_ms", changed) > SIM_METRICS["ttft_p50_ms"](changed)
+    for metric in ("itl_p99_ms", "itl_p50_ms", "e2e_p50_ms"):
+        assert cal.read(metric, changed) == SIM_METRICS[metric](changed)
+    # One client has no first wave of its own: its first request came alone.
+    assert replace(cal, concurrency=1).first_wave_ms == 0.0
