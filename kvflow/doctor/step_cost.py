@@ -245,12 +245,15 @@ def attention_work(num_tokens: int, context_end: int) -> float:
 
 
 def profiled_step(profile: StepProfile, shape: StepShape) -> tuple[float, float]:
-    """(the profiled engine's step: its curve plus the rows' keys beyond the decode probe's, the keys
-    prefill chunks attended beyond their probe's, which the fit prices). A profile without a row
-    probe (measured before it had one) leaves the rows' keys to the fitted price too."""
+    """(the profiled engine's step: its curve plus the rows' keys beyond the decode probe's and the
+    prefill chunks' beyond their probe's, each at the profile's price; the prefill chunks' keys
+    beyond, which the fit prices beyond the profile's). A profile without a row probe or a chunk probe
+    (measured before it had them) leaves those keys to the fitted price alone."""
     base = profile.shape_ms(shape.rows, shape.prefill_tokens)
     row_beyond = max(shape.row_attention - profile.row_probe_attention(shape.rows), 0.0)
     prefill_beyond = max(shape.prefill_attention - profile.prefill_probe_attention(shape.prefill_tokens), 0.0)
+    if profile.chunk_ms_per_key is not None:  # the chunk's context, as the profile priced it
+        base += profile.chunk_ms_per_key * prefill_beyond
     if profile.row_ms_per_key is None:
         return base, prefill_beyond + row_beyond
     return base + profile.row_ms_per_key * row_beyond, prefill_beyond

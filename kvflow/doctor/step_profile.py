@@ -15,6 +15,9 @@ shapes instead (doubling sizes), and interpolated:
     row_ms_per_key        decode steps at a long context against D: what a query row pays per key
                           it re-reads (kvflow/query_rows.py), the cost of a short chunk after a
                           cached prefix
+    chunk_ms_per_key      a prefill chunk after a cached prefix against P: what a prompt chunk pays
+                          per key of the context before it (a prompt's later chunks attend its
+                          earlier ones: a smaller token budget makes more of them)
 The profile runs in one process with no server around it; the server's steps cost more (its
 thread, the HTTP side, outputs). That difference is added per step kind, fitted to the server's
 measured means (kvflow/doctor/calibrate.py), and its growth with the rows a step delivers is
@@ -35,11 +38,13 @@ measured through a server (kvflow/doctor/served_decode.py):
                           where the diagnosed run recorded too few of its own
                           (kvflow/doctor/arrival_stalls.py, kvflow/doctor/calibrate.py)
 Attention beyond the probes' own short contexts is not in the curves: a query row's is
-row_ms_per_key, a prefill chunk's is fitted to the server's steps.
+row_ms_per_key, a prefill chunk's chunk_ms_per_key (the server's steps fit what they pay beyond it,
+kvflow/doctor/calibrate.py).
 
-    split_prefill_ms,     the same prefill and decode curves on half the cores (OMP_NUM_THREADS):
-    split_decode_ms       one instance of a machine split in two, as the disaggregation what-if
-                          runs a prefill and a decode instance (kvflow/doctor/disaggregation.py).
+    split_prefill_ms,     the same prefill and decode curves (and the prefill chunks at a context) on
+    split_decode_ms       half the cores (OMP_NUM_THREADS): one instance of a machine split in two,
+                          as the disaggregation what-if runs a prefill and a decode instance
+                          (kvflow/doctor/disaggregation.py).
                           How prefill and decode scale with cores is the machine's and the model's:
                           a 2-core Xeon on a 0.5B shape prefilled 1.43x slower on one core, a
                           2-core Zen 2 on the planted tiny model 1.7-2.0x (a constant from the one
@@ -85,10 +90,16 @@ DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # again rather than reading an older profile without it): 2 added the decode steps at a long context,
 # 3 the served decode steps, 4 the curves on half the cores, 5 the served probe's medians over sweeps,
 # 6 the served turnover probe and five sweeps, 7 the arrival probe in its place (the steps during
-# which a request arrived, not those after a finish), 8 the decode curves' medians over passes.
-PROFILE_FORMAT = 8
+# which a request arrived, not those after a finish), 8 the decode curves' medians over passes, 9 the
+# prefill chunks at a context.
+PROFILE_FORMAT = 9
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
+# ... and for its prefill chunks at a context.
+SPLIT_CONTEXT_KEYS = {
+    "prefill_context_ms": "split_prefill_context_ms",
+    "prefill_context_keys": "split_prefill_context_keys",
+}
 
 
 @dataclass(frozen=True)
@@ -147,6 +158,11 @@ class StepProfile:
     # The served arrival probe's stalls, ms: a decode step during which a request arrived over the
     # other decode steps of its rows (kvflow/doctor/served_decode.py); empty without the probe.
     served_arrival_stall: tuple[float, ...] = ()
+    # ms per key a prefill chunk attends beyond a fresh prompt of its size (the context before it),
+    # from chunks after a cached prefix (_chunk_ms_per_key); on half the cores, from the same probes
+    # there. None: a profile without that probe.
+    chunk_ms_per_key: float | None = None
+    split_chunk_ms_per_key: float | None = None
 
     def scaled(self, factor: float) -> StepProfile:
         """Every time in the profile x `factor`: the same machine running that much slower (a VM's
@@ -171,6 +187,8 @@ class StepProfile:
             served_base_excess=ms(self.served_base_excess),
             served_base_gap=ms(self.served_base_gap),
             served_arrival_stall=tuple(v * factor for v in self.served_arrival_stall),
+            chunk_ms_per_key=ms(self.chunk_ms_per_key),
+            split_chunk_ms_per_key=ms(self.split_chunk_ms_per_key),
         )
 
     def on_half_cores(self) -> StepProfile | None:
@@ -180,7 +198,15 @@ class StepProfile:
         if self.split is None:
             return None
         prefill, decode = self.split
-        return replace(self, prefill=prefill, decode=decode, split=None)
+        chunk = self.split_chunk_ms_per_key
+        return replace(
+            self,
+            prefill=prefill,
+            decode=decode,
+            split=None,
+            chunk_ms_per_key=self.chunk_ms_per_key if chunk is None else chunk,
+            split_chunk_ms_per_key=None,
+        )
 
     def served_growth(self, rows: int) -> float:
         """What serving adds to a step of `rows` decode rows beyond what it adds to a 1-row step."""
@@ -225,7 +251,21 @@ class StepProfile:
         gaps = {int(b): float(ms) for b, ms in (data.get("served_ttft_gap_ms") or {}).items()}
         stalls = tuple(float(ms) for ms in data.get(ARRIVAL_KEY) or ())
         served = (excess, between, delivery, halves, base_excess, gaps.get(1))
-        return cls(curves[0], curves[1], per_key, *served, served_arrival_stall=stalls)
+        chunk = _chunk_ms_per_key(data, curves[0])
+        split_chunk = None
+        if split[0] is not None:
+            split_chunk = _chunk_ms_per_key(
+                {key: data.get(split_key) for key, split_key in SPLIT_CONTEXT_KEYS.items()}, split[0]
+            )
+        return cls(
+            curves[0],
+            curves[1],
+            per_key,
+            *served,
+            served_arrival_stall=stalls,
+            chunk_ms_per_key=chunk,
+            split_chunk_ms_per_key=split_chunk,
+        )
 
 
 def _curve(points_by_size: dict[str, float] | None) -> Curve | None:
@@ -295,6 +335,27 @@ def _non_decreasing(values: list[float]) -> list[float]:
     return [m for m, n in blocks for _ in range(n)]
 
 
+def _chunk_ms_per_key(data: dict[str, Any], prefill: Curve) -> float | None:
+    """The prefill chunks after a cached prefix against the prefill curve: ms per key a chunk
+    attends beyond a fresh prompt of its size, the least-squares slope through zero of each probe's
+    excess over its keys beyond (never negative; the probe with more keys states it more precisely,
+    as in _row_ms_per_key); None without the probe.
+
+    Why: the server's prompt steps price that attention only where the diagnosed run's own steps
+    vary in it (calibrate._prompt_fit); a run whose prompts each fit one chunk had none, and the
+    later chunks a smaller token budget makes were priced as fresh prompts. On the planted
+    prefill_chunks run (chunks of 253 tokens after up to 253 cached, budget 256) those ran 8-27%
+    above their price, and the budget what-ifs' ITL p99 came out 11% low (median over thirteen
+    verify runs); the engine alone paid 0.5-1.7e-4 ms per key (kvflow/engine/step_profile.py,
+    session 38), the served steps 0.8-1.1e-4."""
+    at_context = {int(n): float(ms) for n, ms in (data.get("prefill_context_ms") or {}).items()}
+    keys = {int(n): float(k) for n, k in (data.get("prefill_context_keys") or {}).items()}
+    probes = [(keys[n], ms - prefill(n)) for n, ms in at_context.items() if keys.get(n, 0.0) > 0]
+    if not probes:
+        return None
+    return max(sum(k * ms for k, ms in probes) / sum(k * k for k, _ in probes), 0.0)
+
+
 def _row_ms_per_key(data: dict[str, Any], decode: Curve) -> float | None:
     """The decode steps at a long context against the short-context curve: ms per key per row, the
     least-squares slope through zero of each probe's excess over its keys beyond the short probe's
@@ -358,7 +419,8 @@ def measure_profile(
     threads = half_the_cores()
     if threads < (os.cpu_count() or 1):  # the same probes on half the cores
         halves = _profile_steps(command, threads)
-        data.update({split: halves[key] for key, split in SPLIT_KEYS.items() if key in halves})
+        split_keys = {**SPLIT_KEYS, **SPLIT_CONTEXT_KEYS}
+        data.update({split: halves[key] for key, split in split_keys.items() if key in halves})
     try:
         served = measure_served_decode(str(model_dir), engine_flags, _doubling_rows(PROFILE_MAX_NUM_SEQS))
     except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:  # the rest of the profile stands

@@ -11,6 +11,10 @@ simulates.
     decode at a     b = 1 and CONTEXT_PROBE_ROWS requests decoding after long prompts: a query row
     long context    re-reads its context (kvflow/query_rows.py), and these against the short ones
                     price a key (the cost of a short prompt suffix after a cached prefix)
+    prefill at a    a chunk of n prompt tokens after a cached prefix of C (a prompt the prefix
+    context         cache serves C of): its queries attend n x C keys beyond what a fresh prompt of
+                    n attends, and these against the prefill curve price a key (what a prompt's
+                    later chunk pays for attending its earlier ones); with prefix caching only
 
 Each repeat of the prefill and decode curves is one pass over every size of both (profile_steps).
 
@@ -36,6 +40,13 @@ MIN_PREFILL_TOKENS = 2 * MAX_QUERY_ROWS_PER_CHUNK
 # this many requests at once besides one alone (a short suffix after a cached prefix is 8 rows).
 CONTEXT_PROBE_TOKENS = 512
 CONTEXT_PROBE_ROWS = MAX_QUERY_ROWS_PER_CHUNK
+# The prefill-at-a-context probes: a chunk of each share of CONTEXT_CHUNK_TOKENS (or of what the
+# context allows; within the budget) after a cached prefix of the rest: two points for a slope
+# through zero. A long span, for many keys beyond: the context adds a few ms to a 30-100 ms step, and
+# on the planted prefill_chunks model (2-core Zen 4, five runs each) chunks of 128 after 384 and of
+# 256 after 256 read 0.7-1.7e-4 ms per key, of 256 after 752 and of 512 after 496 0.5-0.8e-4.
+CONTEXT_CHUNK_TOKENS = 1024
+CONTEXT_CHUNK_SHARES = (0.25, 0.5)
 DECODE_PROMPT_TOKENS = 16
 DECODE_OUTPUT_TOKENS = 12  # steps per decode probe: enough for a median
 WARMUP_TOKENS = 32
@@ -76,7 +87,9 @@ def _run(engine: LLMEngine) -> list[tuple[int, int, float, float]]:
 
 def profile_steps(engine: LLMEngine, repeats: int = 3) -> dict[str, Any]:
     """{"prefill_ms": {n: ms}, "decode_ms": {b: ms}, "decode_context_ms": {b: ms},
-    "decode_context_keys": {b: keys per row}} for this engine's model and settings."""
+    "decode_context_keys": {b: keys per row}, "prefill_context_ms": {n: ms}, "prefill_context_keys":
+    {n: keys beyond a fresh prompt of n}} for this engine's model and settings (the last two with
+    prefix caching only)."""
     sched = engine.config.scheduler_config
     max_len = engine.config.model_config.max_model_len or sched.max_num_batched_tokens + 1
     prompts = _Prompts(engine.tokenizer.vocab_size)
@@ -94,12 +107,22 @@ def profile_steps(engine: LLMEngine, repeats: int = 3) -> dict[str, Any]:
     # session 33).
     prefill_times: dict[int, list[float]] = {}
     decode_times: dict[int, list[float]] = {}
+    chunk_times: dict[int, list[float]] = {}
+    chunks = _context_chunks(engine, budget, max_len)
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_OUTPUT_TOKENS, ignore_eos=True)
     for r in range(repeats):
         for n in _doubling(MIN_PREFILL_TOKENS, budget):
             engine.add_request(f"prefill-{n}-{r}", prompts(n), once)
             ms = [ms for tokens, rows, ms, _ in _run(engine) if tokens == n and rows == 0]
             prefill_times.setdefault(n, []).extend(ms)
+        for n, cached in chunks:
+            prefix = prompts(cached)
+            engine.add_request(f"prefix-{n}-{r}", prefix, once)  # its blocks stay cached
+            _run(engine)
+            engine.add_request(f"chunk-{n}-{r}", prefix + prompts(n), once)
+            chunk_times.setdefault(n, []).extend(
+                ms for tokens, rows, ms, _ in _run(engine) if tokens == n and rows == 0
+            )
         for b in _doubling(1, sched.max_num_seqs):
             for i in range(b):
                 engine.add_request(f"decode-{b}-{r}-{i}", prompts(DECODE_PROMPT_TOKENS), params)
@@ -109,7 +132,34 @@ def profile_steps(engine: LLMEngine, repeats: int = 3) -> dict[str, Any]:
                 decode_times.setdefault(b, []).append(statistics.median(steps))
     prefill = {n: statistics.median(times) for n, times in prefill_times.items() if times}
     decode = {b: statistics.median(times) for b, times in decode_times.items()}
-    return {"prefill_ms": prefill, "decode_ms": decode, **_decode_at_context(engine, prompts, max_len)}
+    at_context = {
+        "prefill_context_ms": {n: statistics.median(chunk_times[n]) for n, _ in chunks if chunk_times.get(n)},
+        "prefill_context_keys": {n: float(n * cached) for n, cached in chunks if chunk_times.get(n)},
+    }
+    return {
+        "prefill_ms": prefill,
+        "decode_ms": decode,
+        **_decode_at_context(engine, prompts, max_len),
+        **(at_context if at_context["prefill_context_ms"] else {}),
+    }
+
+
+def _context_chunks(engine: LLMEngine, budget: int, max_len: int) -> list[tuple[int, int]]:
+    """The prefill-at-a-context probes, (chunk tokens n, cached prefix C): n a share of the span
+    (CONTEXT_CHUNK_TOKENS, or what the context allows) within the budget, at least a prefill chunk's
+    MIN_PREFILL_TOKENS, C the rest in whole blocks (a prefix-cache hit is whole blocks); none
+    without prefix caching (the prefix would be computed again in the chunk's step)."""
+    cache = engine.config.cache_config
+    if not cache.enable_prefix_caching:
+        return []
+    span = min(CONTEXT_CHUNK_TOKENS, max_len - 1)
+    chunks = []
+    for share in CONTEXT_CHUNK_SHARES:
+        n = min(round(span * share), budget)
+        cached = (span - n) // cache.block_size * cache.block_size
+        if n >= MIN_PREFILL_TOKENS and cached > 0:
+            chunks.append((n, cached))
+    return chunks
 
 
 def _decode_at_context(engine: LLMEngine, prompts: _Prompts, max_len: int) -> dict[str, Any]:

@@ -397,6 +397,53 @@ def test_the_profile_is_measured_by_default_only_for_a_server_on_this_machine(
     assert profile("http://10.0.0.7:8000/v1", verify=True) == measured  # --verify runs here: cached
 
 
+def test_a_prompts_later_chunk_pays_the_profiles_price_for_its_context() -> None:
+    """A chunk of n tokens after C of its prompt attends n x C keys a fresh prompt of n does not:
+    the profile prices them from chunks after a cached prefix (kvflow/engine/step_profile.py), the
+    slope through zero weighted by the keys (0.5-1.7e-4 ms per key on the planted prefill_chunks
+    model, session 38). Priced as a fresh prompt, the later chunks of a 256-token budget ran 8-27%
+    above their price and the budget what-if's ITL p99 came out 11% low."""
+    per_key = 1e-4
+    keys = {"128": 128.0 * 384, "256": 256.0 * 256}
+    data = {
+        **PROFILE_JSON,
+        "prefill_context_ms": {
+            "128": PROFILE_JSON["prefill_ms"]["128"] + per_key * keys["128"] + 0.3,  # a stall
+            "256": PROFILE_JSON["prefill_ms"]["256"] + per_key * keys["256"],
+        },
+        "prefill_context_keys": keys,
+    }
+    profile = StepProfile.from_json(data)
+    assert profile is not None and PROFILE.chunk_ms_per_key is None
+    assert profile.chunk_ms_per_key == pytest.approx(per_key, abs=4e-6)
+    # A chunk of 253 tokens after 253 of its prompt: the context's keys at the profile's price.
+    later = StepShape().plus_chunk(253, 506)
+    fresh = StepShape().plus_chunk(253, 253)
+    assert later.prefill_attention - fresh.prefill_attention == 253 * 253
+    cost = StepCost(0.0, 0.0, 0.0, profile=profile, kind_extra_ms=(0.0, 2.0, 0.5))
+    extra = cost.server_ms(later) - cost.server_ms(fresh)
+    assert extra == pytest.approx(2.0 * profile.chunk_ms_per_key * 253 * 253)  # the factor scales it
+    # The fit's own price per key comes on top (a run whose steps say more).
+    assert replace(cost, attention_ms_per_key=1e-5).server_ms(later) - cost.server_ms(later) == pytest.approx(
+        1e-5 * 253 * 253
+    )
+    # Scaled with the rest of the profile, and on half the cores the price measured there.
+    assert profile.scaled(1.5).chunk_ms_per_key == pytest.approx(1.5 * profile.chunk_ms_per_key)
+    split = {
+        "split_prefill_ms": {"64": 1.6, "256": 3.4, "512": 6.0},
+        "split_decode_ms": {"1": 0.6, "8": 1.0},
+        "split_prefill_context_ms": {"256": 3.4 + 3 * per_key * keys["256"]},
+        "split_prefill_context_keys": {"256": keys["256"]},
+    }
+    halves = StepProfile.from_json({**data, **split})
+    assert halves is not None
+    half = halves.on_half_cores()
+    assert half is not None and half.chunk_ms_per_key == pytest.approx(3 * per_key)
+    # Without the probe (an older profile) the context's keys go to the fitted price alone.
+    older = replace(cost, profile=PROFILE)
+    assert older.server_ms(later) == pytest.approx(older.server_ms(fresh))
+
+
 def test_an_instance_on_half_the_cores_costs_the_curves_measured_there() -> None:
     """The disaggregation what-if runs a prefill and a decode instance on half the cores each. With
     the profile's curves measured there (OMP_NUM_THREADS), a step costs what they say; without

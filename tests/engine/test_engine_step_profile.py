@@ -41,11 +41,16 @@ def test_every_shape_is_measured(tiny_checkpoint_factory: Callable[..., Path]) -
     # Decodes after prompts of half the context (the outputs wait for the last prompt), alone and 8 at once.
     assert sorted(profile["decode_context_ms"]) == sorted(profile["decode_context_keys"]) == [1, 8]
     assert all(63 < keys < 128 for keys in profile["decode_context_keys"].values())
-    curves = ("prefill_ms", "decode_ms", "decode_context_ms")
+    # Chunks after a cached prefix, a quarter and a half of the 127-token span, the prefix in whole
+    # 16-token blocks: 32 after 80, 64 after 48.
+    assert profile["prefill_context_keys"] == {32: 32.0 * 80, 64: 64.0 * 48}
+    assert sorted(profile["prefill_context_ms"]) == [32, 64]
+    curves = ("prefill_ms", "decode_ms", "decode_context_ms", "prefill_context_ms")
     assert all(ms > 0 for curve in curves for ms in profile[curve].values())
     assert not engine.has_unfinished_requests()
-    parsed = StepProfile.from_json(profile)
+    parsed = StepProfile.from_json(json.loads(json.dumps(profile)))  # as the doctor reads the command's JSON
     assert parsed is not None and parsed.row_ms_per_key is not None and parsed.row_ms_per_key >= 0
+    assert parsed.chunk_ms_per_key is not None and parsed.chunk_ms_per_key >= 0
 
 
 def test_a_short_suffix_after_a_cached_prefix_is_counted_as_query_rows(
