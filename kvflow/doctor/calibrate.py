@@ -261,22 +261,22 @@ class Calibration:
     @cached_property
     def first_wave_ms(self) -> float:
         """What each client's first request paid beyond its later ones that the replays do not
-        have: the run's first-wave client gap (client minus server TTFT) less its returning one,
-        less what the served probe measured b clients arriving together pay beyond a lone one
-        (delivery_growth at the run's concurrency, which the replays add where the first tokens
-        come in one step); 0 outside a closed loop of two clients or more, or when unknown.
+        have: the client gap (client minus server TTFT) of the run's first requests whose first
+        token came alone (evidence.first_alone) less its returning requests' gap, less what the
+        served probe measured c clients arriving together pay beyond a lone one (delivery_growth at
+        the run's concurrency c: the first wave arrived together too); 0 outside a closed loop of two
+        clients or more, or without two such first requests.
 
-        Why: a closed loop's clients send their first requests together to a server that has served
-        one warmup request; its processes are cold, and those requests' TTFT ran 2-5 ms beyond the
-        later requests' on the changed runs of the planted kv_pool, prefill_chunks and max_num_seqs
-        scenarios (sessions 36-37; on the probe's warm server, 0.6). The max_num_seqs what-if's
-        changed run has 8 of its 16 requests in that first wave, and its TTFT p50 came out 10-23%
-        low in eleven verify runs without it (benchmarks/NOTES.md, session 38). The probe's growth
-        is taken off because the diagnosed first wave also arrived together: on the planted
-        max_num_seqs run that leaves 2.6-5.3 ms of 7.2-9.6; taking the whole gap (session 37)
-        predicted the change 19% high."""
+        Why: on the planted max_num_seqs scenario's 8-slot change the first wave's clients read
+        their first tokens 10.7-13.2 ms after the server sent them, the later waves' 7.2-9.7
+        (sessions 36-38), and its TTFT p50 came out 10-23% low in eleven verify runs without this.
+        The 1-slot run it is diagnosed on sends each first token alone; of its 7.2-9.6 ms, 2.6-5.3
+        are left once the probe's growth is taken off (the whole gap, session 37, put the change 19%
+        high). A first wave whose first tokens came together paid for its steps too (kv_pool's starved
+        pool preempting right after them: 9-23 ms, where its change's first waves paid 4-8): no first
+        request of it counts."""
         ev, clients = self.evidence, self.concurrency or 0
-        first, returning = ev.client_first_gap_ms, ev.client_return_gap_ms
+        first, returning = ev.client_first_alone_gap_ms, ev.client_return_gap_ms
         if clients < 2 or first is None or returning is None:
             return 0.0
         profile = self.cost.profile

@@ -4,10 +4,15 @@ planned workload of `--context` / `--concurrency` alone."""
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.bench.metrics import percentile
+
+# First tokens this close (s) came from one step: a step stamps its requests' outputs within 0.01 ms
+# of each other on the planted runs, and the tiny model's fastest steps take 0.6 ms.
+FIRST_TOKENS_TOGETHER_S = 0.5e-3
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,9 @@ class RunEvidence:
     client_return_gap_ms: float | None = None
     # The same over each client's first request (None: not a closed loop, or not known).
     client_first_gap_ms: float | None = None
+    # ... over those of them whose first token no other request's shared a step with (first_alone):
+    # what the first requests paid where the replay adds no delivery of its own (None: fewer than two).
+    client_first_alone_gap_ms: float | None = None
     # Each request's HTTP handoff on a kvflow server: from its arrival (the handler's start, where
     # the server's TTFT starts) to the engine taking it in (handoff_delays).
     handoff_ms: tuple[float, ...] = ()
@@ -222,6 +230,10 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
         client_first_gap_ms=mean_client_gap(
             by_send[: len(by_send) - len(returning)], result.get("server") or {}
         ),
+        client_first_alone_gap_ms=mean_client_gap(
+            first_alone(by_send[: len(by_send) - len(returning)], result.get("server") or {}),
+            result.get("server") or {},
+        ),
         handoff_ms=handoff_delays(result.get("server") or {}),
     )
 
@@ -255,6 +267,30 @@ def _client_gaps(requests: list[dict[str, Any]], server: dict[str, Any]) -> list
         for r in requests
         if r.get("ttft_ms") is not None and by_id.get(r.get("x_request_id")) is not None
     ]
+
+
+def first_alone(requests: list[dict[str, Any]], server: dict[str, Any]) -> list[dict[str, Any]]:
+    """Those of `requests` whose first token no other request of the server's window got in the same
+    step (first tokens FIRST_TOKENS_TOGETHER_S apart or more); none without a window.
+
+    Why: a first wave whose first tokens came together paid for more than its connections. The
+    planted kv_pool run's four first prompts are admitted in one step, the starved pool's
+    preemptions follow, and its clients read those first tokens 9-23 ms after the server sent them
+    (2.6-4.5 on their later requests); the 35-block change's first waves paid 4-8 (session 38). Taken
+    as the first wave's own extra, that put the change's TTFT p50 10-40% high."""
+    rows = (server.get("window") or {}).get("requests") or []
+    firsts = {row.get("x_request_id"): row.get("first_token") for row in rows if row.get("x_request_id")}
+    stamps = sorted(float(t) for t in firsts.values() if t is not None)
+    alone = []
+    for r in requests:
+        t = firsts.get(r.get("x_request_id"))
+        if t is None:
+            continue
+        i = bisect_left(stamps, float(t))  # stamps[i] is its own (or one equal to it)
+        neighbours = [stamps[j] for j in (i - 1, i + 1) if 0 <= j < len(stamps)]
+        if all(abs(n - float(t)) >= FIRST_TOKENS_TOGETHER_S for n in neighbours):
+            alone.append(r)
+    return alone
 
 
 def mean_client_gap(requests: list[dict[str, Any]], server: dict[str, Any]) -> float | None:

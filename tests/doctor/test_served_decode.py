@@ -13,7 +13,7 @@ import pytest
 from kvflow.bench.runner import BenchConfig
 from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
 from kvflow.doctor import served_decode
-from kvflow.doctor.evidence import client_gap_jitter, evidence_from_bench, handoff_delays
+from kvflow.doctor.evidence import client_gap_jitter, evidence_from_bench, first_alone, handoff_delays
 from kvflow.doctor.served_decode import (
     ARRIVAL_KEY,
     SERVED_KEYS,
@@ -114,6 +114,48 @@ def test_a_clients_first_request_opened_its_connection_and_is_kept_apart() -> No
     assert (
         open_loop.client_return_gap_ms == pytest.approx(sum(gaps) / 6)
         and open_loop.client_first_gap_ms is None
+    )
+
+
+def test_a_first_wave_counts_only_the_first_tokens_that_came_alone() -> None:
+    """Four clients' first requests: two got their first tokens in one step (stamped 0.01 ms apart),
+    the other two alone. Only the lone ones say what a first request paid where the replay adds no
+    delivery of its own (Calibration.first_wave_ms); a step's shared first tokens paid for it too."""
+    gaps = [20.0, 16.0, 8.0, 10.0, 5.0, 5.0, 5.0, 5.0]
+    firsts = [1.000, 1.00001, 1.040, 1.080, 1.5, 1.6, 1.7, 1.8]
+    requests = [
+        {
+            "x_request_id": f"r{i}",
+            "ttft_ms": 10.0 + g,
+            "send_s": 0.01 * i,
+            "prompt_tokens": 8,
+            "output_tokens": 4,
+        }
+        for i, g in enumerate(gaps)
+    ]
+    window = [{"x_request_id": f"r{i}", "ttft_ms": 10.0, "first_token": t} for i, t in enumerate(firsts)]
+    server = {"window": {"requests": window}}
+    assert [r["x_request_id"] for r in first_alone(requests[:4], server)] == ["r2", "r3"]
+    result = {
+        "requests": requests,
+        "server": server,
+        "config": {"concurrency": 4},
+        "ttft_ms": {"p50": 15.0, "p95": 30.0},
+        "tpot_ms": {"p50": 1.0},
+        "itl_ms": {"p50": 1.0, "p99": 2.0},
+        "output_throughput": 100.0,
+    }
+    ev = evidence_from_bench(result)
+    assert ev.client_first_gap_ms == pytest.approx(13.5) and ev.client_first_alone_gap_ms == pytest.approx(
+        9.0
+    )
+    # All four together: none counts.
+    together = [{**row, "first_token": 1.0} if i < 4 else row for i, row in enumerate(window)]
+    assert (
+        evidence_from_bench(
+            {**result, "server": {"window": {"requests": together}}}
+        ).client_first_alone_gap_ms
+        is None
     )
 
 
