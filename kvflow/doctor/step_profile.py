@@ -63,6 +63,7 @@ import hashlib
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 from bisect import bisect_left
@@ -79,6 +80,14 @@ from kvflow.doctor.served_decode import ARRIVAL_KEY, SERVED_PROBE_CONTEXT, measu
 logger = logging.getLogger(__name__)
 
 PROFILE_TIMEOUT_S = 900.0
+# `kvflow profile-steps` runs of one pass each, on all the cores and on half of them in turn; each
+# point the median over them. Why in turn: the half-core curves are measured against the whole
+# machine's (the disaggregation what-if's split), and a VM's speed moves by a fifth over minutes. One
+# run of three passes on all the cores, then one on half, read the 256-token prefill on half the
+# cores 1.71x and 1.52x the whole machine's in two profiles of the planted prefill_chunks model, and
+# the 8-row decode 1.53x and 1.06x; the disaggregated pair's TTFT on one diagnosis moved 224 -> 201
+# ms between them, and came out 14-21% low in three verify runs (session 38).
+PROFILE_PASSES = 3
 # The shapes probed: decode batches up to this many rows, prompts up to this many tokens (or the
 # model's context): what-ifs reach past the server's own settings.
 PROFILE_MAX_NUM_SEQS = 32
@@ -91,8 +100,8 @@ DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # 3 the served decode steps, 4 the curves on half the cores, 5 the served probe's medians over sweeps,
 # 6 the served turnover probe and five sweeps, 7 the arrival probe in its place (the steps during
 # which a request arrived, not those after a finish), 8 the decode curves' medians over passes, 9 the
-# prefill chunks at a context.
-PROFILE_FORMAT = 9
+# prefill chunks at a context, 10 the passes on all the cores and on half of them in turn.
+PROFILE_FORMAT = 10
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
 # ... and for its prefill chunks at a context.
@@ -276,6 +285,19 @@ def _curve(points_by_size: dict[str, float] | None) -> Curve | None:
     return Curve(tuple(p[0] for p in points), tuple(p[1] for p in points))
 
 
+def median_passes(passes: list[dict[str, Any]]) -> dict[str, Any]:
+    """`kvflow profile-steps` outputs of one pass each as one: every curve's point the median over
+    the passes that measured it (JSON keys: the sizes as strings)."""
+    merged: dict[str, Any] = {}
+    for key in {k for data in passes for k in data}:
+        by_size: dict[str, list[float]] = {}
+        for data in passes:
+            for size, ms in (data.get(key) or {}).items():
+                by_size.setdefault(str(size), []).append(float(ms))
+        merged[key] = {size: statistics.median(values) for size, values in by_size.items()}
+    return merged
+
+
 def half_the_cores() -> int:
     """The threads each instance of a machine split in two gets (at least one)."""
     return max(1, (os.cpu_count() or 2) // 2)
@@ -415,12 +437,20 @@ def measure_profile(
         engine_flags += ["--quantization", quantization]
     command = [sys.executable, "-m", "kvflow.cli", "profile-steps", str(model_dir), *engine_flags]
     command += ["--max-num-batched-tokens", str(max(context - 1, PROFILE_MAX_NUM_SEQS))]
-    data = _profile_steps(command, None)
+    command += ["--repeats", "1"]
     threads = half_the_cores()
-    if threads < (os.cpu_count() or 1):  # the same probes on half the cores
-        halves = _profile_steps(command, threads)
+    split = threads < (os.cpu_count() or 1)  # the same probes on half the cores
+    # One pass on all the cores, then one on half, PROFILE_PASSES times (module docstring).
+    whole, halves = [], []
+    for _ in range(PROFILE_PASSES):
+        whole.append(_profile_steps(command, None))
+        if split:
+            halves.append(_profile_steps(command, threads))
+    data = median_passes(whole)
+    if halves:
+        merged = median_passes(halves)
         split_keys = {**SPLIT_KEYS, **SPLIT_CONTEXT_KEYS}
-        data.update({split: halves[key] for key, split in split_keys.items() if key in halves})
+        data.update({split: merged[key] for key, split in split_keys.items() if key in merged})
     try:
         served = measure_served_decode(str(model_dir), engine_flags, _doubling_rows(PROFILE_MAX_NUM_SEQS))
     except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:  # the rest of the profile stands

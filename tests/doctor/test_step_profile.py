@@ -19,10 +19,12 @@ import statistics
 from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
+from kvflow.doctor import step_profile
 from kvflow.doctor.calibrate import SIM_METRICS, _least_squares, _prompt_fit, calibrate
 from kvflow.doctor.cli import diagnosis_step_profile
 from kvflow.doctor.evidence import RequestSample, RunEvidence, calculator_evidence
@@ -395,6 +397,34 @@ def test_the_profile_is_measured_by_default_only_for_a_server_on_this_machine(
     if (os.cpu_count() or 1) > 1:  # the same curves on half the cores (the disaggregation what-if's)
         assert measured.split is not None and measured.split[0].sizes == measured.prefill.sizes
     assert profile("http://10.0.0.7:8000/v1", verify=True) == measured  # --verify runs here: cached
+
+
+def test_the_whole_machine_and_half_of_it_are_measured_in_turn(
+    tiny_checkpoint_factory: Callable[..., Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The half-core curves are read against the whole machine's, and a VM's speed moves by a fifth
+    over minutes: one pass on all the cores, one on half, in turn, each point the median over the
+    passes (two profiles measured all-then-half read the 8-row decode on half the cores 1.53x and
+    1.06x the whole machine's, session 38)."""
+    calls: list[int | None] = []
+    slow = iter([1.0, 1.0, 1.5, 1.5, 1.0, 1.0])  # the VM slows by half for the second pass of both
+
+    def one_pass(command: list[str], threads: int | None) -> dict[str, Any]:
+        assert command[-2:] == ["--repeats", "1"]
+        calls.append(threads)
+        factor = next(slow) * (2.0 if threads else 1.0)
+        return {"prefill_ms": {"16": 1.0 * factor, "32": 2.0 * factor}, "decode_ms": {"1": 0.5 * factor}}
+
+    monkeypatch.setattr(step_profile, "_profile_steps", one_pass)
+    monkeypatch.setattr(step_profile, "measure_served_decode", lambda *a: {})
+    monkeypatch.setattr(step_profile.os, "cpu_count", lambda: 2)
+    profile = step_profile.measure_profile(tiny_checkpoint_factory("llama"), "float32", None, 128)
+    assert calls == [None, 1] * step_profile.PROFILE_PASSES
+    assert profile is not None and profile.split is not None
+    assert profile.prefill(32) == 2.0 and profile.split[0](32) == 4.0  # the medians: 2x, not 2x +- the drift
+    assert step_profile.median_passes([{"a": {"1": 1.0}}, {"a": {"1": 3.0, "2": 5.0}}]) == {
+        "a": {"1": 2.0, "2": 5.0}
+    }
 
 
 def test_a_prompts_later_chunk_pays_the_profiles_price_for_its_context() -> None:
