@@ -82,11 +82,9 @@ def test_the_client_gap_spread_is_matched_by_request_id_and_centred() -> None:
     assert client_gap_jitter(requests, {}) == ()  # no window (another server): no spread
 
 
-def test_a_clients_first_request_opened_its_connection_and_is_kept_apart() -> None:
-    """Closed loop, 2 clients: their first requests (the first 2 sent) opened the connections, and
-    their client gaps (20 ms) are not what a client takes to come back (4-6 ms): the return gap and
-    its jitter come from the later requests, the first gap is kept on its own."""
-    gaps = [20.0, 20.0, 4.0, 6.0, 5.0, 5.0]
+def _closed_loop(gaps: list[float], window: list[dict[str, Any]], clients: int) -> dict[str, Any]:
+    """A closed-loop bench result of `clients` clients whose requests' client TTFT is the server's
+    10 ms plus each of `gaps`, in send order, and the server's window rows `window`."""
     requests = [
         {
             "x_request_id": f"r{i}",
@@ -97,16 +95,23 @@ def test_a_clients_first_request_opened_its_connection_and_is_kept_apart() -> No
         }
         for i, g in enumerate(gaps)
     ]
-    server = {"window": {"requests": [{"x_request_id": f"r{i}", "ttft_ms": 10.0} for i in range(6)]}}
-    result = {
+    return {
         "requests": requests,
-        "server": server,
-        "config": {"concurrency": 2},
+        "server": {"window": {"requests": window}},
+        "config": {"concurrency": clients},
         "ttft_ms": {"p50": 15.0, "p95": 30.0},
         "tpot_ms": {"p50": 1.0},
         "itl_ms": {"p50": 1.0, "p99": 2.0},
         "output_throughput": 100.0,
     }
+
+
+def test_a_clients_first_request_opened_its_connection_and_is_kept_apart() -> None:
+    """Closed loop, 2 clients: their first requests (the first 2 sent) opened the connections, and
+    their client gaps (20 ms) are not what a client takes to come back (4-6 ms): the return gap and
+    its jitter come from the later requests, the first gap is kept on its own."""
+    gaps = [20.0, 20.0, 4.0, 6.0, 5.0, 5.0]
+    result = _closed_loop(gaps, [{"x_request_id": f"r{i}", "ttft_ms": 10.0} for i in range(6)], 2)
     ev = evidence_from_bench(result)
     assert ev.client_return_gap_ms == pytest.approx(5.0) and ev.client_first_gap_ms == pytest.approx(20.0)
     assert ev.client_gap_jitter_ms == pytest.approx((-1.0, 1.0, 0.0, 0.0))
@@ -121,42 +126,17 @@ def test_a_first_wave_counts_only_the_first_tokens_that_came_alone() -> None:
     """Four clients' first requests: two got their first tokens in one step (stamped 0.01 ms apart),
     the other two alone. Only the lone ones say what a first request paid where the replay adds no
     delivery of its own (Calibration.first_wave_ms); a step's shared first tokens paid for it too."""
-    gaps = [20.0, 16.0, 8.0, 10.0, 5.0, 5.0, 5.0, 5.0]
     firsts = [1.000, 1.00001, 1.040, 1.080, 1.5, 1.6, 1.7, 1.8]
-    requests = [
-        {
-            "x_request_id": f"r{i}",
-            "ttft_ms": 10.0 + g,
-            "send_s": 0.01 * i,
-            "prompt_tokens": 8,
-            "output_tokens": 4,
-        }
-        for i, g in enumerate(gaps)
-    ]
     window = [{"x_request_id": f"r{i}", "ttft_ms": 10.0, "first_token": t} for i, t in enumerate(firsts)]
-    server = {"window": {"requests": window}}
-    assert [r["x_request_id"] for r in first_alone(requests[:4], server)] == ["r2", "r3"]
-    result = {
-        "requests": requests,
-        "server": server,
-        "config": {"concurrency": 4},
-        "ttft_ms": {"p50": 15.0, "p95": 30.0},
-        "tpot_ms": {"p50": 1.0},
-        "itl_ms": {"p50": 1.0, "p99": 2.0},
-        "output_throughput": 100.0,
-    }
+    result = _closed_loop([20.0, 16.0, 8.0, 10.0, 5.0, 5.0, 5.0, 5.0], window, 4)
+    assert [r["x_request_id"] for r in first_alone(result["requests"][:4], result["server"])] == ["r2", "r3"]
     ev = evidence_from_bench(result)
-    assert ev.client_first_gap_ms == pytest.approx(13.5) and ev.client_first_alone_gap_ms == pytest.approx(
-        9.0
-    )
+    assert ev.client_first_gap_ms == pytest.approx(13.5)
+    assert ev.client_first_alone_gap_ms == pytest.approx(9.0)
     # All four together: none counts.
     together = [{**row, "first_token": 1.0} if i < 4 else row for i, row in enumerate(window)]
-    assert (
-        evidence_from_bench(
-            {**result, "server": {"window": {"requests": together}}}
-        ).client_first_alone_gap_ms
-        is None
-    )
+    merged = evidence_from_bench({**result, "server": {"window": {"requests": together}}})
+    assert merged.client_first_alone_gap_ms is None
 
 
 def test_each_requests_handoff_is_its_handlers_time_before_the_engine_queue() -> None:
