@@ -341,6 +341,7 @@ class Calibration:
             "step_per_token_ms": self.cost.per_token_ms,
             "step_overhead_ms": self.cost.overhead_ms,
             "profile_speed": self.profile_speed,
+            "first_wave_ms": self.first_wave_ms,
         }
 
 

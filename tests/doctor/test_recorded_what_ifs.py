@@ -139,6 +139,7 @@ def test_each_clients_first_request_carries_the_first_waves_own_extra() -> None:
     whole = ev.client_first_gap_ms - ev.client_return_gap_ms
     assert cal.first_wave_ms == pytest.approx(whole - cal.cost.profile.delivery_growth(8))
     assert 0 < cal.first_wave_ms < whole
+    assert cal.fit_report()["first_wave_ms"] == cal.first_wave_ms  # the JSON report states it
     changed = cal.run(max_num_seqs=8, num_kv_blocks=40)
     first = [t for t, i in zip(changed.ttft_ms, changed.ttft_request, strict=True) if i < 8]
     later = [t for t, i in zip(changed.ttft_ms, changed.ttft_request, strict=True) if i >= 8]
