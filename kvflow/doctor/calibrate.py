@@ -287,11 +287,12 @@ class Calibration:
         """`metric` (a key of SIM_METRICS) of a replay of this run's requests: a TTFT with each
         client's first request's first_wave_ms on it."""
         extra, clients = self.first_wave_ms, self.concurrency or 0
-        if not metric.startswith("ttft") or extra <= 0 or not run.ttft_request:
-            return SIM_METRICS[metric](run)
-        q = TTFT_QUANTILES[metric]
-        ttft = [t + extra if i < clients else t for t, i in zip(run.ttft_ms, run.ttft_request, strict=True)]
-        return _p(ttft, q)
+        if metric.startswith("ttft") and extra > 0 and run.ttft_request:
+            ttft = [
+                t + extra if i < clients else t for t, i in zip(run.ttft_ms, run.ttft_request, strict=True)
+            ]
+            run = replace(run, ttft_ms=ttft)
+        return SIM_METRICS[metric](run)
 
     def replay_range(self, metric: str, changed: SimRun) -> tuple[float, float] | None:
         """How far one run of the change lands around the pooled prediction, as factors of it: the
@@ -349,11 +350,9 @@ def _p(values: list[float], q: float) -> float:
     return percentile(values, q) if values else 0.0
 
 
-# The TTFT percentiles SIM_METRICS reads (Calibration.read puts first_wave_ms on them first).
-TTFT_QUANTILES = {"ttft_p50_ms": 50.0, "ttft_p95_ms": 95.0}
 SIM_METRICS: dict[str, Callable[[SimRun], float]] = {
-    "ttft_p50_ms": lambda r: _p(r.ttft_ms, TTFT_QUANTILES["ttft_p50_ms"]),
-    "ttft_p95_ms": lambda r: _p(r.ttft_ms, TTFT_QUANTILES["ttft_p95_ms"]),
+    "ttft_p50_ms": lambda r: _p(r.ttft_ms, 50),
+    "ttft_p95_ms": lambda r: _p(r.ttft_ms, 95),
     "itl_p99_ms": lambda r: _p(r.itl_ms, 99),
     "itl_p50_ms": lambda r: _p(r.itl_ms, 50),
     "decode_ms_per_step": lambda r: _p(r.tpot_ms, 50),

@@ -196,6 +196,8 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
     returning = (
         by_send[int(concurrency) :] if closed_loop and len(by_send) > int(concurrency) + 1 else by_send
     )
+    firsts = by_send[: len(by_send) - len(returning)]  # each client's first request (closed loop)
+    server = result.get("server") or {}
     if concurrency is None and tpot:  # open loop: Little's law, tokens/s x s/token = streams in flight
         concurrency = result["output_throughput"] * tpot / 1e3
     return RunEvidence(
@@ -213,7 +215,7 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
         itl_p50_ms=result["itl_ms"]["p50"],
         itl_p99_ms=result["itl_ms"]["p99"],
         output_throughput=float(result["output_throughput"]),
-        server=result.get("server") or {},
+        server=server,
         languages=result.get("languages") or {},
         endpoint=str(config.get("endpoint", "completions")),
         config=config,
@@ -225,16 +227,11 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
             int(p): (row["ttft_ms"]["p50"], row["ttft_ms"]["p99"])
             for p, row in sorted((result.get("per_priority") or {}).items(), key=lambda kv: int(kv[0]))
         },
-        client_gap_jitter_ms=client_gap_jitter(returning, result.get("server") or {}),
-        client_return_gap_ms=mean_client_gap(returning, result.get("server") or {}),
-        client_first_gap_ms=mean_client_gap(
-            by_send[: len(by_send) - len(returning)], result.get("server") or {}
-        ),
-        client_first_alone_gap_ms=mean_client_gap(
-            first_alone(by_send[: len(by_send) - len(returning)], result.get("server") or {}),
-            result.get("server") or {},
-        ),
-        handoff_ms=handoff_delays(result.get("server") or {}),
+        client_gap_jitter_ms=client_gap_jitter(returning, server),
+        client_return_gap_ms=mean_client_gap(returning, server),
+        client_first_gap_ms=mean_client_gap(firsts, server),
+        client_first_alone_gap_ms=mean_client_gap(first_alone(firsts, server), server),
+        handoff_ms=handoff_delays(server),
     )
 
 

@@ -372,10 +372,9 @@ def _chunk_ms_per_key(data: dict[str, Any], prefill: Curve) -> float | None:
     session 38), the served steps 0.8-1.1e-4."""
     at_context = {int(n): float(ms) for n, ms in (data.get("prefill_context_ms") or {}).items()}
     keys = {int(n): float(k) for n, k in (data.get("prefill_context_keys") or {}).items()}
-    probes = [(keys[n], ms - prefill(n)) for n, ms in at_context.items() if keys.get(n, 0.0) > 0]
-    if not probes:
-        return None
-    return max(sum(k * ms for k, ms in probes) / sum(k * k for k, _ in probes), 0.0)
+    return _slope_through_zero(
+        [(keys[n], ms - prefill(n)) for n, ms in at_context.items() if keys.get(n, 0.0) > 0]
+    )
 
 
 def _row_ms_per_key(data: dict[str, Any], decode: Curve) -> float | None:
@@ -398,6 +397,12 @@ def _row_ms_per_key(data: dict[str, Any], decode: Curve) -> float | None:
         for b, ms in at_context.items()
         if b > 0 and keys.get(b, 0.0) > 2 * DECODE_PROBE_CONTEXT  # far enough to measure a slope
     ]
+    return _slope_through_zero(probes)
+
+
+def _slope_through_zero(probes: list[tuple[float, float]]) -> float | None:
+    """The least-squares slope through zero of (keys, ms) points, never negative (a probe with more
+    keys weighs more); None without a point."""
     if not probes:
         return None
     return max(sum(k * ms for k, ms in probes) / sum(k * k for k, _ in probes), 0.0)

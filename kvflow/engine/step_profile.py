@@ -132,16 +132,12 @@ def profile_steps(engine: LLMEngine, repeats: int = 3) -> dict[str, Any]:
                 decode_times.setdefault(b, []).append(statistics.median(steps))
     prefill = {n: statistics.median(times) for n, times in prefill_times.items() if times}
     decode = {b: statistics.median(times) for b, times in decode_times.items()}
-    at_context = {
-        "prefill_context_ms": {n: statistics.median(chunk_times[n]) for n, _ in chunks if chunk_times.get(n)},
-        "prefill_context_keys": {n: float(n * cached) for n, cached in chunks if chunk_times.get(n)},
-    }
-    return {
-        "prefill_ms": prefill,
-        "decode_ms": decode,
-        **_decode_at_context(engine, prompts, max_len),
-        **(at_context if at_context["prefill_context_ms"] else {}),
-    }
+    out = {"prefill_ms": prefill, "decode_ms": decode, **_decode_at_context(engine, prompts, max_len)}
+    measured = [(n, cached) for n, cached in chunks if chunk_times.get(n)]
+    if measured:
+        out["prefill_context_ms"] = {n: statistics.median(chunk_times[n]) for n, _ in measured}
+        out["prefill_context_keys"] = {n: float(n * cached) for n, cached in measured}
+    return out
 
 
 def _context_chunks(engine: LLMEngine, budget: int, max_len: int) -> list[tuple[int, int]]:
