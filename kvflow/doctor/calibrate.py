@@ -263,9 +263,10 @@ class Calibration:
         """What each client's first request paid beyond its later ones that the replays do not
         have: the client gap (client minus server TTFT) of the run's first requests whose first
         token came alone (evidence.first_alone) less its returning requests' gap, less what the
-        served probe measured c clients arriving together pay beyond a lone one (delivery_growth at
-        the run's concurrency c: the first wave arrived together too); 0 outside a closed loop of two
-        clients or more, or without two such first requests.
+        replays add to c first tokens in one step (StepCost.delivery_ms at the run's concurrency c:
+        the served probe's growth from the returning requests' delivery, and its c clients arrived
+        together as the first wave did); 0 outside a closed loop of two clients or more, or without
+        two such first requests.
 
         Why: on the planted max_num_seqs scenario's 8-slot change the first wave's clients read
         their first tokens 10.7-13.2 ms after the server sent them, the later waves' 7.2-9.7
@@ -279,9 +280,7 @@ class Calibration:
         first, returning = ev.client_first_alone_gap_ms, ev.client_return_gap_ms
         if clients < 2 or first is None or returning is None:
             return 0.0
-        profile = self.cost.profile
-        together = profile.delivery_growth(clients) if profile is not None else 0.0
-        return max(first - returning - together, 0.0)
+        return max(first - returning - self.cost.delivery_ms(clients), 0.0)
 
     def read(self, metric: str, run: SimRun) -> float:
         """`metric` (a key of SIM_METRICS) of a replay of this run's requests: a TTFT with each
@@ -388,6 +387,9 @@ def calibrate(
         gap = max(float(evidence.server.get("client_minus_server_ttft_ms") or 0.0), 0.0)
 
     jitter, handoff = evidence.client_gap_jitter_ms, evidence.handoff_ms
+    # The tokens the steps delivered with the first tokens that gap was read on (1: a lone client's).
+    delivered = evidence.client_return_delivered if evidence.client_return_gap_ms is not None else None
+    delivered = 1.0 if delivered is None else delivered
 
     def replay(cost: StepCost) -> SimRun:
         return simulate(
@@ -411,7 +413,12 @@ def calibrate(
         for _ in range(FIT_ROUNDS):
             extras, per_key = _kind_extras(measured, run, profile, records)
             cost = replace(
-                cost, profile=profile, kind_extra_ms=extras, attention_ms_per_key=per_key, client_gap_ms=gap
+                cost,
+                profile=profile,
+                kind_extra_ms=extras,
+                attention_ms_per_key=per_key,
+                client_gap_ms=gap,
+                gap_delivered=delivered,
             )
             run = replay(cost)
             cost = replace(cost, overhead_ms=_overhead_ms(evidence, run, cost.overhead_ms))

@@ -4,11 +4,13 @@ planned workload of `--context` / `--concurrency` alone."""
 
 from __future__ import annotations
 
-from bisect import bisect_left
+import statistics
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvflow.bench.metrics import percentile
+from kvflow.server.dashboard.request_story import TIME_TOLERANCE_S
 
 # First tokens this close (s) came from one step: a step stamps its requests' outputs within 0.01 ms
 # of each other on the planted runs, and the tiny model's fastest steps take 0.6 ms.
@@ -68,6 +70,10 @@ class RunEvidence:
     # ... over those of them whose first token no other request's shared a step with (first_alone):
     # what the first requests paid where the replay adds no delivery of its own (None: fewer than two).
     client_first_alone_gap_ms: float | None = None
+    # How many tokens the step that produced a returning request's first token delivered (the median
+    # over them, its output_tokens: other first tokens and decodes): what the returning gap above
+    # already holds of the delivery (StepCost.delivery_ms). None: no window's steps.
+    client_return_delivered: float | None = None
     # Each request's HTTP handoff on a kvflow server: from its arrival (the handler's start, where
     # the server's TTFT starts) to the engine taking it in (handoff_delays).
     handoff_ms: tuple[float, ...] = ()
@@ -231,6 +237,7 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
         client_return_gap_ms=mean_client_gap(returning, server),
         client_first_gap_ms=mean_client_gap(firsts, server),
         client_first_alone_gap_ms=mean_client_gap(first_alone(firsts, server), server),
+        client_return_delivered=returning_delivered(returning, server),
         handoff_ms=handoff_delays(server),
     )
 
@@ -288,6 +295,56 @@ def first_alone(requests: list[dict[str, Any]], server: dict[str, Any]) -> list[
         if all(abs(n - float(t)) >= FIRST_TOKENS_TOGETHER_S for n in neighbours):
             alone.append(r)
     return alone
+
+
+def first_token_deliveries(requests: list[dict[str, Any]], server: dict[str, Any]) -> list[float]:
+    """For each of `requests` the server's window names, the tokens its first token's step delivered
+    (the last window step that started at or before its first token: a step stamps its outputs
+    before it ends; both are rounded to the microsecond); empty without the window's steps.
+
+    Why: a client reads a token later the more its step delivered (the API thread writes them one
+    after another; kvflow/doctor/served_decode.py measures the growth), and a run's measured client
+    gap holds the delivery its own steps had. The planted kv_pool run's returning requests read
+    their first tokens from 3-token steps at 3.2 ms beyond the server; the replay of its 35-block
+    change added the probe's whole growth to 4 tokens over 1 on top, a returning gap of 6.3 ms
+    where 4.2-5.7 were measured (session 39)."""
+    window = server.get("window") or {}
+    fields = list(window.get("step_fields") or ())
+    if "t" not in fields or "output_tokens" not in fields:
+        return []
+    t_at, out_at = fields.index("t"), fields.index("output_tokens")
+    steps = sorted((float(s[t_at]), float(s[out_at])) for s in window.get("steps") or ())
+    starts = [t for t, _ in steps]
+    firsts = {row.get("x_request_id"): row.get("first_token") for row in window.get("requests") or ()}
+    delivered = []
+    for r in requests:
+        t = firsts.get(r.get("x_request_id"))
+        i = -1 if t is None else bisect_right(starts, float(t) + TIME_TOLERANCE_S) - 1
+        if i >= 0:
+            delivered.append(steps[i][1])
+    return delivered
+
+
+def returning_delivered(requests: list[dict[str, Any]], server: dict[str, Any]) -> float | None:
+    """The median of `requests`' first_token_deliveries; from a window without first tokens or the
+    steps' outputs (a server of session 29's), the median over the server's recorded steps with
+    prompt tokens of their decode rows plus the one first token; None without either.
+
+    Why the fallback: a first token comes from a step with prompt tokens, beside the decodes running
+    then. On six planted runs it reads what matching does on five (prefill_chunks 4, the one-slot
+    max_num_seqs 1, ...) and 2 for kv_pool's 3 (its recomputes after preemption are prompt steps
+    too); without a count, the replays had added the probe's whole growth from a lone token to every
+    run's own deliveries, and a recorded 8-client run's TTFT p50 came out 50% high (session 39)."""
+    matched = first_token_deliveries(requests, server)
+    if matched:
+        return statistics.median(matched)
+    recorded = server.get("steps") or {}
+    fields = list(recorded.get("fields") or ())
+    if "prefill_tokens" not in fields or "decode_tokens" not in fields:
+        return None
+    prompt, decode = fields.index("prefill_tokens"), fields.index("decode_tokens")
+    with_prompt = [float(row[decode]) + 1.0 for row in recorded.get("rows") or () if row[prompt]]
+    return statistics.median(with_prompt) if with_prompt else None
 
 
 def mean_client_gap(requests: list[dict[str, Any]], server: dict[str, Any]) -> float | None:

@@ -529,13 +529,16 @@ class _Replay:
             if request.produced >= request.output:
                 self.sched.release(request)
                 self.done.append(request)
-                self._client_sends_next(now + delivery_ms + self.after_ms[request.index])
+                self._client_sends_next(now, delivery_ms + self.after_ms[request.index])
         return now
 
-    def _client_sends_next(self, now: float) -> None:
+    def _client_sends_next(self, now: float, later_ms: float = 0.0) -> None:
+        """A closed loop's client, its request finished at `now`, sends its next one after the gap
+        (and its jitter) and `later_ms` (its delivery beyond the run's, below 0 for a step that
+        delivered fewer tokens, and its wait elsewhere), never before `now`."""
         if self.closed and self.upcoming:
             jitter = self.jitter_rng.choice(self.gap_jitter_ms) if self.gap_jitter_ms else 0.0
-            at = now + max(self.client_gap_ms + jitter, 0.0)
+            at = now + max(later_ms + max(self.client_gap_ms + jitter, 0.0), 0.0)
             for request in self.upcoming:  # the workload's next request, sent at once
                 if math.isinf(request.arrival):
                     self._arrive(request, at)

@@ -156,9 +156,11 @@ class StepCost:
     # Every step's server time x this: the same steps on a share of the cores (a what-if that splits
     # the machine, kvflow/doctor/disaggregation.py). 1: the measured server.
     scale: float = 1.0
-    # The diagnosed run's clients' TTFT beyond the server's (calibrate.py: the prediction's offset):
-    # delivery_ms adds only what a step's other first tokens cost beyond it.
+    # The diagnosed run's clients' TTFT beyond the server's (calibrate.py: the prediction's offset)
+    # and the tokens delivered with the first tokens it was measured on (evidence: returning
+    # requests' client_return_delivered): delivery_ms adds the growth beyond that delivery.
     client_gap_ms: float = 0.0
+    gap_delivered: float = 1.0
 
     def on_half_cores(self, slowdown: float) -> StepCost:
         """This cost for one instance of a machine split in two: the profile's curves measured on
@@ -192,23 +194,22 @@ class StepCost:
         return self.overhead_ms + growth
 
     def delivery_ms(self, tokens: int) -> float:
-        """How much later than a lone token a client reads one of `tokens` a step delivered, beyond
-        what the run's own clients paid.
+        """How much later than the diagnosed run's clients read their first tokens a client reads
+        one of `tokens` a step delivered: the served probe's growth from the run's own delivery
+        (gap_delivered tokens a step) to `tokens`; below 0 for fewer, never below the whole gap.
 
-        The served probe's growth is measured against one client on an idle server, with b clients
-        in step (b first tokens in one step, b requests arriving together at a busy server). The
-        run's offset (client_gap_ms, added to every predicted TTFT) already holds what its own
-        clients paid beyond that lone client: on the planted max_num_seqs run, 8 clients on one
-        slot paid 6.4-8.8 ms where one client paid 3.3-3.7 with one first token per step each, and
-        8 first tokens in one step then cost 8-11 ms (the probe: 8.9-12). Adding the probe's whole
-        growth to the run's offset had counted those 3-5 ms twice (session 28)."""
+        The run's offset (client_gap_ms, added to every predicted TTFT) is its returning requests'
+        gap, with as many tokens in their steps as they had. The planted kv_pool run's came from
+        3-token steps (3.2 ms beyond the server): its 35-block change, 4 tokens a step, adds the
+        growth from 3 to 4, where the probe's whole growth from 1 to 4 had put the change's
+        returning gap at 6.3 ms (4.2-5.7 measured) and its TTFT p50 17-40% high (session 39).
+        Session 28 had taken off the run's gap beyond the probe's lone client instead: on this VM
+        the two gaps, measured minutes apart, differ by more than the growth itself."""
         profile = self.profile
         if profile is None:
             return 0.0
-        growth = profile.delivery_growth(tokens)
-        if profile.served_base_gap is None:
-            return growth
-        return max(growth - max(self.client_gap_ms - profile.served_base_gap, 0.0), 0.0)
+        growth = profile.delivery_growth(tokens) - profile.delivery_growth(self.gap_delivered)
+        return max(growth, -self.client_gap_ms)
 
     def with_drawn_residual(
         self,

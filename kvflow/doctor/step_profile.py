@@ -30,9 +30,8 @@ measured through a server (kvflow/doctor/served_decode.py):
     delivery_growth(n)    the clients' TTFT beyond the server's when one step delivers n first
                           tokens, less that for 1: added to a request's TTFT and e2e (and to when its
                           client sends the next) by the tokens its first and last steps delivered,
-                          less what the diagnosed run's clients already paid beyond the probe's lone
-                          client (StepCost.delivery_ms: b clients arriving together also arrive at
-                          a busy server, which the run's own offset holds)
+                          less that for the tokens the diagnosed run's own steps delivered with its
+                          clients' first tokens (StepCost.delivery_ms: its offset holds those)
     served_arrival_stall  the served decode steps during which a request arrived, over the other
                           decode steps of their rows: the stalls the simulator draws for arrivals
                           where the diagnosed run recorded too few of its own
@@ -41,10 +40,10 @@ Attention beyond the probes' own short contexts is not in the curves: a query ro
 row_ms_per_key, a prefill chunk's chunk_ms_per_key (the server's steps fit what they pay beyond it,
 kvflow/doctor/calibrate.py).
 
-    split_prefill_ms,     the same prefill and decode curves (and the prefill chunks at a context) on
-    split_decode_ms       half the cores (OMP_NUM_THREADS): one instance of a machine split in two,
-                          as the disaggregation what-if runs a prefill and a decode instance
-                          (kvflow/doctor/disaggregation.py).
+    split_prefill_ms,     the same prefill and decode curves (and the prefill chunks and decode
+    split_decode_ms       steps at a context) on half the cores (OMP_NUM_THREADS): one instance of a
+                          machine split in two, as the disaggregation what-if runs a prefill and a
+                          decode instance (kvflow/doctor/disaggregation.py).
                           How prefill and decode scale with cores is the machine's and the model's:
                           a 2-core Xeon on a 0.5B shape prefilled 1.43x slower on one core, a
                           2-core Zen 2 on the planted tiny model 1.7-2.0x (a constant from the one
@@ -100,14 +99,17 @@ DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # 3 the served decode steps, 4 the curves on half the cores, 5 the served probe's medians over sweeps,
 # 6 the served turnover probe and five sweeps, 7 the arrival probe in its place (the steps during
 # which a request arrived, not those after a finish), 8 the decode curves' medians over passes, 9 the
-# prefill chunks at a context, 10 the passes on all the cores and on half of them in turn.
-PROFILE_FORMAT = 10
+# prefill chunks at a context, 10 the passes on all the cores and on half of them in turn, 11 the
+# decode steps at a context on half the cores kept.
+PROFILE_FORMAT = 11
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
-# ... and for its prefill chunks at a context.
+# ... and for its prefill chunks and decode steps at a context.
 SPLIT_CONTEXT_KEYS = {
     "prefill_context_ms": "split_prefill_context_ms",
     "prefill_context_keys": "split_prefill_context_keys",
+    "decode_context_ms": "split_decode_context_ms",
+    "decode_context_keys": "split_decode_context_keys",
 }
 
 
@@ -161,9 +163,6 @@ class StepProfile:
     # The served 1-row decode step's excess over the profiled one (what the growth curves start
     # from); None without the served probe.
     served_base_excess: float | None = None
-    # The lone client's TTFT beyond the server's in the served probe (what served_delivery starts
-    # from); None without the served probe.
-    served_base_gap: float | None = None
     # The served arrival probe's stalls, ms: a decode step during which a request arrived over the
     # other decode steps of its rows (kvflow/doctor/served_decode.py); empty without the probe.
     served_arrival_stall: tuple[float, ...] = ()
@@ -172,6 +171,14 @@ class StepProfile:
     # there. None: a profile without that probe.
     chunk_ms_per_key: float | None = None
     split_chunk_ms_per_key: float | None = None
+    # row_ms_per_key on half the cores (_row_ms_per_key of the decode steps at a context there); None:
+    # not measured. Why: one thread reads keys slower than two, and a short prompt suffix after a
+    # fetched prefix is that many query rows re-reading it (kvflow/query_rows.py): on the planted
+    # prefill_chunks pair's decode instance, steps taking in a 3-8-token suffix after 192-528 fetched
+    # tokens ran 1.54x their price with the whole machine's (median), the pair's ITL p99 came out
+    # 2-20% low (sessions 38-39), and the engine alone on one thread paid 14.3 ms for a 6-token
+    # suffix after 400 tokens where a 1-row step took 7.4.
+    split_row_ms_per_key: float | None = None
 
     def scaled(self, factor: float) -> StepProfile:
         """Every time in the profile x `factor`: the same machine running that much slower (a VM's
@@ -194,10 +201,10 @@ class StepProfile:
             served_delivery=times(self.served_delivery),
             split=halves,
             served_base_excess=ms(self.served_base_excess),
-            served_base_gap=ms(self.served_base_gap),
             served_arrival_stall=tuple(v * factor for v in self.served_arrival_stall),
             chunk_ms_per_key=ms(self.chunk_ms_per_key),
             split_chunk_ms_per_key=ms(self.split_chunk_ms_per_key),
+            split_row_ms_per_key=ms(self.split_row_ms_per_key),
         )
 
     def on_half_cores(self) -> StepProfile | None:
@@ -207,7 +214,7 @@ class StepProfile:
         if self.split is None:
             return None
         prefill, decode = self.split
-        chunk = self.split_chunk_ms_per_key
+        chunk, row = self.split_chunk_ms_per_key, self.split_row_ms_per_key
         return replace(
             self,
             prefill=prefill,
@@ -215,13 +222,15 @@ class StepProfile:
             split=None,
             chunk_ms_per_key=self.chunk_ms_per_key if chunk is None else chunk,
             split_chunk_ms_per_key=None,
+            row_ms_per_key=self.row_ms_per_key if row is None else row,
+            split_row_ms_per_key=None,
         )
 
     def served_growth(self, rows: int) -> float:
         """What serving adds to a step of `rows` decode rows beyond what it adds to a 1-row step."""
         return _at(self.served_excess, rows)
 
-    def delivery_growth(self, tokens: int) -> float:
+    def delivery_growth(self, tokens: float) -> float:
         """How much later a client reads a token its step delivered with `tokens - 1` others than one
         delivered alone (the API thread writes them one after another, the client parses them)."""
         return _at(self.served_delivery, tokens)
@@ -257,15 +266,12 @@ class StepProfile:
         per_key = _row_ms_per_key(data, curves[1])
         excess, between, delivery, base_excess = _served_curves(data, curves[1], per_key)
         halves = (split[0], split[1]) if split[0] is not None and split[1] is not None else None
-        gaps = {int(b): float(ms) for b, ms in (data.get("served_ttft_gap_ms") or {}).items()}
         stalls = tuple(float(ms) for ms in data.get(ARRIVAL_KEY) or ())
-        served = (excess, between, delivery, halves, base_excess, gaps.get(1))
+        served = (excess, between, delivery, halves, base_excess)
         chunk = _chunk_ms_per_key(data, curves[0])
-        split_chunk = None
-        if split[0] is not None:
-            split_chunk = _chunk_ms_per_key(
-                {key: data.get(split_key) for key, split_key in SPLIT_CONTEXT_KEYS.items()}, split[0]
-            )
+        at_context = {key: data.get(split_key) for key, split_key in SPLIT_CONTEXT_KEYS.items()}
+        split_chunk = _chunk_ms_per_key(at_context, split[0]) if split[0] is not None else None
+        split_row = _row_ms_per_key(at_context, split[1]) if split[1] is not None else None
         return cls(
             curves[0],
             curves[1],
@@ -274,6 +280,7 @@ class StepProfile:
             served_arrival_stall=stalls,
             chunk_ms_per_key=chunk,
             split_chunk_ms_per_key=split_chunk,
+            split_row_ms_per_key=split_row,
         )
 
 
@@ -313,7 +320,7 @@ def _profile_steps(command: list[str], threads: int | None) -> dict[str, Any]:
     return data
 
 
-def _at(growth: Curve | None, rows: int) -> float:
+def _at(growth: Curve | None, rows: float) -> float:
     return 0.0 if growth is None or rows <= 1 else max(growth(rows), 0.0)
 
 

@@ -13,7 +13,13 @@ import pytest
 from kvflow.bench.runner import BenchConfig
 from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
 from kvflow.doctor import served_decode
-from kvflow.doctor.evidence import client_gap_jitter, evidence_from_bench, first_alone, handoff_delays
+from kvflow.doctor.evidence import (
+    client_gap_jitter,
+    evidence_from_bench,
+    first_alone,
+    first_token_deliveries,
+    handoff_delays,
+)
 from kvflow.doctor.served_decode import (
     ARRIVAL_KEY,
     SERVED_KEYS,
@@ -137,6 +143,33 @@ def test_a_first_wave_counts_only_the_first_tokens_that_came_alone() -> None:
     together = [{**row, "first_token": 1.0} if i < 4 else row for i, row in enumerate(window)]
     merged = evidence_from_bench({**result, "server": {"window": {"requests": together}}})
     assert merged.client_first_alone_gap_ms is None
+
+
+def test_a_returning_requests_delivery_is_what_its_first_tokens_step_delivered() -> None:
+    """Each request's first token is matched to the window's last step that started at or before it
+    (a step stamps its outputs before it ends); that step's output_tokens is what the client's read
+    of it waited behind. The returning requests' median is what their gap already holds
+    (StepCost.delivery_ms); a request outside the window, or before its steps, counts for nothing."""
+    fields = ["t", "dur_ms", "output_tokens"]
+    steps = [[1.000, 3.0, 4], [1.004, 2.0, 3], [1.007, 2.0, 1], [1.010, 2.0, 2]]
+    firsts = [1.0029, 1.0029, 1.0029, 1.0029, 1.0058, 1.0069, 1.0088, 1.0111]
+    window = [{"x_request_id": f"r{i}", "ttft_ms": 10.0, "first_token": t} for i, t in enumerate(firsts)]
+    result = _closed_loop([8.0] * 8, window, 4)
+    result["server"]["window"].update(step_fields=fields, steps=steps)
+    later = result["requests"][4:]
+    assert first_token_deliveries(later, result["server"]) == [3, 3, 1, 2]
+    assert evidence_from_bench(result).client_return_delivered == pytest.approx(2.5)
+    before = {**result["server"]["window"], "requests": [{"x_request_id": "r0", "first_token": 0.5}]}
+    assert first_token_deliveries([{"x_request_id": "r9"}, {"x_request_id": "r0"}], {"window": before}) == []
+    # Without the steps (another server, or a window that kept only its requests): not known.
+    plain = _closed_loop([8.0] * 8, window, 4)
+    assert first_token_deliveries(later, plain["server"]) == []
+    assert evidence_from_bench(plain).client_return_delivered is None
+    # A window without first tokens (an older server's): the recorded prompt steps' decode rows
+    # plus their one first token, the median over them; decode-only steps say nothing.
+    rows = [[9.0, 48, 2], [3.0, 0, 3], [9.0, 48, 3], [9.5, 96, 3], [2.0, 0, 4]]
+    plain["server"]["steps"] = {"fields": ["dur_ms", "prefill_tokens", "decode_tokens"], "rows": rows}
+    assert evidence_from_bench(plain).client_return_delivered == 4.0
 
 
 def test_each_requests_handoff_is_its_handlers_time_before_the_engine_queue() -> None:

@@ -181,27 +181,29 @@ def test_serving_adds_by_the_rows_a_step_delivers_measured_against_one_row() -> 
     )
 
 
-def test_a_steps_first_tokens_cost_the_clients_only_beyond_what_the_run_paid() -> None:
-    """The probe's TTFT gap grows from one client on an idle server (3.0 ms) to eight in step (8.4):
-    eight first tokens in one step, and eight requests arriving together at a busy server. A run
-    whose clients already paid 6.0 ms (its offset, added to every prediction) gets only the growth
-    beyond its own excess over the lone client: 5.4 - 3.0; one that paid no more than the lone
-    client, all of it; a lone token, nothing."""
-    assert SERVED_PROFILE is not None and SERVED_PROFILE.served_base_gap == 3.0
-    cost = StepCost(0.0, 0.0, 0.0, profile=SERVED_PROFILE)
-    assert cost.delivery_ms(8) == pytest.approx(8.4 - 3.0)
-    assert replace(cost, client_gap_ms=2.0).delivery_ms(8) == pytest.approx(8.4 - 3.0)
-    assert replace(cost, client_gap_ms=6.0).delivery_ms(8) == pytest.approx(8.4 - 3.0 - (6.0 - 3.0))
-    assert replace(cost, client_gap_ms=12.0).delivery_ms(8) == 0.0
-    assert replace(cost, client_gap_ms=6.0).delivery_ms(1) == 0.0
-    # Calibrated on a run, the cost carries the run's offset.
+def test_a_steps_first_tokens_cost_the_clients_only_beyond_what_the_runs_own_steps_delivered() -> None:
+    """The probe's TTFT gap grows from one client (3.0 ms) to eight first tokens in one step (8.4).
+    A run whose clients read their first tokens alone gets the whole growth to 8; one whose
+    returning requests read theirs from 4-token steps (5.3 in the probe) already paid that much in
+    its offset, and gets the growth beyond it: 8.4 - 5.3 at 8 tokens, less than its offset at 1
+    (never below the whole offset: a client's gap is not negative)."""
+    assert SERVED_PROFILE is not None
+    cost = StepCost(0.0, 0.0, 0.0, profile=SERVED_PROFILE, client_gap_ms=6.0)
+    assert cost.delivery_ms(8) == pytest.approx(8.4 - 3.0) and cost.delivery_ms(1) == 0.0
+    four = replace(cost, gap_delivered=4.0)
+    assert four.delivery_ms(8) == pytest.approx(8.4 - 5.3)
+    assert four.delivery_ms(4) == 0.0 and four.delivery_ms(1) == pytest.approx(3.0 - 5.3)
+    assert replace(four, client_gap_ms=1.0).delivery_ms(1) == -1.0
+    assert StepCost(0.0, 0.0, 0.0).delivery_ms(8) == 0.0  # no served probe: nothing known
+    # Calibrated on a run, the cost carries the run's offset and the delivery it was read on.
     samples = [RequestSample(32, 32, 0, 0.0, None, None) for _ in range(16)]
     baseline = _server(SimSettings(1, 2048, None, 16, True), samples, 8, SERVED_PROFILE)
     run, model, settings = _one_slot_evidence(samples, baseline)
-    run = replace(run, server={**run.server, "client_minus_server_ttft_ms": 6.0})
+    run = replace(run, client_return_gap_ms=6.0, client_return_delivered=4.0)
     cal = calibrate(run, settings, model, profile=SERVED_PROFILE)
-    assert cal is not None and cal.cost.client_gap_ms == 6.0
-    assert cal.cost.delivery_ms(8) == pytest.approx(8.4 - 6.0)
+    assert cal is not None and cal.cost.client_gap_ms == 6.0 and cal.cost.gap_delivered == 4.0
+    speed = cal.profile_speed or 1.0
+    assert cal.cost.delivery_ms(8) == pytest.approx((8.4 - 5.3) * speed)
 
 
 def test_calibrated_on_one_slot_a_served_profile_predicts_eight_slots_decode() -> None:
@@ -413,7 +415,12 @@ def test_the_whole_machine_and_half_of_it_are_measured_in_turn(
         assert command[-2:] == ["--repeats", "1"]
         calls.append(threads)
         factor = next(slow) * (2.0 if threads else 1.0)
-        return {"prefill_ms": {"16": 1.0 * factor, "32": 2.0 * factor}, "decode_ms": {"1": 0.5 * factor}}
+        return {
+            "prefill_ms": {"16": 1.0 * factor, "32": 2.0 * factor},
+            "decode_ms": {"1": 0.5 * factor},
+            "decode_context_ms": {"1": (0.5 + 0.002 * 478) * factor},
+            "decode_context_keys": {"1": 478 + DECODE_PROBE_CONTEXT},  # keys: not the machine's speed
+        }
 
     monkeypatch.setattr(step_profile, "_profile_steps", one_pass)
     monkeypatch.setattr(step_profile, "measure_served_decode", lambda *a: {})
@@ -422,6 +429,9 @@ def test_the_whole_machine_and_half_of_it_are_measured_in_turn(
     assert calls == [None, 1] * step_profile.PROFILE_PASSES
     assert profile is not None and profile.split is not None
     assert profile.prefill(32) == 2.0 and profile.split[0](32) == 4.0  # the medians: 2x, not 2x +- the drift
+    # The half passes' decode steps at a context price a row's key there (twice the whole machine's).
+    assert profile.row_ms_per_key == pytest.approx(0.002)
+    assert profile.split_row_ms_per_key == pytest.approx(0.004)
     assert step_profile.median_passes([{"a": {"1": 1.0}}, {"a": {"1": 3.0, "2": 5.0}}]) == {
         "a": {"1": 2.0, "2": 5.0}
     }
@@ -489,6 +499,37 @@ def test_an_instance_on_half_the_cores_costs_the_curves_measured_there() -> None
     assert cost.on_half_cores(1.43).server_ms(chunk) == pytest.approx(6.0)
     whole = StepCost(0.0, 0.0, 0.0, profile=PROFILE)
     assert whole.on_half_cores(1.43).server_ms(chunk) == pytest.approx(1.43 * whole.server_ms(chunk))
+
+
+def test_on_half_the_cores_a_query_row_reads_its_keys_at_the_price_measured_there() -> None:
+    """One thread reads keys slower than two: the decode steps at a context measured on half the
+    cores price the query rows of an instance there (a short prompt suffix after a fetched prefix is
+    that many rows re-reading it: the disaggregated pair's decode instance). Without that probe (a
+    profile of format 10) the whole machine's price stands; scaled with the rest."""
+    context = {"decode_context_ms": {"1": 0.51 + 0.002 * 478, "8": 0.74 + 0.016 * 478}}
+    split = {
+        "split_prefill_ms": {"64": 1.6, "512": 6.0},
+        "split_decode_ms": {"1": 0.6, "8": 1.0},
+        "split_decode_context_ms": {"1": 0.6 + 0.005 * 478, "8": 1.0 + 0.04 * 478},
+        "split_decode_context_keys": {"1": 478 + DECODE_PROBE_CONTEXT, "8": 478 + DECODE_PROBE_CONTEXT},
+    }
+    keys = {"decode_context_keys": {"1": 478 + DECODE_PROBE_CONTEXT, "8": 478 + DECODE_PROBE_CONTEXT}}
+    profile = StepProfile.from_json({**PROFILE_JSON, **context, **keys, **split})
+    assert profile is not None and profile.row_ms_per_key == pytest.approx(0.002)
+    assert profile.split_row_ms_per_key == pytest.approx(0.005)
+    half = profile.on_half_cores()
+    assert half is not None and half.row_ms_per_key == pytest.approx(0.005)
+    assert half.split_row_ms_per_key is None  # what is half of half: not measured
+    suffix = StepShape().plus_chunk(6, 406)  # 6 rows re-reading 400 fetched tokens
+    whole_cost = StepCost(0.0, 0.0, 0.0, profile=profile)
+    half_cost = whole_cost.on_half_cores(1.43)
+    beyond = suffix.row_attention - 6 * DECODE_PROBE_CONTEXT
+    assert half_cost.server_ms(suffix) == pytest.approx(half.decode(6) + 0.005 * beyond)
+    assert profile.scaled(2.0).split_row_ms_per_key == pytest.approx(0.010)
+    older = StepProfile.from_json({**PROFILE_JSON, **context, **keys, **split, "split_decode_context_ms": {}})
+    assert older is not None and older.split_row_ms_per_key is None
+    older_half = older.on_half_cores()
+    assert older_half is not None and older_half.row_ms_per_key == pytest.approx(0.002)
 
 
 def test_a_profile_measured_on_a_faster_moment_is_scaled_to_the_run() -> None:
