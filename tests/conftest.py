@@ -71,14 +71,16 @@ def prefill_through_dequantized_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_served_probe_sweep() -> Iterator[None]:
-    """The doctor's served probe sweeps its client counts three times and keeps medians (against a
-    VM's moments of slowness, kvflow/doctor/served_decode.py); the tests that measure a profile need
-    one sweep's numbers, not their noise (the median over sweeps has its own test): a third of the
-    probe's ~15 s per tiny model."""
-    from kvflow.doctor import served_decode
+    """The doctor's served probe sweeps its client counts five times and its profile runs seven
+    passes on each core count, keeping medians (against a VM's moments of slowness,
+    kvflow/doctor/served_decode.py, kvflow/doctor/step_profile.py); the tests that measure a profile
+    need one sweep's and one pass's numbers, not their noise (the medians have their own tests): a
+    profile of the tiny model took 74 s with seven passes."""
+    from kvflow.doctor import served_decode, step_profile
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(served_decode, "SERVED_SWEEPS", 1)
+        patch.setattr(step_profile, "PROFILE_PASSES", 1)
         yield
 
 

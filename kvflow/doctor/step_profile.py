@@ -85,8 +85,13 @@ PROFILE_TIMEOUT_S = 900.0
 # run of three passes on all the cores, then one on half, read the 256-token prefill on half the
 # cores 1.71x and 1.52x the whole machine's in two profiles of the planted prefill_chunks model, and
 # the 8-row decode 1.53x and 1.06x; the disaggregated pair's TTFT on one diagnosis moved 224 -> 201
-# ms between them, and came out 14-21% low in three verify runs (session 38).
-PROFILE_PASSES = 3
+# ms between them, and came out 14-21% low in three verify runs (session 38). Seven: the median of
+# three read the planted prefill_chunks model's 512-token prefill at 1.97x, 2.25x and 2.39x its
+# 256-token one in three profiles, and the 2.39 one put the budget what-ifs' predictions 10-18%
+# lower on the same diagnoses (the prompt fit's factor fell to 0.86 and priced the 128-token chunks
+# at 38-41 ms where 46-53 were measured); two profiles of seven passes read 1.97x and 1.96x, in about
+# 2 minutes where three took 50 s (session 39).
+PROFILE_PASSES = 7
 # The shapes probed: decode batches up to this many rows, prompts up to this many tokens (or the
 # model's context): what-ifs reach past the server's own settings.
 PROFILE_MAX_NUM_SEQS = 32
@@ -100,8 +105,8 @@ DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # 6 the served turnover probe and five sweeps, 7 the arrival probe in its place (the steps during
 # which a request arrived, not those after a finish), 8 the decode curves' medians over passes, 9 the
 # prefill chunks at a context, 10 the passes on all the cores and on half of them in turn, 11 the
-# decode steps at a context on half the cores kept.
-PROFILE_FORMAT = 11
+# decode steps at a context on half the cores kept, 12 seven passes.
+PROFILE_FORMAT = 12
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
 # ... and for its prefill chunks and decode steps at a context.
