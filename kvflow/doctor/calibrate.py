@@ -388,8 +388,7 @@ def calibrate(
 
     jitter, handoff = evidence.client_gap_jitter_ms, evidence.handoff_ms
     # The tokens the steps delivered with the first tokens that gap was read on (1: a lone client's).
-    delivered = evidence.client_return_delivered if evidence.client_return_gap_ms is not None else None
-    delivered = 1.0 if delivered is None else delivered
+    delivered = evidence.client_return_delivered or 1.0
 
     def replay(cost: StepCost) -> SimRun:
         return simulate(

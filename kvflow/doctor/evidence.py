@@ -282,8 +282,7 @@ def first_alone(requests: list[dict[str, Any]], server: dict[str, Any]) -> list[
     preemptions follow, and its clients read those first tokens 9-23 ms after the server sent them
     (2.6-4.5 on their later requests); the 35-block change's first waves paid 4-8 (session 38). Taken
     as the first wave's own extra, that put the change's TTFT p50 10-40% high."""
-    rows = (server.get("window") or {}).get("requests") or []
-    firsts = {row.get("x_request_id"): row.get("first_token") for row in rows if row.get("x_request_id")}
+    firsts = _first_tokens(server)
     stamps = sorted(float(t) for t in firsts.values() if t is not None)
     alone = []
     for r in requests:
@@ -315,7 +314,7 @@ def first_token_deliveries(requests: list[dict[str, Any]], server: dict[str, Any
     t_at, out_at = fields.index("t"), fields.index("output_tokens")
     steps = sorted((float(s[t_at]), float(s[out_at])) for s in window.get("steps") or ())
     starts = [t for t, _ in steps]
-    firsts = {row.get("x_request_id"): row.get("first_token") for row in window.get("requests") or ()}
+    firsts = _first_tokens(server)
     delivered = []
     for r in requests:
         t = firsts.get(r.get("x_request_id"))
@@ -335,16 +334,28 @@ def returning_delivered(requests: list[dict[str, Any]], server: dict[str, Any]) 
     max_num_seqs 1, ...) and 2 for kv_pool's 3 (its recomputes after preemption are prompt steps
     too); without a count, the replays had added the probe's whole growth from a lone token to every
     run's own deliveries, and a recorded 8-client run's TTFT p50 came out 50% high (session 39)."""
-    matched = first_token_deliveries(requests, server)
-    if matched:
-        return statistics.median(matched)
+    delivered = first_token_deliveries(requests, server)
+    if not delivered:
+        delivered = [rows + 1.0 for _, prompt, rows in recorded_steps(server) if prompt]
+    return statistics.median(delivered) if delivered else None
+
+
+def _first_tokens(server: dict[str, Any]) -> dict[Any, Any]:
+    """Each request of the server's window by its x-request-id: when its first token came (None:
+    not recorded); empty without a window."""
+    rows = (server.get("window") or {}).get("requests") or []
+    return {row["x_request_id"]: row.get("first_token") for row in rows if row.get("x_request_id")}
+
+
+def recorded_steps(server: dict[str, Any]) -> list[tuple[float, bool, int]]:
+    """The server's recorded steps in the order they ran, (dur_ms, had prompt tokens, decode rows)
+    (kvflow/bench/server_steps.py); none from a server section without them."""
     recorded = server.get("steps") or {}
-    fields = list(recorded.get("fields") or ())
-    if "prefill_tokens" not in fields or "decode_tokens" not in fields:
-        return None
-    prompt, decode = fields.index("prefill_tokens"), fields.index("decode_tokens")
-    with_prompt = [float(row[decode]) + 1.0 for row in recorded.get("rows") or () if row[prompt]]
-    return statistics.median(with_prompt) if with_prompt else None
+    fields = list(recorded.get("fields") or [])
+    if "dur_ms" not in fields or "prefill_tokens" not in fields or "decode_tokens" not in fields:
+        return []
+    dur, prompt, decode = (fields.index(k) for k in ("dur_ms", "prefill_tokens", "decode_tokens"))
+    return [(row[dur], bool(row[prompt]), int(row[decode])) for row in recorded.get("rows") or []]
 
 
 def mean_client_gap(requests: list[dict[str, Any]], server: dict[str, Any]) -> float | None:

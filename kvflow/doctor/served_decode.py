@@ -46,6 +46,7 @@ from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.doctor.arrival_stalls import flagged_records
+from kvflow.doctor.evidence import recorded_steps
 from kvflow.server.spawn import spawn_server, stop_server
 
 # Each probe: b clients, each sending requests of this many prompt tokens that stream this many
@@ -89,20 +90,10 @@ def probe_config(
     return BenchConfig(base_url=base + "/v1", dataset=dataset, load=load, warmup=1, progress=False)
 
 
-def _recorded_steps(result: dict[str, Any]) -> list[tuple[float, bool, int]]:
-    """The server's recorded steps in the order they ran, (dur_ms, had prompt tokens, decode rows);
-    none from a result without them."""
-    recorded = (result.get("server") or {}).get("steps") or {}
-    fields = list(recorded.get("fields") or [])
-    if "dur_ms" not in fields or "prefill_tokens" not in fields or "decode_tokens" not in fields:
-        return []
-    dur, prompt, decode = (fields.index(k) for k in ("dur_ms", "prefill_tokens", "decode_tokens"))
-    return [(row[dur], bool(row[prompt]), int(row[decode])) for row in recorded.get("rows") or []]
-
-
 def decode_step_ms(result: dict[str, Any], rows: int) -> float | None:
     """The median of the run's recorded decode-only steps of exactly `rows` rows; None without."""
-    times = [dur for dur, prompt, decode in _recorded_steps(result) if not prompt and decode == rows]
+    steps = recorded_steps(result.get("server") or {})
+    times = [dur for dur, prompt, decode in steps if not prompt and decode == rows]
     return statistics.median(times) if times else None
 
 
