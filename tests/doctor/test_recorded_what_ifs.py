@@ -44,14 +44,16 @@ SCENARIOS = sorted(p.name for p in RECORDED.iterdir() if p.is_dir())
 # plus 4 points. The changed runs spread as much themselves (kv_pool's ITL p99 3.0-4.8 ms over its
 # three, prefill_chunks' budget 256 TTFT p50 122-154 ms).
 BOUNDS: dict[tuple[str, str, str], float] = {
-    ("kv_pool", '{"num_kv_blocks": 35}', "itl_p99_ms"): 0.20,  # -16% (-21% before session 37)
-    # +10% (+18% before session 39: the replay added the probe's delivery growth from 1 token a
-    # step where the run's gap was read on 3-token steps, StepCost.delivery_ms)
-    ("kv_pool", '{"num_kv_blocks": 35}', "ttft_p50_ms"): 0.14,
+    # -9% (-16% before session 40: a decode step running when an arrival's stall began ran on as it
+    # would, arrival_stalls.paused_ms; -21% before session 37)
+    ("kv_pool", '{"num_kv_blocks": 35}', "itl_p99_ms"): 0.13,
+    # +4% (+10% before session 40; +18% before session 39: the replay added the probe's delivery
+    # growth from 1 token a step where the run's gap was read on 3-token steps, StepCost.delivery_ms)
+    ("kv_pool", '{"num_kv_blocks": 35}', "ttft_p50_ms"): 0.08,
     ("max_num_seqs", '{"max_num_seqs": 8, "num_kv_blocks": 40}', "ttft_p50_ms"): 0.12,  # +8% (-15% before)
-    ("max_num_seqs", '{"max_num_seqs": 8, "num_kv_blocks": 40}', "e2e_p50_ms"): 0.18,  # -14%
+    ("max_num_seqs", '{"max_num_seqs": 8, "num_kv_blocks": 40}', "e2e_p50_ms"): 0.17,  # -13%
     ("prefill_chunks", '{"max_num_batched_tokens": 128}', "itl_p99_ms"): 0.07,  # +3%
-    ("prefill_chunks", '{"max_num_batched_tokens": 128}', "ttft_p50_ms"): 0.18,  # -14%
+    ("prefill_chunks", '{"max_num_batched_tokens": 128}', "ttft_p50_ms"): 0.19,  # -15%
     ("prefill_chunks", '{"max_num_batched_tokens": 256}', "itl_p99_ms"): 0.08,  # -4%
     ("prefill_chunks", '{"max_num_batched_tokens": 256}', "ttft_p50_ms"): 0.25,  # -20%
 }
