@@ -482,8 +482,9 @@ class _Replay:
         longest = max(self.cost.residuals.arrival, default=0.0)
         if longest <= 0:
             return 0.0
-        # In an open loop every upcoming request has its time: only those whose stall can begin by
-        # the step's end, or by the arrival of one that stalls it, matter (arrival order).
+        # In an open loop every upcoming request has its time: only those whose stall can begin
+        # before the step ends matter (arrival order). A stall pauses the step to its arrival at
+        # most, and the step's work left after it is at most the whole step's.
         reach = end
         stalls = []
         for r in self._sent() if self.closed else self.upcoming:
@@ -491,7 +492,7 @@ class _Replay:
                 break
             if r.stall_ms > 0 and r.arrival > start:
                 stalls.append((r.arrival - r.stall_ms, r.arrival))
-                reach = max(reach, r.arrival)
+                reach = max(reach, r.arrival + end - start)
         return paused_ms(start, end, stalls)
 
     def _step(self, now: float, scheduled: list[tuple[_Request, int]]) -> float:
