@@ -40,7 +40,7 @@ from kvflow.cli import build_parser  # noqa: E402
 from kvflow.doctor.cli import build_diagnosis  # noqa: E402
 from kvflow.doctor.findings import diagnose, rank_causes  # noqa: E402
 from kvflow.doctor.noise import NOISE_COVERAGE  # noqa: E402
-from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, verify  # noqa: E402
+from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, rediagnosis, verify  # noqa: E402
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "kvflow-bench" / "doctor-verify"
@@ -108,7 +108,9 @@ def diagnose_and_verify(scenario: Scenario, repeats: int, dtype: str | None) -> 
     finally:
         stop_server(server)
     findings = diagnose(diagnosis)
-    checks = verify(str(model), diagnosis.settings, findings, result, repeats=repeats)
+    checks = verify(
+        str(model), diagnosis.settings, findings, result, repeats=repeats, rediagnose=rediagnosis(diagnosis)
+    )
     causes = [(c.id, c.setting) for _, c in rank_causes(findings)]
     return {"scenario": scenario.name, "causes": causes, "checks": checks}
 
@@ -136,6 +138,10 @@ def row(scenario: str, check: Verification) -> dict[str, Any]:
         "inside_measured_range": check.inside_measured_range,
         "carry": check.carry,
         "uncarried_value_error": check.uncarried_value_error,
+        "repeated_predictions": list(check.repeated),
+        "repeated_predicted": check.repeated_predicted,
+        "repeated_value_error": check.repeated_value_error,
+        "inside_repeated_range": check.inside_repeated_range,
     }
 
 
@@ -143,9 +149,9 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     print(
         "| scenario | change | metric | baseline | predicted | measured | gain pred. | gain meas. "
         f"| meas/pred | within {AGREEMENT_TOLERANCE:.0%} | value error | pair by pair | baseline spread "
-        "| predicted interval | changed runs' range |"
+        "| predicted interval | changed runs' range | predicted again (repeats' range) | its error |"
     )
-    print("|" + " --- |" * 15)
+    print("|" + " --- |" * 17)
     for r in rows:
         ratio = "-" if r["measured_over_predicted"] is None else f"{r['measured_over_predicted']:.2f}"
         print(
@@ -154,8 +160,19 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             f"{r['measured_gain']:,.1f} | {ratio} | "
             f"{VERDICT_MARK[r['verdict']]} | {r['value_error']:.0%} | {percent(r['paired_value_error'])} | "
             f"{r['baseline_spread']:.0%} | {bounds_cell(r['interval'], r['covered'])} | "
-            f"{bounds_cell(r['measured_range'], r['inside_measured_range'])} |"
+            f"{bounds_cell(r['measured_range'], r['inside_measured_range'])} | {again_cell(r)} | "
+            f"{percent(r['repeated_value_error'])} |"
         )
+
+
+def again_cell(r: dict[str, Any]) -> str:
+    """The median of the predictions made again from each fresh baseline, with their range and
+    whether the measured value fell inside it."""
+    again = r["repeated_predicted"]
+    if again is None:
+        return "-"
+    repeated = r["repeated_predictions"]
+    return f"{again:,.1f} ({bounds_cell([min(repeated), max(repeated)], r['inside_repeated_range'])})"
 
 
 def bounds_cell(bounds: list[float] | None, inside: bool | None) -> str:
@@ -231,6 +248,15 @@ def main() -> None:
         print(
             f"the same, the prediction as diagnosed (not carried by the fresh baselines' ratio): median "
             f"{statistics.median(uncarried):.0%}, worst {uncarried[-1]:.0%}"
+        )
+    again = sorted(r["repeated_value_error"] for r in shown if r["repeated_value_error"] is not None)
+    if again:
+        inside = [r["inside_repeated_range"] for r in shown if r["inside_repeated_range"] is not None]
+        print(
+            f"the same, predicted again from each fresh baseline (the doctor re-run on each repeat, the "
+            f"median of their predictions), over {len(again)}: median {statistics.median(again):.0%}, "
+            f"worst {again[-1]:.0%}; measured inside the repeats' predictions' range: "
+            f"{sum(inside)} of {len(inside)}"
         )
     stated = [r for r in shown if r["covered"] is not None]
     if stated:

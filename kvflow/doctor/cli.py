@@ -338,11 +338,18 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             raise ValueError("--verify re-runs a benchmark: give --bench")
         if diagnosis.settings.server != "kvflow":
             raise ValueError("--verify needs a kvflow server's settings (--metrics-url or --engine-config)")
-        from kvflow.doctor.verify import verify
+        from kvflow.doctor.verify import rediagnosis, verify
 
         if args.verify_repeats < 1:
             raise ValueError(f"--verify-repeats must be at least 1, got {args.verify_repeats}")
-        checks = verify(args.model, diagnosis.settings, findings, result, repeats=args.verify_repeats)
+        checks = verify(
+            args.model,
+            diagnosis.settings,
+            findings,
+            result,
+            repeats=args.verify_repeats,
+            rediagnose=rediagnosis(diagnosis),
+        )
         doc["verification"] = [
             {
                 "change": c.change,
@@ -360,6 +367,10 @@ def cmd_doctor(args: argparse.Namespace) -> int:
                 "inside_measured_range": c.inside_measured_range,
                 "carry": c.carry,
                 "uncarried_value_error": c.uncarried_value_error,
+                "repeated_predictions": list(c.repeated),
+                "repeated_predicted": c.repeated_predicted,
+                "repeated_value_error": c.repeated_value_error,
+                "inside_repeated_range": c.inside_repeated_range,
                 "noise": c.noise,
                 "verdict": c.verdict,
                 "explanation": c.explain(),

@@ -7,6 +7,13 @@ engine settings the diagnosed server reported; comparing against a fresh baselin
 original run) keeps machine drift out of the measured effect. The prediction, made against the
 original run, is carried over to the fresh baseline as a ratio (a machine that is 10% slower now
 is 10% slower with the change too).
+
+Each fresh baseline is also diagnosed again, and the what-if predicted from it as from the original
+run (`rediagnose`): one run is one draw of the steps a simulator is fitted to, and the planted
+budget-128 what-if's ITL p99 came out 40-60 ms from eleven runs of one server, whose changed runs
+measured 43-67 (benchmarks/NOTES.md, session 41: a tail of the change's 128-token chunks, drawn
+from the 12 prompt steps one run records). The median over the repeats is the prediction the repeats
+state, and their spread how far one run's can land.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import json
 import math
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,7 +30,10 @@ from typing import Any
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
+from kvflow.doctor.diagnosis import Diagnosis
+from kvflow.doctor.evidence import evidence_from_bench
 from kvflow.doctor.finding import Finding, WhatIf
+from kvflow.doctor.findings import diagnose
 from kvflow.doctor.offload_tier import TEMPORARY_DIR
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.verify_pd import DISAGGREGATE, FreshPair
@@ -39,6 +50,8 @@ MEASURED = {
     "decode_ms_per_step": lambda r: r["tpot_ms"]["p50"],
     "e2e_p50_ms": lambda r: r["e2e_ms"]["p50"],
 }
+# A benchmark result of the diagnosed server's settings -> the doctor's findings on it.
+Rediagnose = Callable[[dict[str, Any]], list[Finding]]
 
 
 @dataclass(frozen=True)
@@ -70,6 +83,29 @@ class Verification:
     # diagnosed run and a few baselines holds their noise too (a tail's: ITL p99 moved 94-135 ms
     # over five baselines of one server, benchmarks/NOTES.md session 35).
     carry: float = 1.0
+    # The what-if predicted again from each fresh baseline (the doctor re-run on that repeat's
+    # benchmark, module docstring), not carried: each is at its own pair's speed, as the changed run
+    # beside it. Empty: not re-diagnosed, or no repeat's diagnosis offered the change.
+    repeated: tuple[float, ...] = ()
+
+    @property
+    def repeated_predicted(self) -> float | None:
+        """The median of the repeats' predictions; None without any."""
+        return statistics.median(self.repeated) if self.repeated else None
+
+    @property
+    def repeated_value_error(self) -> float | None:
+        """|repeated_predicted - measured| / measured; None without repeats' predictions."""
+        again = self.repeated_predicted
+        return None if again is None else _relative_error(again, self.measured)
+
+    @property
+    def inside_repeated_range(self) -> bool | None:
+        """The measured value between the lowest and highest of the repeats' predictions; None
+        with fewer than two."""
+        if len(self.repeated) < 2:
+            return None
+        return min(self.repeated) <= self.measured <= max(self.repeated)
 
     @property
     def as_diagnosed(self) -> float:
@@ -163,6 +199,13 @@ class Verification:
         if self.measured_range is not None:
             (lo, hi), where = self.measured_range, "inside" if self.inside_measured_range else "outside"
             line += f" [predicted {where} the changed runs' range {lo:,.1f}-{hi:,.1f}]"
+        again, again_error = self.repeated_predicted, self.repeated_value_error
+        if again is not None and again_error is not None:
+            lo, hi = min(self.repeated), max(self.repeated)
+            line += (
+                f" [predicted again from {len(self.repeated)} fresh baselines: {again:,.1f} "
+                f"({lo:,.1f}-{hi:,.1f}), off by {again_error:.0%}]"
+            )
         if self.carry != 1.0:
             line += (
                 f" [carried x{self.carry:.2f} from the diagnosed run; as diagnosed "
@@ -284,13 +327,18 @@ def bench_config_from_result(result: dict[str, Any]) -> BenchConfig:
     )
 
 
+def change_key(what_if: WhatIf) -> str:
+    """What a what-if applies (its setting and workload change), as one comparable string."""
+    return json.dumps([what_if.setting, what_if.workload], sort_keys=True)
+
+
 def verifiable(findings: list[Finding]) -> list[WhatIf]:
     """What-ifs `--verify` can apply and measure, each change once (checks share some)."""
     seen: set[str] = set()
     result = []
     for finding in findings:
         for what_if in finding.what_ifs:
-            key = json.dumps([what_if.setting, what_if.workload], sort_keys=True)
+            key = change_key(what_if)
             measurable = any(metric in MEASURED for metric in what_if.predicted)
             if (what_if.setting or what_if.workload) and measurable and key not in seen:
                 seen.add(key)
@@ -298,13 +346,40 @@ def verifiable(findings: list[Finding]) -> list[WhatIf]:
     return result
 
 
+def rediagnosis(diagnosis: Diagnosis) -> Rediagnose:
+    """The doctor's findings on another benchmark result of the diagnosed server: the same model,
+    settings, step profile and measured quantization speeds, that run's evidence."""
+
+    def findings_on(result: dict[str, Any]) -> list[Finding]:
+        return diagnose(replace(diagnosis, run=evidence_from_bench(result)))
+
+    return findings_on
+
+
+def predicted_again(rediagnose: Rediagnose | None, run: dict[str, Any], what_if: WhatIf) -> dict[str, float]:
+    """`what_if`'s predictions made again from `run` (a fresh baseline): the what-if applying the
+    same change among the doctor's findings on it; empty without `rediagnose` or when that run's
+    diagnosis did not offer the change (its effect there within the noise, say)."""
+    if rediagnose is None:
+        return {}
+    key = change_key(what_if)
+    for again in verifiable(rediagnose(run)):
+        if change_key(again) == key:
+            return dict(again.predicted)
+    return {}
+
+
 def compare(
-    what_if: WhatIf, original: dict[str, Any], pairs: list[tuple[dict[str, Any], dict[str, Any]]]
+    what_if: WhatIf,
+    original: dict[str, Any],
+    pairs: list[tuple[dict[str, Any], dict[str, Any]]],
+    again: list[dict[str, float]] | None = None,
 ) -> list[Verification]:
     """Each predicted metric: the prediction carried from the original run to the fresh baseline
     (as a ratio of the metric it moves with, WhatIf.carried_by: the metric itself unless the
     prediction says otherwise), against what the changed runs measured (medians over the repeated
-    pairs); its interval carried with it."""
+    pairs); its interval carried with it; beside it the predictions made again from each pair's
+    baseline (`again`, one per pair: predicted_again)."""
     checks = []
     for metric, predicted in what_if.predicted.items():
         read = MEASURED.get(metric)
@@ -328,8 +403,11 @@ def compare(
         ratios = [read(c) / carry(b) for b, c in pairs if read(c) is not None and carry(b)]
         paired = now * statistics.median(ratios) if ratios else None
         spread = (min(afters), max(afters)) if len(afters) > 1 else None
+        repeated = tuple(p[metric] for p in again or [] if metric in p)
         checks.append(
-            Verification(what_if.change, metric, base, scaled, after, noise, paired, interval, spread, scale)
+            Verification(
+                what_if.change, metric, base, scaled, after, noise, paired, interval, spread, scale, repeated
+            )
         )
     return checks
 
@@ -352,10 +430,12 @@ def verify(
     findings: list[Finding],
     result: dict[str, Any],
     repeats: int = 1,
+    rediagnose: Rediagnose | None = None,
 ) -> list[Verification]:
     """Apply each verifiable what-if: one fresh baseline server for all of them, one fresh server
     per setting change (workload changes run against the baseline); each repeat benchmarks baseline
-    and change back to back with prompts neither server has seen."""
+    and change back to back with prompts neither server has seen, and predicts the what-if again
+    from that baseline (`rediagnose`, rediagnosis(); none without it)."""
     if not (Path(model_dir) / "config.json").is_file():
         raise ValueError(f"--verify starts kvflow serve on {model_dir}: it needs the full checkpoint")
     bench = bench_config_from_result(result)
@@ -379,7 +459,9 @@ def verify(
             finally:
                 if changed is not None:
                     changed.stop()
-            checks += compare(what_if, result, pairs)
+            # Diagnosed after the servers stop: the doctor's replays take the cores the runs need.
+            again = [predicted_again(rediagnose, before, what_if) for before, _ in pairs]
+            checks += compare(what_if, result, pairs, again)
     finally:
         baseline.stop()
     return checks

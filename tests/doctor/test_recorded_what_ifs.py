@@ -34,7 +34,7 @@ from kvflow.doctor.model_spec import ModelSpec
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import settings_from_result
 from kvflow.doctor.step_profile import StepProfile
-from kvflow.doctor.verify import MEASURED
+from kvflow.doctor.verify import MEASURED, predicted_again, rediagnosis, verifiable
 from kvflow.doctor.what_ifs import SIMULATED
 
 RECORDED = Path(__file__).parent / "recorded_what_ifs"
@@ -61,7 +61,7 @@ BOUNDS: dict[tuple[str, str, str], float] = {
 
 def _diagnosis(scenario: str) -> Diagnosis:
     folder = RECORDED / scenario
-    result = json.loads(gzip.decompress((folder / "diagnosed.json.gz").read_bytes()))
+    result = _diagnosed_run(scenario)
     model = ModelSpec.from_dir(str(folder))
     settings = settings_from_result(result)
     profile = StepProfile.from_json(json.loads((folder / "step_profile.json").read_text()))
@@ -80,6 +80,10 @@ def _offered(d: Diagnosis) -> dict[str, WhatIf]:
             if what_if.setting and what_if.method == SIMULATED:
                 offered[json.dumps(what_if.setting, sort_keys=True)] = what_if
     return offered
+
+
+def _diagnosed_run(scenario: str) -> dict[str, Any]:
+    return json.loads(gzip.decompress((RECORDED / scenario / "diagnosed.json.gz").read_bytes()))
 
 
 def _recorded(scenario: str) -> list[dict[str, Any]]:
@@ -111,6 +115,20 @@ def test_each_recorded_change_is_predicted_within_its_bound(scenario: str) -> No
             assert error <= bound, (
                 f"{scenario} {change['change']} {metric}: predicted {predicted:.2f}, measured {measured:.2f}"
             )
+
+
+def test_a_fresh_baseline_is_diagnosed_again_as_the_original_was() -> None:
+    """`--verify` predicts each what-if again from each fresh baseline (verify.rediagnosis: the same
+    model, settings, step profile and quantization speeds, that run's evidence). Given the diagnosed
+    run itself it makes the doctor's own predictions, to the digit (the replays are seeded)."""
+    d = _diagnosis("kv_pool")
+    what_ifs = verifiable(diagnose(d))
+    assert any(w.setting == {"num_kv_blocks": 35} for w in what_ifs)
+    again = rediagnosis(d)
+    run = _diagnosed_run("kv_pool")
+    for what_if in what_ifs:
+        assert predicted_again(again, run, what_if) == what_if.predicted
+        assert predicted_again(None, run, what_if) == {}  # not re-diagnosed: nothing predicted again
 
 
 def test_the_starved_pool_replays_the_servers_preemptions() -> None:

@@ -50,6 +50,25 @@ def test_the_prediction_is_carried_to_the_fresh_baseline_and_compared_on_medians
     assert Verification("c", "m", 100.0, 40.0, 60.0).inside_measured_range is None  # one repeat: unknown
 
 
+def test_the_what_if_predicted_again_from_each_fresh_baseline() -> None:
+    """Each pair's baseline diagnosed again gives the what-if's prediction at that pair's speed (not
+    carried); their median is checked against the changed runs' median, their range against the
+    measured value. A repeat whose diagnosis did not offer the change (or not that metric) adds none."""
+    what_if = WhatIf("max_num_seqs 1 -> 8", "...", {"ttft_p50_ms": 50.0}, {"max_num_seqs": 8})
+    pairs = [(result(220.0), result(60.0)), (result(230.0), result(70.0)), (result(210.0), result(50.0))]
+    again = [{"ttft_p50_ms": 58.0}, {}, {"ttft_p50_ms": 66.0, "e2e_p50_ms": 1.0}]
+    [check] = compare(what_if, result(200.0), pairs, again)
+    assert check.repeated == (58.0, 66.0) and check.repeated_predicted == pytest.approx(62.0)
+    assert check.repeated_value_error == pytest.approx(2.0 / 60.0)
+    assert check.inside_repeated_range  # 60 within 58-66
+    assert "predicted again from 2 fresh baselines: 62.0 (58.0-66.0), off by 3%" in check.explain()
+    [alone] = compare(what_if, result(200.0), pairs)  # not re-diagnosed
+    assert alone.repeated == () and alone.repeated_predicted is None and alone.repeated_value_error is None
+    assert alone.inside_repeated_range is None and "predicted again" not in alone.explain()
+    [one] = compare(what_if, result(200.0), pairs, [{"ttft_p50_ms": 70.0}, {}, {}])
+    assert one.repeated_value_error == pytest.approx(10.0 / 60.0) and one.inside_repeated_range is None
+
+
 def test_the_predicted_interval_is_carried_with_the_prediction_and_covers_or_not() -> None:
     """A what-if's interval (the diagnosed run's noise, kvflow/doctor/noise.py) moves to the fresh
     baseline by the prediction's own ratio; the check says whether the measured value fell inside."""
