@@ -40,7 +40,8 @@ from kvflow.cli import build_parser  # noqa: E402
 from kvflow.doctor.cli import build_diagnosis  # noqa: E402
 from kvflow.doctor.findings import diagnose, rank_causes  # noqa: E402
 from kvflow.doctor.noise import NOISE_COVERAGE  # noqa: E402
-from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, rediagnosis, verify  # noqa: E402
+from kvflow.doctor.repeated_runs import rediagnosis  # noqa: E402
+from kvflow.doctor.verify import AGREEMENT_TOLERANCE, Verification, verify  # noqa: E402
 from kvflow.server.spawn import spawn_server, stop_server  # noqa: E402
 
 CACHE = Path.home() / ".cache" / "kvflow-bench" / "doctor-verify"

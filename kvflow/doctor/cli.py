@@ -22,6 +22,7 @@ from kvflow.doctor.hardware import NAMED, named_hardware
 from kvflow.doctor.model_spec import DTYPE_BYTES, ModelSpec, default_kv_dtype
 from kvflow.doctor.quant_served import load_served_tpot, measure_served_tpot
 from kvflow.doctor.quant_speed import QUANT_FORMATS, load_speeds, measure_speeds
+from kvflow.doctor.repeated_runs import mismatch, predict_over_runs, rediagnosis
 from kvflow.doctor.replicas import replicas_report, replicas_text
 from kvflow.doctor.report import doctor_json, html_report, text_report
 from kvflow.doctor.roofline import Roofline
@@ -62,6 +63,15 @@ def _add_sources(parser: argparse.ArgumentParser) -> None:
         help="the roofline's hardware: a datasheet entry, or auto/cpu to measure this machine",
     )
     parser.add_argument("--bench", default=None, help="a kvflow bench JSON result to diagnose")
+    parser.add_argument(
+        "--bench-repeat",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="another run of the --bench benchmark against the same server (repeatable): each what-if "
+        "is predicted again from each run and stated with the median and range over all of them (one "
+        "run is one draw of the steps the simulator is fitted to)",
+    )
     parser.add_argument(
         "--request",
         default=None,
@@ -224,17 +234,17 @@ def _runs_here(url: str) -> bool:
     return address.is_loopback or address.is_unspecified  # 0.0.0.0: a client reaches this machine
 
 
-def read_bench_result(path: str) -> dict[str, Any]:
+def read_bench_result(path: str, flag: str = "--bench") -> dict[str, Any]:
     """A `kvflow bench --output` file, or a KVFlowError naming what is wrong with it (a missing file
-    or one that is not a bench result gets a message, not a traceback)."""
+    or one that is not a bench result gets a message, not a traceback); `flag`: the option it came in."""
     try:
         result = json.loads(Path(path).read_text())
     except OSError as exc:
-        raise KVFlowError(f"--bench {path}: cannot read it ({exc.strerror or exc})") from exc
+        raise KVFlowError(f"{flag} {path}: cannot read it ({exc.strerror or exc})") from exc
     except ValueError as exc:
-        raise KVFlowError(f"--bench {path}: not JSON ({exc}); give a `kvflow bench --output` file") from exc
+        raise KVFlowError(f"{flag} {path}: not JSON ({exc}); give a `kvflow bench --output` file") from exc
     if not isinstance(result, dict):
-        raise KVFlowError(f"--bench {path}: not a kvflow bench result; give a `kvflow bench --output` file")
+        raise KVFlowError(f"{flag} {path}: not a kvflow bench result; give a `kvflow bench --output` file")
     return result
 
 
@@ -319,6 +329,17 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return cmd_request(args)
     diagnosis, result = build_diagnosis(args)
     findings = diagnose(diagnosis)
+    if args.bench_repeat:
+        if result is None:
+            raise ValueError("--bench-repeat: give the diagnosed run with --bench first")
+        repeats = []
+        for path in args.bench_repeat:
+            other = read_bench_result(path, "--bench-repeat")
+            differs = mismatch(result, other)
+            if differs is not None:
+                raise ValueError(f"--bench-repeat {path}: not a repeat of --bench: {differs}")
+            repeats.append(other)
+        predict_over_runs(findings, rediagnosis(diagnosis), repeats)
     doc = doctor_json(diagnosis, findings)
     tp_text = None
     if args.tensor_parallel_size > 1:
@@ -338,7 +359,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             raise ValueError("--verify re-runs a benchmark: give --bench")
         if diagnosis.settings.server != "kvflow":
             raise ValueError("--verify needs a kvflow server's settings (--metrics-url or --engine-config)")
-        from kvflow.doctor.verify import rediagnosis, verify
+        from kvflow.doctor.verify import verify
 
         if args.verify_repeats < 1:
             raise ValueError(f"--verify-repeats must be at least 1, got {args.verify_repeats}")
@@ -348,7 +369,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
             findings,
             result,
             repeats=args.verify_repeats,
-            rediagnose=rediagnosis(diagnosis),
+            rediagnose=rediagnosis(diagnosis),  # each fresh baseline a repeat
         )
         doc["verification"] = [
             {

@@ -32,6 +32,9 @@ class WhatIf:
     # metric -> [low, high] factors of the prediction: where one run of the change lands, from the
     # simulator's replays (Calibration.replay_range); the interval holds it (kvflow/doctor/noise.py).
     sampling_range: dict[str, list[float]] = field(default_factory=dict)
+    # metric -> the prediction made again from each other run of the same server and benchmark
+    # (kvflow doctor --bench-repeat, kvflow/doctor/repeated_runs.py); empty without them.
+    repeated: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -9,20 +9,16 @@ original run, is carried over to the fresh baseline as a ratio (a machine that i
 is 10% slower with the change too).
 
 Each fresh baseline is also diagnosed again, and the what-if predicted from it as from the original
-run (`rediagnose`): one run is one draw of the steps a simulator is fitted to, and the planted
-budget-128 what-if's ITL p99 came out 40-60 ms from eleven runs of one server, whose changed runs
-measured 43-67 (benchmarks/NOTES.md, session 41: a tail of the change's 128-token chunks, drawn
-from the 12 prompt steps one run records). The median over the repeats is the prediction the repeats
-state, and their spread how far one run's can land.
+run (`rediagnose`, kvflow/doctor/repeated_runs.py: one run is one draw of what the simulator is
+fitted to); the median over the repeats is the prediction they state, their range how far one
+run's can land.
 """
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 import tempfile
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,11 +26,9 @@ from typing import Any
 from kvflow.bench.arrivals import LoadSpec
 from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
-from kvflow.doctor.diagnosis import Diagnosis
-from kvflow.doctor.evidence import evidence_from_bench
 from kvflow.doctor.finding import Finding, WhatIf
-from kvflow.doctor.findings import diagnose
 from kvflow.doctor.offload_tier import TEMPORARY_DIR
+from kvflow.doctor.repeated_runs import Rediagnose, change_key, predicted_again
 from kvflow.doctor.server_settings import EngineSettings
 from kvflow.doctor.verify_pd import DISAGGREGATE, FreshPair
 from kvflow.server.spawn import spawn_server, stop_server
@@ -50,8 +44,6 @@ MEASURED = {
     "decode_ms_per_step": lambda r: r["tpot_ms"]["p50"],
     "e2e_p50_ms": lambda r: r["e2e_ms"]["p50"],
 }
-# A benchmark result of the diagnosed server's settings -> the doctor's findings on it.
-Rediagnose = Callable[[dict[str, Any]], list[Finding]]
 
 
 @dataclass(frozen=True)
@@ -327,11 +319,6 @@ def bench_config_from_result(result: dict[str, Any]) -> BenchConfig:
     )
 
 
-def change_key(what_if: WhatIf) -> str:
-    """What a what-if applies (its setting and workload change), as one comparable string."""
-    return json.dumps([what_if.setting, what_if.workload], sort_keys=True)
-
-
 def verifiable(findings: list[Finding]) -> list[WhatIf]:
     """What-ifs `--verify` can apply and measure, each change once (checks share some)."""
     seen: set[str] = set()
@@ -344,29 +331,6 @@ def verifiable(findings: list[Finding]) -> list[WhatIf]:
                 seen.add(key)
                 result.append(what_if)
     return result
-
-
-def rediagnosis(diagnosis: Diagnosis) -> Rediagnose:
-    """The doctor's findings on another benchmark result of the diagnosed server: the same model,
-    settings, step profile and measured quantization speeds, that run's evidence."""
-
-    def findings_on(result: dict[str, Any]) -> list[Finding]:
-        return diagnose(replace(diagnosis, run=evidence_from_bench(result)))
-
-    return findings_on
-
-
-def predicted_again(rediagnose: Rediagnose | None, run: dict[str, Any], what_if: WhatIf) -> dict[str, float]:
-    """`what_if`'s predictions made again from `run` (a fresh baseline): the what-if applying the
-    same change among the doctor's findings on it; empty without `rediagnose` or when that run's
-    diagnosis did not offer the change (its effect there within the noise, say)."""
-    if rediagnose is None:
-        return {}
-    key = change_key(what_if)
-    for again in verifiable(rediagnose(run)):
-        if change_key(again) == key:
-            return dict(again.predicted)
-    return {}
 
 
 def compare(
@@ -435,7 +399,7 @@ def verify(
     """Apply each verifiable what-if: one fresh baseline server for all of them, one fresh server
     per setting change (workload changes run against the baseline); each repeat benchmarks baseline
     and change back to back with prompts neither server has seen, and predicts the what-if again
-    from that baseline (`rediagnose`, rediagnosis(); none without it)."""
+    from that baseline (`rediagnose`, repeated_runs.rediagnosis; none without it)."""
     if not (Path(model_dir) / "config.json").is_file():
         raise ValueError(f"--verify starts kvflow serve on {model_dir}: it needs the full checkpoint")
     bench = bench_config_from_result(result)

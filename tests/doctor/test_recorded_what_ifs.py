@@ -31,10 +31,11 @@ from kvflow.doctor.finding import WhatIf
 from kvflow.doctor.findings import diagnose
 from kvflow.doctor.hardware import named_hardware
 from kvflow.doctor.model_spec import ModelSpec
+from kvflow.doctor.repeated_runs import predicted_again, rediagnosis
 from kvflow.doctor.roofline import Roofline
 from kvflow.doctor.server_settings import settings_from_result
 from kvflow.doctor.step_profile import StepProfile
-from kvflow.doctor.verify import MEASURED, predicted_again, rediagnosis, verifiable
+from kvflow.doctor.verify import MEASURED, verifiable
 from kvflow.doctor.what_ifs import SIMULATED
 
 RECORDED = Path(__file__).parent / "recorded_what_ifs"
@@ -129,6 +130,49 @@ def test_a_fresh_baseline_is_diagnosed_again_as_the_original_was() -> None:
     for what_if in what_ifs:
         assert predicted_again(again, run, what_if) == what_if.predicted
         assert predicted_again(None, run, what_if) == {}  # not re-diagnosed: nothing predicted again
+
+
+def test_doctor_predicts_each_what_if_again_from_each_repeated_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`kvflow doctor --bench RUN --bench-repeat OTHER`: each what-if that applies a change carries
+    its prediction from each other run (WhatIf.repeated), and the report states the median and range
+    over all of them. A repeat of the diagnosed run itself predicts what it did; a run of another
+    benchmark or server, or a repeat without --bench, is refused with a message naming it."""
+    from kvflow.cli import main
+
+    folder = str(RECORDED / "kv_pool")
+    run = _diagnosed_run("kv_pool")
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    argv = ["doctor", folder, "--hardware", "cpu", "--bench", str(tmp_path / "run.json")]
+    assert main([*argv, "--bench-repeat", str(tmp_path / "run.json"), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    changes = [w for f in doc["findings"] for w in f["what_ifs"] if w["setting"] or w["workload"]]
+    assert changes and all(w["repeated"] for w in changes)
+    for w in changes:
+        assert w["repeated"] == {m: [v] for m, v in w["predicted"].items()}
+    unchanged = [w for f in doc["findings"] for w in f["what_ifs"] if not (w["setting"] or w["workload"])]
+    assert all(w["repeated"] == {} for w in unchanged)
+
+    assert main([*argv, "--bench-repeat", str(tmp_path / "run.json")]) == 0
+    text = capsys.readouterr().out
+    pool = next(w for w in changes if w["setting"] == {"num_kv_blocks": 35})
+    assert f"itl_p99_ms median {pool['predicted']['itl_p99_ms']:,.1f}" in text and "over 2 runs" in text
+
+    other = json.loads(json.dumps(run))
+    other["config"]["input_len"] += 16
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    assert main([*argv, "--bench-repeat", str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--bench-repeat " + str(tmp_path / "other.json") + ": not a repeat of --bench" in err
+    assert "input_len" in err and "Traceback" not in err
+    bigger = json.loads(json.dumps(run))
+    bigger["server_info"]["engine_config"]["labels"]["num_kv_blocks"] = "35"
+    (tmp_path / "bigger.json").write_text(json.dumps(bigger))
+    assert main([*argv, "--bench-repeat", str(tmp_path / "bigger.json")]) == 2
+    assert "its server's num_kv_blocks is 35, the diagnosed run's 12" in capsys.readouterr().err
+    assert main(["doctor", folder, "--hardware", "cpu", "--bench-repeat", str(tmp_path / "run.json")]) == 2
+    assert "give the diagnosed run with --bench" in capsys.readouterr().err
 
 
 def test_the_starved_pool_replays_the_servers_preemptions() -> None:
