@@ -94,7 +94,9 @@ def planted_bench(scenario: Scenario, base: str) -> BenchConfig:
     )
 
 
-def diagnose_and_verify(scenario: Scenario, repeats: int, dtype: str | None) -> dict[str, Any]:
+def diagnose_and_verify(
+    scenario: Scenario, repeats: int, dtype: str | None, keep: Path | None = None
+) -> dict[str, Any]:
     model = checkpoint(scenario)
     server, base = spawn_server(model, serve_flags(scenario, dtype), cwd=REPO)
     try:
@@ -109,8 +111,17 @@ def diagnose_and_verify(scenario: Scenario, repeats: int, dtype: str | None) -> 
     finally:
         stop_server(server)
     findings = diagnose(diagnosis)
+    if keep is not None:  # the diagnosed run beside the pairs' runs
+        (keep / scenario.name).mkdir(parents=True, exist_ok=True)
+        (keep / scenario.name / "diagnosed.json").write_text(json.dumps(result))
     checks = verify(
-        str(model), diagnosis.settings, findings, result, repeats=repeats, rediagnose=rediagnosis(diagnosis)
+        str(model),
+        diagnosis.settings,
+        findings,
+        result,
+        repeats=repeats,
+        rediagnose=rediagnosis(diagnosis),
+        keep_dir=None if keep is None else keep / scenario.name,
     )
     causes = [(c.id, c.setting) for _, c in rank_causes(findings)]
     return {"scenario": scenario.name, "causes": causes, "checks": checks}
@@ -211,13 +222,21 @@ def main() -> None:
         help="serve the planted scenarios in this dtype (default: the fixtures' float32; bfloat16 is "
         "what users serve, and float32 has a slow path for a small chunk over a cached context)",
     )
+    parser.add_argument(
+        "--keep-runs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="write every bench result (the diagnosed run, each pair's baseline and changed run) to "
+        "DIR/<scenario>/, to take a miss apart",
+    )
     args = parser.parse_args()
     CACHE.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "kvflow.cli", "build-kernels"], check=False, cwd=REPO)
     table = {s.name: s for s in (*SCENARIOS, QUANTIZATION)}
     rows = []
     for name in args.scenarios.split(","):
-        outcome = diagnose_and_verify(replace(table[name]), args.repeats, args.dtype)
+        outcome = diagnose_and_verify(replace(table[name]), args.repeats, args.dtype, args.keep_runs)
         print(f"{name}: causes {outcome['causes']}", flush=True)
         rows += [row(name, c) for c in outcome["checks"]]
         for check in outcome["checks"]:

@@ -16,6 +16,7 @@ run's can land.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import tempfile
@@ -376,6 +377,17 @@ def compare(
     return checks
 
 
+def kept_run_path(keep_dir: Path, index: int, what_if: WhatIf, repeat: int, role: str) -> Path:
+    """Where `verify(keep_dir=...)` keeps one run: the what-if's place in the order and its change
+    (letters, digits and dashes), the repeat, and its role (baseline or changed), e.g.
+    `2-max-num-batched-tokens-512-128-r0-changed.json`."""
+    slug = "".join(c if c.isalnum() else "-" for c in what_if.change).strip("-")
+    while "--" in slug:
+        slug = slug.replace("--", "-")
+    keep_dir.mkdir(parents=True, exist_ok=True)
+    return keep_dir / f"{index}-{slug[:60].rstrip('-')}-r{repeat}-{role}.json"
+
+
 def _changed_server(
     model_dir: str, settings: EngineSettings, setting: dict[str, Any] | None
 ) -> FreshServer | FreshPair | None:
@@ -395,11 +407,13 @@ def verify(
     result: dict[str, Any],
     repeats: int = 1,
     rediagnose: Rediagnose | None = None,
+    keep_dir: Path | None = None,
 ) -> list[Verification]:
     """Apply each verifiable what-if: one fresh baseline server for all of them, one fresh server
     per setting change (workload changes run against the baseline); each repeat benchmarks baseline
     and change back to back with prompts neither server has seen, and predicts the what-if again
-    from that baseline (`rediagnose`, repeated_runs.rediagnosis; none without it)."""
+    from that baseline (`rediagnose`, repeated_runs.rediagnosis; none without it). With `keep_dir`,
+    every run's bench result is written there (kept_run_path), so that a miss can be taken apart."""
     if not (Path(model_dir) / "config.json").is_file():
         raise ValueError(f"--verify starts kvflow serve on {model_dir}: it needs the full checkpoint")
     bench = bench_config_from_result(result)
@@ -411,15 +425,19 @@ def verify(
     seeds = iter(range(first, first + repeats * len(what_ifs)))
     baseline = FreshServer(model_dir, engine_args(settings, {}))
     try:
-        for what_if in what_ifs:
+        for index, what_if in enumerate(what_ifs):
             changed = _changed_server(model_dir, settings, what_if.setting)
             try:
                 pairs = []
-                for _ in range(repeats):
+                for repeat in range(repeats):
                     config = reseeded(bench, next(seeds))
                     before = baseline.bench(config)
                     after = (changed or baseline).bench(with_workload(config, what_if.workload))
                     pairs.append((before, after))
+                    if keep_dir is not None:
+                        for role, run in (("baseline", before), ("changed", after)):
+                            path = kept_run_path(keep_dir, index, what_if, repeat, role)
+                            path.write_text(json.dumps(run))
             finally:
                 if changed is not None:
                     changed.stop()

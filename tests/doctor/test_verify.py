@@ -4,6 +4,7 @@ fresh baseline as a ratio, the 25% bar, gains within the noise, and which what-i
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from kvflow.doctor.verify import (
     Verification,
     bench_config_from_result,
     compare,
+    kept_run_path,
     reseeded,
     verifiable,
     with_workload,
@@ -202,3 +204,20 @@ def test_a_prediction_of_no_change_carried_by_a_ratio_is_still_no_change() -> No
     check = Verification("c", "itl_p99_ms", 11.4, 11.4 * (1 + 1e-15), 16.9)
     assert check.predicts_no_change and not check.agrees
     assert check.explain().endswith("predicted to do nothing, but it did")
+
+
+def test_kept_runs_are_named_by_order_change_repeat_and_role(tmp_path: Path) -> None:
+    """verify(keep_dir=...) writes each run where its what-if, repeat and role can be read off the
+    name (a directory made on first use); two what-ifs with one change text stay apart by order."""
+    what_if = WhatIf(
+        "max_num_batched_tokens 512 -> 128", "...", {"itl_p99_ms": 40.0}, {"max_num_batched_tokens": 128}
+    )
+    path = kept_run_path(tmp_path / "prefill_chunks", 2, what_if, 0, "changed")
+    assert path == tmp_path / "prefill_chunks" / "2-max-num-batched-tokens-512-128-r0-changed.json"
+    assert path.parent.is_dir()
+    split = WhatIf("disaggregate: a prefill and a decode instance (kv_role), half the cores each", "...")
+    name = kept_run_path(tmp_path, 4, split, 3, "baseline").name
+    assert name.startswith("4-disaggregate-a-prefill-and-a-decode-instance-kv-role") and name.endswith(
+        "-r3-baseline.json"
+    )
+    assert "--" not in name and len(name) <= len("4-") + 60 + len("-r3-baseline.json")
