@@ -72,14 +72,12 @@ def rediagnosis(diagnosis: Diagnosis) -> Rediagnose:
     return findings_on
 
 
-def predicted_again(rediagnose: Rediagnose | None, run: dict[str, Any], what_if: WhatIf) -> dict[str, float]:
-    """`what_if`'s predictions made again from `run`: the what-if applying the same change among
-    the doctor's findings on it; empty without `rediagnose` or when that run's diagnosis did not
-    offer the change (its effect there within the noise, say)."""
-    if rediagnose is None:
-        return {}
+def predicted_again(findings: list[Finding], what_if: WhatIf) -> dict[str, float]:
+    """`what_if`'s predictions made again in `findings` (the doctor's on another run, rediagnosis):
+    the what-if applying the same change; empty when that run's diagnosis did not offer it (its
+    effect there within the noise, say)."""
     key = change_key(what_if)
-    for finding in rediagnose(run):
+    for finding in findings:
         for again in finding.what_ifs:
             if change_key(again) == key:
                 return dict(again.predicted)
@@ -108,8 +106,9 @@ def predict_over_runs(
     (WhatIf.repeated: metric -> one value per run whose diagnosis offered it)."""
     what_ifs = [w for f in findings for w in f.what_ifs if w.setting or w.workload]
     for run in runs:
+        on_run = rediagnose(run)  # one diagnosis per run, every what-if read off it
         for what_if in what_ifs:
-            for metric, value in predicted_again(rediagnose, run, what_if).items():
+            for metric, value in predicted_again(on_run, what_if).items():
                 if metric in what_if.predicted:
                     what_if.repeated.setdefault(metric, []).append(value)
 

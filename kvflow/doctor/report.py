@@ -176,7 +176,7 @@ def text_report(doc: dict[str, Any]) -> str:
 
 
 def _over_runs_text(what_if: dict[str, Any]) -> str:
-    """ " over 4 runs: itl_p99_ms median 47.7 (39.6-59.8)": the prediction over --bench-repeat's
+    """ " itl_p99_ms median 47.7 (39.6-59.8) over 4 runs": the prediction over --bench-repeat's
     runs and the diagnosed one (kvflow/doctor/repeated_runs.py); empty without them."""
     spans = [
         f"{metric} median {mid:,.1f} ({lo:,.1f}-{hi:,.1f}) over {n} runs"

@@ -442,7 +442,9 @@ def verify(
                 if changed is not None:
                     changed.stop()
             # Diagnosed after the servers stop: the doctor's replays take the cores the runs need.
-            again = [predicted_again(rediagnose, before, what_if) for before, _ in pairs]
+            again = (
+                [predicted_again(rediagnose(before), what_if) for before, _ in pairs] if rediagnose else []
+            )
             checks += compare(what_if, result, pairs, again)
     finally:
         baseline.stop()

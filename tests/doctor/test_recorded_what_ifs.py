@@ -119,17 +119,17 @@ def test_each_recorded_change_is_predicted_within_its_bound(scenario: str) -> No
 
 
 def test_a_fresh_baseline_is_diagnosed_again_as_the_original_was() -> None:
-    """`--verify` predicts each what-if again from each fresh baseline (verify.rediagnosis: the same
-    model, settings, step profile and quantization speeds, that run's evidence). Given the diagnosed
-    run itself it makes the doctor's own predictions, to the digit (the replays are seeded)."""
+    """`--verify` predicts each what-if again from each fresh baseline (repeated_runs.rediagnosis:
+    the same model, settings, step profile and quantization speeds, that run's evidence). Given the
+    diagnosed run itself it makes the doctor's own predictions, to the digit (the replays are
+    seeded); a diagnosis that does not offer the change predicts nothing for it."""
     d = _diagnosis("kv_pool")
     what_ifs = verifiable(diagnose(d))
     assert any(w.setting == {"num_kv_blocks": 35} for w in what_ifs)
-    again = rediagnosis(d)
-    run = _diagnosed_run("kv_pool")
+    on_run = rediagnosis(d)(_diagnosed_run("kv_pool"))
     for what_if in what_ifs:
-        assert predicted_again(again, run, what_if) == what_if.predicted
-        assert predicted_again(None, run, what_if) == {}  # not re-diagnosed: nothing predicted again
+        assert predicted_again(on_run, what_if) == what_if.predicted
+        assert predicted_again([], what_if) == {}  # not offered there: nothing predicted again
 
 
 def test_doctor_predicts_each_what_if_again_from_each_repeated_run(
