@@ -60,8 +60,12 @@ MIN_PROBE_REQUESTS = 4
 # every later prediction of that profile carried it (the kv_pool what-if's ITL p99 63% high; a
 # 2 -> 4 row step grew 1.2 ms simulated, 0.5 measured: session 27). Five: six single sweeps in a row
 # read the 4-row step at 2.15-3.26 ms, and a median of three at 2.80 against 2.28-2.48 in the
-# profiles before and after it put the kv_pool what-if's ITL p99 67% high (session 31).
-SERVED_SWEEPS = 5
+# profiles before and after it put the kv_pool what-if's ITL p99 67% high (session 31). Eleven:
+# the 8-row step over the 1-row, which prices the max_num_seqs what-if's steps from a run with one
+# slot, came out 2.07-2.87 in five profiles of five sweeps, and the 2.87 one put that what-if's
+# e2e 27% high; over fifteen sweeps on one server it read 2.40, and five of them drawn at random
+# 2.17-2.86 (p5-p95), nine 2.31-2.59 (session 42). A sweep takes about 6 s on the tiny model.
+SERVED_SWEEPS = 11
 SERVED_KEYS = ("served_decode_ms", "served_tpot_ms", "served_ttft_gap_ms")  # the profile's keys
 # The arrival probe: this many clients (those the server allows), each sending this many requests
 # whose outputs are uniform in SERVED_OUTPUT_TOKENS x (1 -+ the ratio), so that a client's next request

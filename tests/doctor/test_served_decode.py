@@ -192,7 +192,12 @@ def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pyte
     server saw would be a prefix-cache hit)."""
     seeds: list[tuple[int, int]] = []
     arrivals: list[tuple[int, int]] = []
-    slow_sweep = {0: 1.0, 1: 1.5, 2: 1.1, 3: 1.6, 4: 0.9}  # the second and fourth on slow moments
+    # Every other sweep on a slow moment (x1.5 and more), the rest at or below speed; the first at
+    # x1.1, the middle value of an odd number of sweeps.
+    assert SERVED_SWEEPS % 2 == 1
+    slow_sweep = {
+        s: 1.1 if s == 0 else 1.5 + 0.1 * s if s % 2 else 1.0 - 0.01 * s for s in range(SERVED_SWEEPS)
+    }
 
     def bench(config: BenchConfig) -> dict[str, Any]:
         b, sweep = config.load.concurrency or 0, config.load.seed
