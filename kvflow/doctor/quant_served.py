@@ -71,9 +71,12 @@ def _probe_tpot(base: str, seed: int) -> float | None:
     return float(tpot) if tpot else None
 
 
-def _weight_bytes(model_dir: str | Path) -> int:
-    """The checkpoint's weight files' bytes (safetensors, a GGUF file, PyTorch bins)."""
-    path = Path(model_dir)
+def _weight_bytes(model: str | Path) -> int:
+    """The checkpoint's weight files' bytes (safetensors, a GGUF file, PyTorch bins); a model given
+    as one file (a GGUF file) is that file's."""
+    path = Path(model)
+    if path.is_file():
+        return path.stat().st_size
     return sum(f.stat().st_size for pattern in WEIGHT_FILES for f in path.glob(pattern))
 
 
@@ -94,7 +97,7 @@ def fits_beside(model_dir: str | Path, available: int | None) -> bool:
     return available is None or 2 * MEMORY_HEADROOM * _weight_bytes(model_dir) <= available
 
 
-def _format_ratios(
+def _rounds_beside(
     reference: str, model_dir: str | Path, flags: list[str], first_seed: int
 ) -> list[tuple[float, float]]:
     """The format served by `flags` started beside the reference at `reference`: QUANT_SERVED_ROUNDS
@@ -132,7 +135,7 @@ def measure_served_tpot(model_dir: str | Path, dtype: str, formats: Sequence[str
         for index, fmt in enumerate(formats):
             flags = ["--dtype", dtype, "--quantization", fmt]
             try:
-                pairs[fmt] = _format_ratios(base, model_dir, flags, index * QUANT_SERVED_ROUNDS)
+                pairs[fmt] = _rounds_beside(base, model_dir, flags, index * QUANT_SERVED_ROUNDS)
             except errors as exc:  # the others stand
                 logger.warning("serving %s with %s failed (%s): no served TPOT for it", model_dir, flags, exc)
     finally:

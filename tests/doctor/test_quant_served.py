@@ -124,6 +124,9 @@ def test_a_machine_that_cannot_hold_two_servers_measures_nothing(
     no server is started (the what-if falls back to quant-eval's speeds)."""
     model = model_dir(tmp_path, weight_bytes=1000)
     assert fits_beside(model, 3000) and not fits_beside(model, 2999) and fits_beside(model, None)
+    gguf = tmp_path / "tiny.gguf"  # a model given as one file
+    gguf.write_bytes(b"\0" * 1000)
+    assert fits_beside(gguf, 3000) and not fits_beside(gguf, 2999)
     monkeypatch.setattr(quant_served, "available_memory_bytes", lambda: 2999)
     servers = FakeServers({"none": 3.0, "int8": 2.0}, {})
     servers.patch(monkeypatch)
