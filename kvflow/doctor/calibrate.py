@@ -449,7 +449,7 @@ def profile_speed(profile: StepProfile, steps: list[tuple[float, StepShape]]) ->
     for dur, shape in steps:
         if shape.prompt_tokens or not shape.decode_rows:
             continue
-        served = profiled_step(profile, shape)[0] + base_excess + profile.served_growth(shape.decode_rows)
+        served = profiled_step(profile, shape)[0] + base_excess + profile.served_growth(shape.rows)
         ratios.append(dur / max(served, MIN_STEP_MS))
     return statistics.median(ratios) if len(ratios) >= MIN_STEP_RECORDS else None
 
@@ -520,20 +520,23 @@ def _record_fit(
     prompt_stall_ms: float,
 ) -> RecordFit:
     """From the server's step records, once (they do not change between fit rounds): (added to
-    decode-only steps, (factor, constant, ms per prefill key beyond the probe) of prompt steps); None
-    for a kind with fewer than MIN_STEP_RECORDS records. A prompt step during which a request
-    arrived (`arrivals`) is fitted less `prompt_stall_ms` (kvflow/doctor/prompt_stalls.py: fitted as
-    they were, the planted kv_pool run's prompt steps priced its what-if's at twice what they took)."""
+    steps of query rows alone, (factor, constant, ms per prefill key beyond the probe) of steps with a
+    prefill chunk); None for a kind with fewer than MIN_STEP_RECORDS records. Query rows alone (a
+    short prompt chunk's too) are the decode path's step (StepCost.server_ms). A step with a prefill
+    chunk during which a request arrived (`arrivals`) is fitted less `prompt_stall_ms`
+    (kvflow/doctor/prompt_stalls.py: fitted as they were, the planted kv_pool run's prompt steps
+    priced its what-if's at twice what they took)."""
     # (duration, the profiled step, the keys its prefill chunks attended beyond the probe's)
     prompt: list[tuple[float, float, float]] = []
     decode: list[tuple[float, float, float]] = []
     flags = list(arrivals) or [False] * len(steps)
     for (dur, shape), held_an_arrival in zip(steps, flags, strict=True):
         base, beyond = profiled_step(profile, shape)
-        served = dur - profile.served_growth(shape.decode_rows)  # what serving more rows added: measured
-        if shape.prompt_tokens and held_an_arrival:
+        served = dur - profile.served_growth(shape.rows)  # what serving more rows added: measured
+        if shape.prefill_tokens and held_an_arrival:
             served = destalled_ms(served, prompt_stall_ms, base)
-        (prompt if shape.prompt_tokens else decode).append((served, base, beyond))
+        # By the path the engine ran (StepCost.server_ms): query rows alone are a decode step.
+        (prompt if shape.prefill_tokens else decode).append((served, base, beyond))
     prompt_fit = _prompt_fit(prompt) if len(prompt) >= MIN_STEP_RECORDS else None
     per_key = prompt_fit[2] if prompt_fit else 0.0
     decode_add = None

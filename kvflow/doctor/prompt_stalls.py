@@ -70,7 +70,7 @@ def prompt_arrival_stall(
         excess: dict[bool, list[float]] = {True: [], False: []}
         for (dur, shape), flagged in zip(steps, arrivals, strict=False):
             if shape.prompt_tokens:
-                served = profiled_step(profile, shape)[0] + profile.served_growth(shape.decode_rows)
+                served = profiled_step(profile, shape)[0] + profile.served_growth(shape.rows)
                 excess[bool(flagged)].append(dur - served)
         if min(len(excess[True]), len(excess[False])) >= MIN_PROMPT_STEPS_EACH:
             return max(statistics.median(excess[True]) - statistics.median(excess[False]), 0.0)

@@ -13,7 +13,7 @@ what-if had predicted 69 ms of e2e where 130 were measured (benchmarks/NOTES.md,
 
     served_decode_ms[b]   the median served b-row decode step; the simulator adds its excess over
                           the profile's b-row step, less the 1-row excess, to every step by its
-                          decode rows (kvflow/doctor/step_profile.py: StepProfile.served_growth)
+                          query rows (kvflow/doctor/step_profile.py: StepProfile.served_growth)
     served_tpot_ms[b]     the clients' TPOT p50: beyond the step, what passes between steps
     served_ttft_gap_ms[b] the clients' TTFT beyond the server's, b first tokens in one step
     served_arrival_stall_ms   the arrival probe: b in ARRIVAL_CLIENTS clients whose outputs end at

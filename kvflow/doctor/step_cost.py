@@ -20,16 +20,27 @@ With a measured step profile (kvflow/doctor/step_profile.py) the shape of the co
 profile's curves instead, and only a constant per step kind is fitted (what the server adds to the
 profiled engine's step):
 
-    decode-only step   step_ms = D(rows) + extra + overhead
-    step with a prompt step_ms = P(tokens + rows) x factor + constant + overhead
+    query rows only      step_ms = D(rows) + extra + overhead
+    with a prefill chunk step_ms = P(tokens + rows) x factor + constant + overhead
     either               + per_key x (keys a prefill chunk attended beyond the probe's: a chunk
                                        after a long context)
-                           + row_per_key x (keys the query rows read beyond the decode probe's)
+                         + row_per_key x (keys the query rows read beyond the decode probe's)
+                         + served_growth(rows): what the server adds to a step of that many rows
+                                       beyond a 1-row one (the served probe, step_profile.py)
 Query rows are the decodes and the prompt chunks of at most MAX_QUERY_ROWS_PER_CHUNK tokens, which
 the engine attends as single-token rows through the decode path (kvflow/query_rows.py): an 8-token
 suffix after 768 cached tokens is 8 decode rows that each re-read ~770 keys, not a small prompt
 chunk. A row's cost per key is measured by the profile (a decode at a long context); a prefill
 chunk's per key beyond its probe is fitted to the server's step records.
+A step whose prompt chunks are all query rows is priced as the decode step it runs (the server
+counts it a prompt step): the decode kind's extra, and the served growth of its rows, not of the
+tokens it delivers (one). Over the prefix-caching what-if's changed runs of six verify runs (30
+servers, 2-core Zen 4, session 43) such 8-row steps took a median 1.18x (1.05-1.33) the profiled
+step at the run's own speed, 3.3 ms more, and a served 8-row decode step (the served probe's 1-row
+excess and its growth to 8 rows, 2.6 ms at the profile's speed) is 1.17x the profiled one. Priced
+with the prompt kind's factor instead (fitted to 264- and 512-token chunks, 0.9-1.07) they came out
+20-25% low, and the what-if's TTFT predicted again 9-21% low in five verify runs (-9% to +14% priced
+as decode steps, median -6%).
 A decode step's excess on the server is per-step work (1.3 ms on the planted runs for a 0.5 ms
 forward, about the same at 8 rows), while a step with prompts grows with them (its first tokens, and
 the compute the benchmark's client contends for): an added constant fitted to 1-prompt steps put an
@@ -181,9 +192,11 @@ class StepCost:
         if self.profile is not None:
             base, prefill_beyond = profiled_step(self.profile, shape)
             decode_add, prompt_factor, prompt_add = self.kind_extra_ms
-            server = base * prompt_factor + prompt_add if shape.prompt_tokens else base + decode_add
+            # The path the engine runs: a prefill chunk's, or the decode path's for query rows alone
+            # (decodes and short prompt chunks, kvflow/query_rows.py), whatever the server's kind.
+            server = base * prompt_factor + prompt_add if shape.prefill_tokens else base + decode_add
             server += self.attention_ms_per_key * prefill_beyond
-            server += self.profile.served_growth(shape.decode_rows)  # serving's share, by tokens delivered
+            server += self.profile.served_growth(shape.rows)  # serving's share, by the rows it runs
             return max(server, MIN_STEP_MS) * self.scale
         work = self.work(shape.rows + shape.prefill_tokens, shape.attention)
         return (self.fixed_ms + self.per_token_ms * work) * self.scale

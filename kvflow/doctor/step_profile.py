@@ -23,8 +23,10 @@ thread, the HTTP side, outputs). That difference is added per step kind, fitted 
 measured means (kvflow/doctor/calibrate.py), and its growth with the rows a step delivers is
 measured through a server (kvflow/doctor/served_decode.py):
     served_growth(b)      the served b-row decode step's excess over D(b), less the 1-row excess
-                          (made non-decreasing in b: more delivered tokens never cost less), added
-                          to every step by its decode rows; 0 without the served probe
+                          (made non-decreasing in b: more rows never cost less), added to every
+                          step by its query rows (decodes and short prompt chunks: a cached prefix's
+                          8-token suffix, one token delivered, pays it too, step_cost.py); 0
+                          without the served probe
     between_growth(b)     the clients' TPOT beyond the served b-row step, less that at 1 row (the
                           API thread delivering b tokens), added after every step by its rows
     delivery_growth(n)    the clients' TTFT beyond the server's when one step delivers n first
@@ -232,7 +234,7 @@ class StepProfile:
         )
 
     def served_growth(self, rows: int) -> float:
-        """What serving adds to a step of `rows` decode rows beyond what it adds to a 1-row step."""
+        """What serving adds to a step of `rows` query rows beyond what it adds to a 1-row step."""
         return _at(self.served_excess, rows)
 
     def delivery_growth(self, tokens: float) -> float:

@@ -90,10 +90,34 @@ def test_a_short_suffix_after_a_cached_prefix_costs_rows_reading_their_context()
     assert StepShape().plus_chunk(9, 777).prefill_tokens == 9  # longer chunks are prefill
     cost = StepCost(0.0, 0.0, 0.0, profile=profile, kind_extra_ms=(1.3, 2.0, 0.5))
     keys_beyond = suffix.row_attention - 8 * DECODE_PROBE_CONTEXT
-    assert cost.step_ms(suffix) == pytest.approx((0.74 + 0.002 * keys_beyond) * 2.0 + 0.5)  # a prompt step
+    # The decode path's step (the decode kind's extra), not the prompt kind's factor and constant.
+    assert cost.step_ms(suffix) == pytest.approx(0.74 + 0.002 * keys_beyond + 1.3)
     # Without the probe (an older profile) the rows' keys go to the price the fit gives prefill keys.
     older = replace(cost, profile=replace(profile, row_ms_per_key=None), attention_ms_per_key=0.001)
-    assert older.step_ms(suffix) == pytest.approx(0.74 * 2.0 + 0.5 + 0.001 * keys_beyond)
+    assert older.step_ms(suffix) == pytest.approx(0.74 + 1.3 + 0.001 * keys_beyond)
+    # With a prefill chunk in the step it is the prompt path's: the rows are tokens of its forward.
+    with_chunk = suffix.plus_chunk(16, 16)
+    assert cost.server_ms(with_chunk) == pytest.approx(
+        (profile.prefill(24) + 0.002 * keys_beyond) * 2.0 + 0.5
+    )
+
+
+def test_serving_adds_its_growth_by_the_rows_a_step_runs_not_the_tokens_it_delivers() -> None:
+    """The served probe's b-row steps cost more than the engine's beyond the 1-row excess; a cached
+    prefix's 8-token suffix runs 8 rows and delivers one token, and pays the 8-row growth: its
+    measured steps took 1.18x the profiled step where a served 8-row decode step is 1.17x (session 43)."""
+    served = {"served_decode_ms": {"1": 0.51 + 0.2, "8": 0.74 + 1.4}}
+    profile = StepProfile.from_json(
+        {"prefill_ms": {"16": 0.62, "32": 0.63}, "decode_ms": {"1": 0.51, "8": 0.74}, **served}
+    )
+    assert profile is not None and profile.served_growth(8) == pytest.approx(1.2)
+    cost = StepCost(0.0, 0.0, 0.0, profile=profile, kind_extra_ms=(0.2, 1.0, 0.0))
+    suffix = StepShape().plus_chunk(8, 24)  # within the short probe's keys: no keys beyond
+    assert suffix.decode_rows == 0 and suffix.rows == 8
+    assert cost.server_ms(suffix) == pytest.approx(
+        cost.server_ms(StepShape(decode_rows=8, row_attention=suffix.row_attention))
+    )
+    assert cost.server_ms(suffix) == pytest.approx(0.74 + 0.2 + 1.2)
 
 
 def test_a_stalled_one_row_context_probe_does_not_price_every_key() -> None:
@@ -250,8 +274,9 @@ def test_the_servers_step_records_separate_factor_constant_and_attention() -> No
     """Prompt steps of varied sizes and contexts, each costing 2 x the profile + 3 ms + 1e-4 ms per
     key beyond what the probes of its shape read (its chunk's queries x the context before it, its
     decode rows' keys beyond the decode probe's: this profile has no row probe, so one price), and
-    decode steps the profile + 1.3 ms: fitted over the recorded steps, all four come back (the
-    per-kind means alone give one factor)."""
+    decode steps the profile + 1.3 ms, as are 8-token prompt chunks the decode path ran as query rows
+    (a cached prefix's suffix: the server counts them prompt steps): fitted over the recorded steps,
+    all four come back (the per-kind means alone give one factor)."""
     rng = random.Random(1)
     steps = []
     row_context = 100  # the keys each decode row reads
@@ -266,6 +291,8 @@ def test_the_servers_step_records_separate_factor_constant_and_attention() -> No
     for _ in range(40):
         rows = rng.randint(1, 8)
         steps.append([PROFILE.decode(rows) + 1.3, 0.0, float(rows), rows * 22.0, 0.0, rows * 22.0])
+    for _ in range(20):  # query rows alone: [dur, prompt tokens, decodes, keys, row prompt tokens, row keys]
+        steps.append([PROFILE.decode(8) + 1.3, 8.0, 0.0, 8 * 22.0, 8.0, 8 * 22.0])
     samples = [RequestSample(64, 16, 0, 0.0, None, None) for _ in range(8)]
     run = replace(
         calculator_evidence(64, 4, 16),
@@ -275,6 +302,7 @@ def test_the_servers_step_records_separate_factor_constant_and_attention() -> No
             "step_time_ms": {
                 "decode_only": {"count": 40.0, "mean": 2.0},
                 "mixed": {"count": 60.0, "mean": 9.0},
+                "prefill_only": {"count": 20.0, "mean": 2.0},
             },
             "steps": {"fields": [*STEP_KEYS, *ROW_STEP_KEYS], "rows": steps},
         },
