@@ -15,7 +15,7 @@ profile (kvflow/doctor/step_profile.py), so the profile is measured without the 
 
 Not applied to servers or offline engines: on a bfloat16 model with 9,728-wide MLPs, glibc keeping
 1-4 GiB of freed memory sped a 2,048-token prefill up by 11% and slowed a 512-token one and the
-offline workload by about 3% (benchmarks/NOTES.md).
+offline workload by about 3% (benchmarks/NOTES.md, session 8).
 """
 
 from __future__ import annotations
