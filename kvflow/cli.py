@@ -259,10 +259,8 @@ def _cmd_profile_steps(args: argparse.Namespace) -> int:
     import json
 
     from kvflow.engine.engine import LLMEngine
-    from kvflow.engine.heap import keep_freed_heap
     from kvflow.engine.step_profile import profile_steps
 
-    keep_freed_heap()  # its steps cost what a server's do (kvflow/engine/heap.py)
     engine = LLMEngine.from_kwargs(model=_model_dir(args), **engine_kwargs(args))
     print(json.dumps(profile_steps(engine, repeats=args.repeats)))
     return 0

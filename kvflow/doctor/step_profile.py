@@ -107,10 +107,8 @@ DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # 6 the served turnover probe and five sweeps, 7 the arrival probe in its place (the steps during
 # which a request arrived, not those after a finish), 8 the decode curves' medians over passes, 9 the
 # prefill chunks at a context, 10 the passes on all the cores and on half of them in turn, 11 the
-# decode steps at a context on half the cores kept, 12 seven passes, 13 eleven served sweeps, 14 the
-# passes with glibc's heap kept (kvflow/engine/heap.py: single passes read the planted wide model's
-# 512-token prefill at 1.31-2.56x its 256-token one, 1.94-2.07x with it, four each, session 43).
-PROFILE_FORMAT = 14
+# decode steps at a context on half the cores kept, 12 seven passes, 13 eleven served sweeps.
+PROFILE_FORMAT = 13
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
 # ... and for its prefill chunks and decode steps at a context.
