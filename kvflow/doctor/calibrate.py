@@ -535,8 +535,7 @@ def _record_fit(
         served = dur - profile.served_growth(shape.rows)  # what serving more rows added: measured
         if shape.prefill_tokens and held_an_arrival:
             served = destalled_ms(served, prompt_stall_ms, base)
-        # By the path the engine ran (StepCost.server_ms): query rows alone are a decode step.
-        (prompt if shape.prefill_tokens else decode).append((served, base, beyond))
+        (decode if shape.decode_path else prompt).append((served, base, beyond))  # as StepCost.server_ms
     prompt_fit = _prompt_fit(prompt) if len(prompt) >= MIN_STEP_RECORDS else None
     per_key = prompt_fit[2] if prompt_fit else 0.0
     decode_add = None

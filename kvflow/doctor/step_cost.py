@@ -90,6 +90,12 @@ class StepShape:
         return self.decode_rows + self.row_prefill_tokens
 
     @property
+    def decode_path(self) -> bool:
+        """Whether the engine runs this step as a decode step: query rows alone, no prefill chunk
+        (the server counts a short prompt chunk's step a prompt step all the same)."""
+        return not self.prefill_tokens
+
+    @property
     def prompt_tokens(self) -> int:
         """The tokens the server counts as prompt (its step kind): prompt chunks of either path."""
         return self.row_prefill_tokens + self.prefill_tokens
@@ -192,9 +198,8 @@ class StepCost:
         if self.profile is not None:
             base, prefill_beyond = profiled_step(self.profile, shape)
             decode_add, prompt_factor, prompt_add = self.kind_extra_ms
-            # The path the engine runs: a prefill chunk's, or the decode path's for query rows alone
-            # (decodes and short prompt chunks, kvflow/query_rows.py), whatever the server's kind.
-            server = base * prompt_factor + prompt_add if shape.prefill_tokens else base + decode_add
+            # The path the engine runs, whatever the server's kind (module docstring).
+            server = base + decode_add if shape.decode_path else base * prompt_factor + prompt_add
             server += self.attention_ms_per_key * prefill_beyond
             server += self.profile.served_growth(shape.rows)  # serving's share, by the rows it runs
             return max(server, MIN_STEP_MS) * self.scale
