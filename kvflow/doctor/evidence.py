@@ -60,8 +60,8 @@ class RunEvidence:
     # kvflow bench --priority-mix: TTFT p50 / p99 (ms) per priority class, lowest value (first served) first
     ttft_by_priority: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
     # Each request's client TTFT beyond the server's (a kvflow server's window names its requests),
-    # less their mean: how unevenly clients' requests reach the server (client_gap_jitter). In a
-    # closed loop, over the requests a client sent after its first, and their mean the gap a client
+    # less their median: how unevenly clients' requests reach the server (client_gap_jitter). In a
+    # closed loop, over the requests a client sent after its first, and their median the gap a client
     # takes to come back (client_return_gap_ms; None: not known, the run's mean gap stands for it).
     client_gap_jitter_ms: tuple[float, ...] = ()
     client_return_gap_ms: float | None = None
@@ -234,9 +234,9 @@ def evidence_from_bench(result: dict[str, Any]) -> RunEvidence:
             for p, row in sorted((result.get("per_priority") or {}).items(), key=lambda kv: int(kv[0]))
         },
         client_gap_jitter_ms=client_gap_jitter(returning, server),
-        client_return_gap_ms=mean_client_gap(returning, server),
-        client_first_gap_ms=mean_client_gap(firsts, server),
-        client_first_alone_gap_ms=mean_client_gap(first_alone(firsts, server), server),
+        client_return_gap_ms=client_gap(returning, server),
+        client_first_gap_ms=client_gap(firsts, server),
+        client_first_alone_gap_ms=client_gap(first_alone(firsts, server), server),
         client_return_delivered=returning_delivered(returning, server),
         handoff_ms=handoff_delays(server),
     )
@@ -358,15 +358,25 @@ def recorded_steps(server: dict[str, Any]) -> list[tuple[float, bool, int]]:
     return [(row[dur], bool(row[prompt]), int(row[decode])) for row in recorded.get("rows") or []]
 
 
-def mean_client_gap(requests: list[dict[str, Any]], server: dict[str, Any]) -> float | None:
-    """The mean of `requests`' client gaps (_client_gaps), never below 0; None without two."""
+def client_gap(requests: list[dict[str, Any]], server: dict[str, Any]) -> float | None:
+    """The median of `requests`' client gaps (_client_gaps), never below 0; None without two.
+
+    Why the median: the gap is the offset a predicted TTFT p50 or e2e p50 carries (calibrate.py), and
+    one request in twenty reads its first token 10-20 ms late beyond the server's TTFT (on a
+    2-core Xeon, 3 of 60 in the planted prefix_caching_off scenario's runs, against 3-4.5 ms for the
+    rest). Over one run's five returning requests the mean read 7.6 ms where four came back in
+    3.6-4.0: 3.6 ms more on every predicted TTFT, on a what-if whose TTFT is 19 ms (prefix caching
+    on; benchmarks/NOTES.md, session 44). The spread is the jitter's (client_gap_jitter), so the
+    replays keep the late ones."""
     gaps = _client_gaps(requests, server)
-    return max(sum(gaps) / len(gaps), 0.0) if len(gaps) >= 2 else None
+    return max(statistics.median(gaps), 0.0) if len(gaps) >= 2 else None
 
 
 def client_gap_jitter(requests: list[dict[str, Any]], server: dict[str, Any]) -> tuple[float, ...]:
     """Each request's client TTFT minus the server's (matched by the x-request-id kvflow bench sends,
-    in the server's window, kvflow/bench/server_steps.py), less their mean; empty without a window.
+    in the server's window, kvflow/bench/server_steps.py), less their median (client_gap: a client
+    returning after the gap plus a drawn departure comes back as one of them did); empty without a
+    window.
     Why: clients of a closed loop whose requests have one length finish in one step and, sent back
     after one constant gap, the simulator kept them in lockstep, every prompt in one prefill step and
     none sharing a step with another's decodes; measured, a client comes back 3-13 ms later, the
@@ -375,8 +385,8 @@ def client_gap_jitter(requests: list[dict[str, Any]], server: dict[str, Any]) ->
     gaps = _client_gaps(requests, server)
     if len(gaps) < 2:
         return ()
-    mean = sum(gaps) / len(gaps)
-    return tuple(g - mean for g in gaps)
+    center = statistics.median(gaps)
+    return tuple(g - center for g in gaps)
 
 
 def calculator_evidence(context: int, concurrency: int, output_len: int) -> RunEvidence:
