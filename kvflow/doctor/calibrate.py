@@ -531,6 +531,8 @@ def _record_fit(
     decode: list[tuple[float, float, float]] = []
     flags = list(arrivals) or [False] * len(steps)
     for (dur, shape), held_an_arrival in zip(steps, flags, strict=True):
+        if shape.suffix_only and profile.suffix_ratio is not None:
+            continue  # priced off the decode step and the suffix probe (StepCost.server_ms)
         base, beyond = profiled_step(profile, shape)
         served = dur - profile.served_growth(shape.rows)  # what serving more rows added: measured
         if shape.prefill_tokens and held_an_arrival:

@@ -16,6 +16,12 @@ what-if had predicted 69 ms of e2e where 130 were measured (benchmarks/NOTES.md,
                           query rows (kvflow/doctor/step_profile.py: StepProfile.served_growth)
     served_tpot_ms[b]     the clients' TPOT p50: beyond the step, what passes between steps
     served_ttft_gap_ms[b] the clients' TTFT beyond the server's, b first tokens in one step
+    served_suffix_ms[C]   the suffix probe: one client sending prompts of a C-token prefix the server
+                          has cached and MAX_QUERY_ROWS_PER_CHUNK tokens of their own: the median
+                          step that took in such a suffix alone (query rows, kvflow/query_rows.py)
+    served_suffix_decode_ms[C]  the same runs' median 1-row decode step (a context of about C):
+                          over it, what a suffix step costs against the decode step the run
+                          calibrates (StepProfile.suffix_ratio)
     served_arrival_stall_ms   the arrival probe: b in ARRIVAL_CLIENTS clients whose outputs end at
                           staggered lengths, so that one finishes, and sends its next request, while
                           the others decode; each decode-only step during which a request arrived
@@ -33,6 +39,17 @@ turning around together) or into a starved KV pool records few or none (session 
 drew a stall for every step after a finish instead, and predicted the kv_pool what-if's ITL p99
 19-67% high where its clients turned around together).
 
+Why the suffix probe: a short suffix after a cached prefix is query rows re-reading their context,
+one request's rows at once, and on a 2-core Xeon with AMX it did not cost what the decode probes
+(rows of as many requests) priced: the engine alone took 12.6-13.8 ms for 8 rows after 768 cached
+tokens where the profile's rows priced 10.0, and served the step took 14.7-15.2 ms (medians of four
+servers) where a 1-row decode at that context took 7.8-8.0, 4 ms beyond the engine's own where the
+suffix step was 1.5-2 beyond (the API thread streams the previous token while a decode step runs;
+a suffix step of a request that just arrived follows none). Priced as a decode step (the decode kind's served excess
+and the run's speed over the profile's), the prefix-caching what-if's TTFT came out 22-36% high
+(benchmarks/NOTES.md, session 44). Over the served 1-row decode step at its context, measured
+together, the suffix step is priced against the decode steps the diagnosed run recorded.
+
 Measured with the profile, once per model, machine, dtype and quantization (the same cache).
 """
 
@@ -47,6 +64,7 @@ from kvflow.bench.datasets import DatasetSpec
 from kvflow.bench.runner import BenchConfig, run_benchmark
 from kvflow.doctor.arrival_stalls import flagged_records
 from kvflow.doctor.evidence import recorded_steps
+from kvflow.query_rows import MAX_QUERY_ROWS_PER_CHUNK
 from kvflow.server.spawn import spawn_server, stop_server
 
 # Each probe: b clients, each sending requests of this many prompt tokens that stream this many
@@ -75,6 +93,15 @@ ARRIVAL_REQUESTS_PER_CLIENT = 4
 ARRIVAL_RANGE_RATIO = 0.5
 ARRIVAL_KEY = "served_arrival_stall_ms"
 SERVED_PROBE_CONTEXT = SERVED_PROMPT_TOKENS + SERVED_OUTPUT_TOKENS / 2  # keys a probed row reads, on average
+# The suffix probe: cached prefixes of these shares of the context (two points for how the suffix
+# step grows with it), whole blocks; each sweep SUFFIX_REQUESTS requests after the one that caches
+# the prefix (its warmup), each streaming SUFFIX_OUTPUT_TOKENS (1-row decode steps at about the
+# prefix's context).
+SUFFIX_CONTEXT_SHARES = (0.25, 0.75)
+SUFFIX_BLOCK_TOKENS = 16
+SUFFIX_REQUESTS = 6
+SUFFIX_OUTPUT_TOKENS = 8
+SUFFIX_KEYS = ("served_suffix_ms", "served_suffix_decode_ms")
 
 
 def probe_config(
@@ -119,6 +146,55 @@ def arrival_stall_ms(result: dict[str, Any]) -> list[float]:
     return [ms - statistics.median(clear[rows]) for rows, ms in stalled if rows in clear]
 
 
+def suffix_prefixes(context: int) -> list[int]:
+    """The suffix probe's cached prefix lengths for a server of `context` tokens: SUFFIX_CONTEXT_SHARES
+    of what leaves room for the suffix and its outputs, in whole blocks, distinct and positive."""
+    room = context - MAX_QUERY_ROWS_PER_CHUNK - SUFFIX_OUTPUT_TOKENS - 1
+    lengths = {
+        int(share * room) // SUFFIX_BLOCK_TOKENS * SUFFIX_BLOCK_TOKENS for share in SUFFIX_CONTEXT_SHARES
+    }
+    return sorted(n for n in lengths if n > 0)
+
+
+def suffix_steps(result: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """(the steps that took in prompt tokens as query rows and nothing else: no decode row, no
+    prefill chunk; the 1-row decode-only steps), ms, from the server's records
+    (kvflow/bench/server_steps.py); none from records without the query rows split out."""
+    recorded = (result.get("server") or {}).get("steps") or {}
+    fields = list(recorded.get("fields") or [])
+    needed = ("dur_ms", "prefill_tokens", "decode_tokens", "row_prefill_tokens")
+    if not all(key in fields for key in needed):
+        return [], []
+    dur, prompt, decode, rows = (fields.index(key) for key in needed)
+    suffix, single = [], []
+    for row in recorded.get("rows") or []:
+        if row[prompt] and row[rows] == row[prompt] and not row[decode]:
+            suffix.append(float(row[dur]))
+        elif not row[prompt] and row[decode] == 1:
+            single.append(float(row[dur]))
+    return suffix, single
+
+
+def _suffix_probe(base: str, prefix_tokens: int, sweep: int) -> tuple[float, float] | None:
+    """One client, SUFFIX_REQUESTS prompts of one `prefix_tokens` prefix (another each sweep: the
+    dataset's seed) and MAX_QUERY_ROWS_PER_CHUNK tokens of their own: (the median suffix step, the
+    median 1-row decode step); None when the run recorded either none."""
+    dataset = DatasetSpec(
+        "shared-prefix",
+        SUFFIX_REQUESTS,
+        input_len=MAX_QUERY_ROWS_PER_CHUNK,
+        output_len=SUFFIX_OUTPUT_TOKENS,
+        prefix_len=prefix_tokens,
+        seed=1_000 + sweep,  # apart from the decode probes' seeds
+    )
+    load = LoadSpec(concurrency=1, seed=sweep)
+    config = BenchConfig(base_url=base + "/v1", dataset=dataset, load=load, warmup=1, progress=False)
+    suffix, single = suffix_steps(run_benchmark(config))
+    if not suffix or not single:
+        return None
+    return statistics.median(suffix), statistics.median(single)
+
+
 def _arrival_probe(base: str, clients: int, sweep: int) -> list[float]:
     """`clients` clients of staggered output lengths (other prompts each sweep): arrival_stall_ms."""
     requests = ARRIVAL_REQUESTS_PER_CLIENT * clients
@@ -126,15 +202,19 @@ def _arrival_probe(base: str, clients: int, sweep: int) -> list[float]:
     return arrival_stall_ms(run_benchmark(config))
 
 
-def measure_served_decode(model_dir: str, serve_flags: Sequence[str], rows: Sequence[int]) -> dict[str, Any]:
+def measure_served_decode(
+    model_dir: str, serve_flags: Sequence[str], rows: Sequence[int], context: int | None = None
+) -> dict[str, Any]:
     """{"served_decode_ms": {b: the median recorded b-row decode step}, "served_tpot_ms": {b: the
     clients' TPOT p50 (the step and what passes between steps)}, "served_ttft_gap_ms": {b: the
     clients' TTFT beyond the server's (b first tokens come in one step)}} for each b of `rows` that
     produced such steps, each the median over SERVED_SWEEPS sweeps, and "served_arrival_stall_ms": [the
-    arrival probe's stalls, ms] (ARRIVAL_CLIENTS up to max(rows)), from one `kvflow serve MODEL
-    serve_flags` (which must allow max(rows) running requests)."""
+    arrival probe's stalls, ms] (ARRIVAL_CLIENTS up to max(rows)); with the server's `context`,
+    "served_suffix_ms" and "served_suffix_decode_ms": {C: the suffix probe's medians at a cached
+    prefix of C} (suffix_prefixes); from one `kvflow serve MODEL serve_flags` (which must allow
+    max(rows) running requests, and cache prefixes for the suffix probe)."""
     process, base = spawn_server(model_dir, list(serve_flags))
-    seen: dict[str, dict[int, list[float]]] = {key: {} for key in SERVED_KEYS}
+    seen: dict[str, dict[int, list[float]]] = {key: {} for key in (*SERVED_KEYS, *SUFFIX_KEYS)}
     stalls: list[float] = []
     try:
         for sweep in range(SERVED_SWEEPS):
@@ -151,7 +231,14 @@ def measure_served_decode(model_dir: str, serve_flags: Sequence[str], rows: Sequ
                         seen["served_ttft_gap_ms"].setdefault(b, []).append(float(gap))
             for clients in (c for c in ARRIVAL_CLIENTS if c <= max(rows, default=0)):
                 stalls += _arrival_probe(base, clients, sweep)
+            for prefix in suffix_prefixes(context) if context else ():
+                probed = _suffix_probe(base, prefix, sweep)
+                if probed is not None:
+                    seen["served_suffix_ms"].setdefault(prefix, []).append(probed[0])
+                    seen["served_suffix_decode_ms"].setdefault(prefix, []).append(probed[1])
     finally:
         stop_server(process)
     medians = {key: {b: statistics.median(v) for b, v in by_rows.items()} for key, by_rows in seen.items()}
+    for key in SUFFIX_KEYS if not medians["served_suffix_ms"] else ():  # no suffix probe: no keys
+        medians.pop(key)
     return {**medians, ARRIVAL_KEY: stalls}

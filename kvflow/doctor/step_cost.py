@@ -41,6 +41,17 @@ excess and its growth to 8 rows, 2.6 ms at the profile's speed) is 1.17x the pro
 with the prompt kind's factor instead (fitted to 264- and 512-token chunks, 0.9-1.07) they came out
 20-25% low, and the what-if's TTFT predicted again 9-21% low in five verify runs (-9% to +14% priced
 as decode steps, median -6%).
+On a 2-core Xeon with AMX that pricing put such steps 1.28x what they took (18.6 ms, 14.0-15.9
+measured), the what-if's TTFT 22-36% high: the decode kind's served excess there is 4 ms (the API
+thread streams the previous token while a decode step runs), where a suffix step of a request that
+just arrived follows no delivery and was 1.4 ms beyond the engine's own; and the profile's rows
+(of as many requests) priced one request's 8 rows after 768 cached tokens at 10.0 ms where the
+engine alone took 12.6-13.8. So where the profile has the served suffix probe
+(kvflow/doctor/served_decode.py), a step of prompt query rows alone (StepShape.suffix_only) is the
+calibrated 1-row decode step at its context x the probe's suffix step over its 1-row decode step at
+that context, measured together on one server (StepProfile.suffix_over_decode): the run's speed
+and the decode steps' excess come from the run's own decode steps, and the ratio from the probe
+(benchmarks/NOTES.md, session 44). A step that holds decode rows too keeps the decode-path price.
 A decode step's excess on the server is per-step work (1.3 ms on the planted runs for a 0.5 ms
 forward, about the same at 8 rows), while a step with prompts grows with them (its first tokens, and
 the compute the benchmark's client contends for): an added constant fitted to 1-prompt steps put an
@@ -94,6 +105,13 @@ class StepShape:
         """Whether the engine runs this step as a decode step: query rows alone, no prefill chunk
         (the server counts a short prompt chunk's step a prompt step all the same)."""
         return not self.prefill_tokens
+
+    @property
+    def suffix_only(self) -> bool:
+        """Prompt query rows alone (short chunks after a cached prefix, nothing decoding): priced off
+        the decode step at their context where the profile measured such steps served (module
+        docstring)."""
+        return self.decode_path and self.row_prefill_tokens > 0 and not self.decode_rows
 
     @property
     def prompt_tokens(self) -> int:
@@ -196,6 +214,11 @@ class StepCost:
     def server_ms(self, shape: StepShape) -> float:
         """The step as the server records it."""
         if self.profile is not None:
+            if shape.suffix_only:
+                keys = shape.row_attention / shape.row_prefill_tokens
+                ratio = self.profile.suffix_over_decode(shape.row_prefill_tokens, keys)
+                if ratio is not None:  # the calibrated decode step at that context, x the probe's ratio
+                    return self.server_ms(StepShape(decode_rows=1, row_attention=keys)) * ratio
             base, prefill_beyond = profiled_step(self.profile, shape)
             decode_add, prompt_factor, prompt_add = self.kind_extra_ms
             # The path the engine runs, whatever the server's kind (module docstring).

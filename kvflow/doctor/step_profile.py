@@ -77,6 +77,7 @@ import httpx
 from kvflow.doctor.quant_speed import cache_dir as quant_cache_dir
 from kvflow.doctor.quant_speed import machine_key, model_key
 from kvflow.doctor.served_decode import ARRIVAL_KEY, SERVED_PROBE_CONTEXT, measure_served_decode
+from kvflow.query_rows import MAX_QUERY_ROWS_PER_CHUNK
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +108,10 @@ DECODE_PROBE_CONTEXT = 16 + 12 / 2
 # 6 the served turnover probe and five sweeps, 7 the arrival probe in its place (the steps during
 # which a request arrived, not those after a finish), 8 the decode curves' medians over passes, 9 the
 # prefill chunks at a context, 10 the passes on all the cores and on half of them in turn, 11 the
-# decode steps at a context on half the cores kept, 12 seven passes, 13 eleven served sweeps.
-PROFILE_FORMAT = 13
+# decode steps at a context on half the cores kept, 12 seven passes, 13 eleven served sweeps, (14:
+# fixed heap thresholds, reverted; files of that format are not this profile) 15 the served suffix
+# probe.
+PROFILE_FORMAT = 15
 # The profile's keys for its curves on half the cores (module docstring).
 SPLIT_KEYS = {"prefill_ms": "split_prefill_ms", "decode_ms": "split_decode_ms"}
 # ... and for its prefill chunks and decode steps at a context.
@@ -186,6 +189,21 @@ class StepProfile:
     # 2-20% low (sessions 38-39), and the engine alone on one thread paid 14.3 ms for a 6-token
     # suffix after 400 tokens where a 1-row step took 7.4.
     split_row_ms_per_key: float | None = None
+    # The served suffix step over the served 1-row decode step at the same cached prefix, by prefix
+    # tokens (kvflow/doctor/served_decode.py: the suffix probe); None without it. A ratio of two
+    # served steps measured together: the run's speed and the server's excess are in both.
+    suffix_ratio: Curve | None = None
+
+    def suffix_over_decode(self, rows: int, keys_per_row: float) -> float | None:
+        """What a step of `rows` prompt query rows alone (a short suffix after a cached prefix, no
+        decode row), each reading `keys_per_row` keys, costs over a 1-row decode step at that
+        context: the probe's ratio at that context for its MAX_QUERY_ROWS_PER_CHUNK rows, and along
+        the line from 1 (one row is a decode step's work) to it for other counts; None without the
+        probe."""
+        if self.suffix_ratio is None:
+            return None
+        at_probe = self.suffix_ratio(keys_per_row)
+        return max(1.0 + (at_probe - 1.0) * (rows - 1) / (MAX_QUERY_ROWS_PER_CHUNK - 1), 1.0)
 
     def scaled(self, factor: float) -> StepProfile:
         """Every time in the profile x `factor`: the same machine running that much slower (a VM's
@@ -288,7 +306,15 @@ class StepProfile:
             chunk_ms_per_key=chunk,
             split_chunk_ms_per_key=split_chunk,
             split_row_ms_per_key=split_row,
+            suffix_ratio=_suffix_ratio(data),
         )
+
+
+def _suffix_ratio(data: dict[str, Any]) -> Curve | None:
+    """The suffix probe's step over its 1-row decode step, by cached prefix tokens; None without it."""
+    suffix, single = data.get("served_suffix_ms") or {}, data.get("served_suffix_decode_ms") or {}
+    ratios = {k: float(ms) / float(single[k]) for k, ms in suffix.items() if float(single.get(k) or 0.0) > 0}
+    return _curve(ratios)
 
 
 def _curve(points_by_size: dict[str, float] | None) -> Curve | None:
@@ -471,7 +497,8 @@ def measure_profile(
         split_keys = {**SPLIT_KEYS, **SPLIT_CONTEXT_KEYS}
         data.update({split: merged[key] for key, split in split_keys.items() if key in merged})
     try:
-        served = measure_served_decode(str(model_dir), engine_flags, _doubling_rows(PROFILE_MAX_NUM_SEQS))
+        rows = _doubling_rows(PROFILE_MAX_NUM_SEQS)
+        served = measure_served_decode(str(model_dir), engine_flags, rows, context)
     except (OSError, RuntimeError, ValueError, httpx.HTTPError) as exc:  # the rest of the profile stands
         logger.warning("the served decode probe failed (%s); the profile has no served steps", exc)
         served = {}

@@ -24,9 +24,12 @@ from kvflow.doctor.served_decode import (
     ARRIVAL_KEY,
     SERVED_KEYS,
     SERVED_SWEEPS,
+    SUFFIX_KEYS,
     arrival_stall_ms,
     decode_step_ms,
     measure_served_decode,
+    suffix_prefixes,
+    suffix_steps,
 )
 
 
@@ -44,8 +47,8 @@ def test_a_decode_step_is_read_from_the_records_of_exactly_that_many_rows() -> N
 
 def test_the_probe_serves_b_streaming_clients_and_reads_the_servers_steps(server_model_dir: Path) -> None:
     flags = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "2"]
-    served = measure_served_decode(str(server_model_dir), flags, [1, 2])
-    assert set(served) == {*SERVED_KEYS, ARRIVAL_KEY}
+    served = measure_served_decode(str(server_model_dir), flags, [1, 2], 256)
+    assert set(served) == {*SERVED_KEYS, ARRIVAL_KEY, *SUFFIX_KEYS}
     for key in SERVED_KEYS:
         assert set(served[key]) == {1, 2} and all(ms > 0 for ms in served[key].values())
     for b in (1, 2):  # the clients' TPOT holds the step and what passes between steps
@@ -54,6 +57,10 @@ def test_the_probe_serves_b_streaming_clients_and_reads_the_servers_steps(server
     # next request while the other decodes, and the decode steps during which it arrived are read
     # against the other 1-row steps.
     assert served[ARRIVAL_KEY] and all(isinstance(ms, float) for ms in served[ARRIVAL_KEY])
+    # The suffix probe: the server cached each prefix (the warmup request's) and took the later
+    # prompts' 8-token suffixes in as query rows alone, steps the records name.
+    for key in SUFFIX_KEYS:
+        assert set(served[key]) == set(suffix_prefixes(256)) and all(ms > 0 for ms in served[key].values())
 
 
 def test_a_step_during_which_a_request_arrived_is_read_against_the_other_steps_of_its_rows() -> None:
@@ -231,3 +238,58 @@ def test_each_value_is_the_median_over_sweeps_of_other_prompts(monkeypatch: pyte
     assert served["served_decode_ms"] == {1: pytest.approx(1.1), 4: pytest.approx(4.4)}  # the middle sweep
     assert served["served_tpot_ms"][4] == pytest.approx(4.9) and served["served_ttft_gap_ms"][1] == 3.0
 
+
+def test_the_suffix_probe_caches_prefixes_of_a_quarter_and_three_quarters_of_the_context() -> None:
+    # Room for the 8-token suffix and its 8 outputs, whole blocks.
+    assert suffix_prefixes(1024) == [240, 752]
+    assert suffix_prefixes(256) == [48, 176]
+    assert suffix_prefixes(24) == []  # no room for a prefix of a block
+
+
+def test_a_suffix_step_takes_in_query_rows_and_nothing_else() -> None:
+    fields = [*STEP_KEYS, *ROW_STEP_KEYS]
+    rows = [
+        [60.0, 776, 0, 300_000.0, 0, 0.0],  # the prefix's prefill (the warmup request)
+        [14.5, 8, 0, 6_180.0, 8, 6_180.0],  # a suffix alone: 8 query rows
+        [15.1, 8, 1, 6_960.0, 8, 6_960.0],  # a suffix beside a decode: not alone
+        [30.0, 24, 0, 9_000.0, 0, 0.0],  # a prefill chunk
+        [7.9, 0, 1, 780.0, 0, 780.0],  # 1-row decodes
+        [7.7, 0, 1, 781.0, 0, 781.0],
+        [9.0, 0, 2, 1_560.0, 0, 1_560.0],  # 2 rows: not the probe's decode step
+    ]
+    result = {"server": {"steps": {"fields": fields, "rows": rows}}}
+    assert suffix_steps(result) == ([14.5], [7.9, 7.7])
+    older = {"server": {"steps": {"fields": list(STEP_KEYS), "rows": [r[:4] for r in rows]}}}
+    assert suffix_steps(older) == ([], [])  # a server that does not split the query rows out
+
+
+def test_the_suffix_probe_keeps_each_prefixs_medians_over_sweeps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the server's context the served probe also sends one client prompts of a cached prefix and
+    an 8-token suffix, at two prefix lengths, another prefix each sweep; each length's suffix step and
+    1-row decode step, the median over sweeps (StepProfile.suffix_ratio reads their ratio)."""
+    probed: list[tuple[int, int, int]] = []
+
+    def bench(config: BenchConfig) -> dict[str, Any]:
+        data = config.dataset
+        if data.name == "shared-prefix":
+            assert (data.input_len, config.load.concurrency, config.warmup) == (8, 1, 1)
+            probed.append((data.prefix_len, data.seed, config.load.seed))
+            sweep = config.load.seed
+            suffix = 10.0 + data.prefix_len / 100 + sweep  # slower each sweep: the median is the middle
+            rows = [[suffix, 8, 0, 0.0, 8, 0.0], [7.0 + sweep, 0, 1, 0.0, 0, 0.0]]
+            return {"server": {"steps": {"fields": [*STEP_KEYS, *ROW_STEP_KEYS], "rows": rows}}}
+        return {}
+
+    monkeypatch.setattr(served_decode, "SERVED_SWEEPS", 3)
+    monkeypatch.setattr(served_decode, "spawn_server", lambda model, flags: (None, "http://127.0.0.1:1"))
+    monkeypatch.setattr(served_decode, "stop_server", lambda process: None)
+    monkeypatch.setattr(served_decode, "run_benchmark", bench)
+    served = measure_served_decode("m", [], [1], 256)
+    assert [(n, s) for n, _, s in probed] == [(n, s) for s in range(3) for n in (48, 176)]
+    assert len({seed for _, seed, _ in probed}) == 3  # another prefix each sweep
+    assert served["served_suffix_ms"] == {48: pytest.approx(11.48), 176: pytest.approx(12.76)}
+    assert served["served_suffix_decode_ms"] == {48: 8.0, 176: 8.0}
+    # Without the context (a caller that does not ask for it): no suffix probe, no keys.
+    probed.clear()
+    assert "served_suffix_ms" not in measure_served_decode("m", [], [1])
+    assert probed == []

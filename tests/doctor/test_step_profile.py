@@ -25,7 +25,7 @@ import pytest
 
 from kvflow.bench.server_steps import ROW_STEP_KEYS, STEP_KEYS
 from kvflow.doctor import step_profile
-from kvflow.doctor.calibrate import SIM_METRICS, _least_squares, _prompt_fit, calibrate
+from kvflow.doctor.calibrate import SIM_METRICS, _least_squares, _prompt_fit, _record_fit, calibrate
 from kvflow.doctor.cli import diagnosis_step_profile
 from kvflow.doctor.evidence import RequestSample, RunEvidence, calculator_evidence
 from kvflow.doctor.model_spec import ModelSpec
@@ -118,6 +118,77 @@ def test_serving_adds_its_growth_by_the_rows_a_step_runs_not_the_tokens_it_deliv
         cost.server_ms(StepShape(decode_rows=8, row_attention=suffix.row_attention))
     )
     assert cost.server_ms(suffix) == pytest.approx(0.74 + 0.2 + 1.2)
+
+
+# The served suffix probe on the planted prefix_caching_off model (2-core Xeon with AMX, session 44):
+# one request's 8-token suffix after a cached prefix, and the 1-row decode step at that context.
+SUFFIX_PROBE = {
+    "served_suffix_ms": {"240": 10.3, "752": 14.5},
+    "served_suffix_decode_ms": {"240": 6.6, "752": 7.5},
+}
+
+
+def test_a_suffix_alone_is_priced_off_the_decode_step_at_its_context() -> None:
+    """A cached prefix's 8-token suffix, nothing decoding, served: 14.0-15.9 ms where a 1-row decode
+    at its context took 7.4-8.0 (the decode steps' served excess is the API thread streaming the
+    previous token; a request that just arrived follows none). Priced as the calibrated 1-row decode
+    step at its context x the probe's suffix step over its decode step: the run's speed and the
+    decode kind's excess come from the run, the ratio from the probe."""
+    data = {
+        "prefill_ms": {"16": 6.4, "32": 7.6, "512": 63.2},
+        "decode_ms": {"1": 2.62, "8": 4.80},
+        "decode_context_ms": {"1": 3.20, "8": 8.26},
+        "decode_context_keys": {"1": 518.0, "8": 523.25},
+        "served_decode_ms": {"1": 5.69, "8": 9.57},
+    }
+    # The run's decode steps ran 1.276x the profile's served ones (profile_speed), and the decode
+    # kind's extra was fitted to them: 7.9 ms at 772 keys, as measured.
+    speed = 1.276
+    probed = StepProfile.from_json({**data, **SUFFIX_PROBE})
+    older = StepProfile.from_json(data)
+    assert probed is not None and older is not None and older.suffix_ratio is None
+    probed, older = probed.scaled(speed), older.scaled(speed)
+    assert probed.suffix_ratio is not None  # a ratio: the same at any speed
+    cost = StepCost(0.0, 0.0, 0.0, profile=probed, kind_extra_ms=(3.73, 1.02, 0.0))
+    suffix = StepShape().plus_chunk(8, 776)
+    assert suffix.suffix_only and not StepShape(decode_rows=1).suffix_only
+    keys = suffix.row_attention / 8  # 772.5 keys a row
+    at_240, at_752 = 10.3 / 6.6, 14.5 / 7.5
+    ratio = at_752 + (at_752 - at_240) / (752 - 240) * (keys - 752)  # the last slope, continued
+    decode = cost.server_ms(StepShape(decode_rows=1, row_attention=keys))
+    assert decode == pytest.approx(7.9, abs=0.1)
+    assert cost.server_ms(suffix) == pytest.approx(decode * ratio)
+    assert 14.0 < cost.server_ms(suffix) < 15.9  # the measured steps' range
+    assert replace(cost, profile=older).server_ms(suffix) > 18.0  # the decode path's price: 18.6
+    # Fewer rows: along the line from one row (a decode step's work) to the probe's eight.
+    four = StepShape().plus_chunk(4, 772)
+    four_keys = four.row_attention / 4
+    four_ratio = 1 + ((probed.suffix_over_decode(8, four_keys) or 0.0) - 1) * 3 / 7
+    four_decode = cost.server_ms(StepShape(decode_rows=1, row_attention=four_keys))
+    assert cost.server_ms(four) == pytest.approx(four_decode * four_ratio)
+    # The run's decode steps move its price: 1 ms more on the decode kind, ratio x 1 ms on the suffix.
+    slower = replace(cost, kind_extra_ms=(4.73, 1.02, 0.0))
+    assert slower.server_ms(suffix) - cost.server_ms(suffix) == pytest.approx(ratio)
+    # A decode row in the step, or a profile without the probe: the decode path's price, as before.
+    with_decode = suffix.plus_chunk(1, 40, decode=True)
+    old_price = replace(cost, profile=older)
+    assert cost.server_ms(with_decode) == pytest.approx(old_price.server_ms(with_decode))
+    assert old_price.server_ms(suffix) == pytest.approx(
+        old_price.server_ms(StepShape(decode_rows=8, row_attention=suffix.row_attention))
+    )
+
+
+def test_the_decode_fit_leaves_out_suffix_steps_the_probe_prices() -> None:
+    """The decode kind's extra is fitted to the decode steps; a suffix step alone is priced off it
+    and the probe (above), so its own excess (here 5 ms, against 1.3) must not move it. Without the
+    probe it is a decode-path step like any other and fitted with them."""
+    probed = StepProfile.from_json({**PROFILE_JSON, **SUFFIX_PROBE})
+    assert probed is not None and PROFILE is not None
+    steps = [(PROFILE.decode(1) + 1.3, StepShape(decode_rows=1, row_attention=22.0)) for _ in range(10)]
+    suffix = StepShape(row_prefill_tokens=8, row_attention=8 * 22.0)
+    steps += [(PROFILE.decode(8) + 5.0, suffix) for _ in range(12)]
+    assert _record_fit(probed, steps, (), 0.0)[0] == pytest.approx(1.3)
+    assert _record_fit(PROFILE, steps, (), 0.0)[0] == pytest.approx(5.0)  # 12 of 22: their median
 
 
 def test_a_stalled_one_row_context_probe_does_not_price_every_key() -> None:
