@@ -45,10 +45,11 @@ one request's rows at once, and on a 2-core Xeon with AMX it did not cost what t
 tokens where the profile's rows priced 10.0, and served the step took 14.7-15.2 ms (medians of four
 servers) where a 1-row decode at that context took 7.8-8.0, 4 ms beyond the engine's own where the
 suffix step was 1.5-2 beyond (the API thread streams the previous token while a decode step runs;
-a suffix step of a request that just arrived follows none). Priced as a decode step (the decode kind's served excess
-and the run's speed over the profile's), the prefix-caching what-if's TTFT came out 22-36% high
-(benchmarks/NOTES.md, session 44). Over the served 1-row decode step at its context, measured
-together, the suffix step is priced against the decode steps the diagnosed run recorded.
+a suffix step of a request that just arrived follows none). Priced as a decode step (the decode
+kind's served excess and the run's speed over the profile's), the prefix-caching what-if's TTFT
+came out 22-36% high (benchmarks/NOTES.md, session 44). Over the served 1-row decode step at its
+context, measured together, the suffix step is priced against the decode steps the diagnosed run
+recorded.
 
 Measured with the profile, once per model, machine, dtype and quantization (the same cache).
 """

@@ -44,7 +44,7 @@ as decode steps, median -6%).
 On a 2-core Xeon with AMX that pricing put such steps 1.28x what they took (18.6 ms, 14.0-15.9
 measured), the what-if's TTFT 22-36% high: the decode kind's served excess there is 4 ms (the API
 thread streams the previous token while a decode step runs), where a suffix step of a request that
-just arrived follows no delivery and was 1.4 ms beyond the engine's own; and the profile's rows
+just arrived follows no delivery and was 1.5-2 ms beyond the engine's own; and the profile's rows
 (of as many requests) priced one request's 8 rows after 768 cached tokens at 10.0 ms where the
 engine alone took 12.6-13.8. So where the profile has the served suffix probe
 (kvflow/doctor/served_decode.py), a step of prompt query rows alone (StepShape.suffix_only) is the
