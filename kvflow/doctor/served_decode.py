@@ -157,23 +157,21 @@ def suffix_prefixes(context: int) -> list[int]:
     return sorted(n for n in lengths if n > 0)
 
 
-def suffix_steps(result: dict[str, Any]) -> tuple[list[float], list[float]]:
-    """(the steps that took in prompt tokens as query rows and nothing else: no decode row, no
-    prefill chunk; the 1-row decode-only steps), ms, from the server's records
-    (kvflow/bench/server_steps.py); none from records without the query rows split out."""
+def suffix_steps(result: dict[str, Any]) -> list[float]:
+    """The steps that took in prompt tokens as query rows and nothing else (no decode row, no prefill
+    chunk), ms, from the server's records (kvflow/bench/server_steps.py); none from records without
+    the query rows split out."""
     recorded = (result.get("server") or {}).get("steps") or {}
     fields = list(recorded.get("fields") or [])
     needed = ("dur_ms", "prefill_tokens", "decode_tokens", "row_prefill_tokens")
     if not all(key in fields for key in needed):
-        return [], []
+        return []
     dur, prompt, decode, rows = (fields.index(key) for key in needed)
-    suffix, single = [], []
-    for row in recorded.get("rows") or []:
-        if row[prompt] and row[rows] == row[prompt] and not row[decode]:
-            suffix.append(float(row[dur]))
-        elif not row[prompt] and row[decode] == 1:
-            single.append(float(row[dur]))
-    return suffix, single
+    return [
+        float(row[dur])
+        for row in recorded.get("rows") or []
+        if row[prompt] and row[rows] == row[prompt] and not row[decode]
+    ]
 
 
 def _suffix_probe(base: str, prefix_tokens: int, sweep: int) -> tuple[float, float] | None:
@@ -190,10 +188,11 @@ def _suffix_probe(base: str, prefix_tokens: int, sweep: int) -> tuple[float, flo
     )
     load = LoadSpec(concurrency=1, seed=sweep)
     config = BenchConfig(base_url=base + "/v1", dataset=dataset, load=load, warmup=1, progress=False)
-    suffix, single = suffix_steps(run_benchmark(config))
-    if not suffix or not single:
+    result = run_benchmark(config)
+    suffix, single = suffix_steps(result), decode_step_ms(result, 1)
+    if not suffix or single is None:
         return None
-    return statistics.median(suffix), statistics.median(single)
+    return statistics.median(suffix), single
 
 
 def _arrival_probe(base: str, clients: int, sweep: int) -> list[float]:

@@ -258,9 +258,10 @@ def test_a_suffix_step_takes_in_query_rows_and_nothing_else() -> None:
         [9.0, 0, 2, 1_560.0, 0, 1_560.0],  # 2 rows: not the probe's decode step
     ]
     result = {"server": {"steps": {"fields": fields, "rows": rows}}}
-    assert suffix_steps(result) == ([14.5], [7.9, 7.7])
+    assert suffix_steps(result) == [14.5]
+    assert decode_step_ms(result, 1) == pytest.approx(7.8)  # the probe's 1-row decode: 7.9 and 7.7
     older = {"server": {"steps": {"fields": list(STEP_KEYS), "rows": [r[:4] for r in rows]}}}
-    assert suffix_steps(older) == ([], [])  # a server that does not split the query rows out
+    assert suffix_steps(older) == []  # a server that does not split the query rows out
 
 
 def test_the_suffix_probe_keeps_each_prefixs_medians_over_sweeps(monkeypatch: pytest.MonkeyPatch) -> None:
